@@ -1,0 +1,1 @@
+"""Everything that touches the outside world, each kind behind a small ABC."""

@@ -1,0 +1,1 @@
+"""Native loaders: plain torch modules, a sharded reference receiver, vLLM."""

@@ -1,0 +1,1 @@
+"""Receiver data plane: scratch, dispatch hook, loader-path classification, prewarm."""

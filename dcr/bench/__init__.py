@@ -1,0 +1,1 @@
+"""Benchmark workloads behind ``dcr bench``."""

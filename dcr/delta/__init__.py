@@ -1,0 +1,1 @@
+"""Tensor math of the training side: bit views, change detection, mappings, records."""

@@ -1,0 +1,1 @@
+"""Helpers for tests, demos and adapter authors: tiny models, strategies, conformance suites."""

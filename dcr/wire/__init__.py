@@ -1,0 +1,1 @@
+"""Payload bytes: format, location coding, zstd, BLAKE2b-128 digest, strict decoding."""
