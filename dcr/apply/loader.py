@@ -42,7 +42,7 @@ class Loader(ABC):
         yield from self.module.named_parameters(remove_duplicate=False)
         yield from self.module.named_buffers(remove_duplicate=False)
 
-    def check_ready(self) -> None:
+    def check_ready(self) -> None:  # noqa: B027 - optional hook, most loaders are always ready
         """Raise :class:`~dcr.errors.LoaderPathUnsupported` when in-place writes to the storage
         would not reach what the runtime computes with (e.g. repacked weights)."""
 

@@ -7,6 +7,8 @@ unsigned integer type of the same width.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -41,7 +43,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 DTYPE_FROM_CODE: dict[int, torch.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
 
 _TORCH_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NUMPY_BITS: dict[int, type[np.unsignedinteger[npt.NBitBase]]] = {
+_NUMPY_BITS: dict[int, type[np.unsignedinteger[Any]]] = {
     1: np.uint8,
     2: np.uint16,
     4: np.uint32,
@@ -68,12 +70,12 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return _TORCH_BITS[_width(dtype)]
 
 
-def numpy_bits_dtype(dtype: torch.dtype) -> type[np.unsignedinteger[npt.NBitBase]]:
+def numpy_bits_dtype(dtype: torch.dtype) -> type[np.unsignedinteger[Any]]:
     """The numpy unsigned integer type of the same width as ``dtype``."""
     return _NUMPY_BITS[_width(dtype)]
 
 
-def bits(t: torch.Tensor) -> npt.NDArray[np.unsignedinteger[npt.NBitBase]]:
+def bits(t: torch.Tensor) -> npt.NDArray[np.unsignedinteger[Any]]:
     """Zero-copy unsigned-integer numpy view of a CPU tensor's stored bits (same shape)."""
     t = t.detach()
     if t.device.type != "cpu":

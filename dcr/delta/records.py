@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -86,7 +87,7 @@ class Item:
     dtype: torch.dtype
     encoding: Encoding
     indices: npt.NDArray[np.int64]
-    values: npt.NDArray[np.unsignedinteger[npt.NBitBase]]
+    values: npt.NDArray[np.unsignedinteger[Any]]
 
     @property
     def count(self) -> int:

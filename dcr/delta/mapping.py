@@ -1,0 +1,470 @@
+"""Affine index mappings: local shard indices -> canonical coordinates (paper §4.2, App. A.1).
+
+An affine mapping converts each source element of a training shard independently: element ``j``
+of the shard (flat, C order) lands at canonical element ``(name, k)`` with the stored bits
+unchanged.  Mappings are pure integer arithmetic, vectorized over index arrays, so an owner
+projects only its changed elements and never assembles a canonical tensor.
+
+Mapping classes (ARCHITECTURE.md §4): :class:`Direct`, :class:`Replicated`,
+:class:`ColumnParallel` (split dim 0, optional vocabulary padding), :class:`RowParallel` (split
+dim 1), :class:`GatedMLP` (Megatron ``fc1 = [gate_r; up_r]``), :class:`FusedQKV` (a per-element
+permutation of Megatron's per-query-group ``[q heads..., k, v]`` rows), :class:`PerExpert`
+(global expert index ``ep_rank * E / EP + local``) and :class:`Tied` (one source element, several
+canonical destinations).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dcr.errors import LayoutError
+
+__all__ = [
+    "AffineMapping",
+    "ColumnParallel",
+    "Destination",
+    "Direct",
+    "FusedQKV",
+    "GatedMLP",
+    "PerExpert",
+    "Replicated",
+    "RowParallel",
+    "Tied",
+]
+
+Index = npt.NDArray[np.int64]
+Canonical = Mapping[str, torch.Tensor]
+Blocks = list[tuple[str, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Destination:
+    """Where a subset of projected source elements lands.
+
+    ``select`` picks positions of the input index array (``None``: all of them, in order);
+    ``indices`` are the canonical flat indices of the selected elements, in the same order.
+    """
+
+    name: str
+    indices: Index
+    select: Index | None = None
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b:
+        raise LayoutError(f"{what}: {a} is not divisible by {b}", check="divisibility")
+    return a // b
+
+
+def _cols(shape: tuple[int, ...]) -> int:
+    """Elements per row (1 for 1-D tensors)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+class AffineMapping(ABC):
+    """A fixed map from one source shard's local flat indices to canonical coordinates."""
+
+    @property
+    @abstractmethod
+    def source_shape(self) -> tuple[int, ...]:
+        """Shape of the local source shard."""
+
+    @property
+    @abstractmethod
+    def names(self) -> tuple[str, ...]:
+        """Canonical tensors this mapping writes."""
+
+    @abstractmethod
+    def project(self, local: Index) -> list[Destination]:
+        """Canonical destinations of the local flat indices ``local`` (int64, any order).
+
+        Elements with no destination (vocabulary padding, replicated copies another rank
+        projects) are dropped.
+        """
+
+    @abstractmethod
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        """Triples ``(name, canonical view, shard view)`` covering exactly the projected elements.
+
+        This is the dense counterpart of :meth:`project` (strided views instead of index
+        arithmetic): full conversion copies shard views into canonical views with it, and
+        tests check :meth:`project` against it.
+        """
+
+    def source_blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        """Triples covering every shard element that has a canonical source.
+
+        Differs from :meth:`blocks` where a shard holds copies that another rank projects
+        (key/value rows replicated across tensor-parallel ranks) or one element has several
+        destinations (tied weights, where only the first is the source).
+        """
+        return self.blocks(canonical, shard)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.source_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Direct(AffineMapping):
+    """The shard is the whole canonical tensor (``tp = 1`` or an unsharded parameter)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def project(self, local: Index) -> list[Destination]:
+        return [Destination(name=self.name, indices=local)]
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        return [(self.name, canonical[self.name], shard)]
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated(Direct):
+    """Every tensor-parallel rank holds a full copy; only the elected owner's copy projects.
+
+    The index math is :class:`Direct`'s; the difference is the replica group (all TP ranks
+    hold bitwise-identical copies), which ownership election uses.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnParallel(AffineMapping):
+    """Split along dim 0: local row ``i`` of rank ``r`` is canonical row ``r * rows_local + i``.
+
+    ``padded_rows`` (>= the canonical row count) models a padded vocabulary: the padded
+    tensor is split evenly and rows at or beyond the canonical row count are dropped.
+    """
+
+    name: str
+    canonical_shape: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+    padded_rows: int | None = None
+    _rows_local: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rows = self.padded_rows if self.padded_rows is not None else self.canonical_shape[0]
+        if rows < self.canonical_shape[0]:
+            raise LayoutError("padded_rows smaller than the tensor", tensor=self.name)
+        object.__setattr__(self, "_rows_local", _divide(rows, self.tp_size, self.name))
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return (self._rows_local, *self.canonical_shape[1:])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def project(self, local: Index) -> list[Destination]:
+        cols = _cols(self.canonical_shape)
+        start = self.tp_rank * self._rows_local * cols
+        canon = local + start
+        limit = self.canonical_shape[0] * cols
+        if start + self._rows_local * cols <= limit:
+            return [Destination(name=self.name, indices=canon)]
+        keep = np.flatnonzero(canon < limit)
+        if keep.size == 0:
+            return []
+        return [Destination(name=self.name, indices=canon[keep], select=keep)]
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        start = self.tp_rank * self._rows_local
+        stop = min(start + self._rows_local, self.canonical_shape[0])
+        if stop <= start:
+            return []
+        return [(self.name, canonical[self.name][start:stop], shard[: stop - start])]
+
+
+@dataclass(frozen=True, slots=True)
+class RowParallel(AffineMapping):
+    """Split along dim 1: local ``(i, j)`` of rank ``r`` is canonical ``(i, r*cols_local + j)``."""
+
+    name: str
+    canonical_shape: tuple[int, int]
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        rows, cols = self.canonical_shape
+        return (rows, _divide(cols, self.tp_size, self.name))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def project(self, local: Index) -> list[Destination]:
+        cols = self.canonical_shape[1]
+        cols_local = self.source_shape[1]
+        i, j = np.divmod(local, cols_local)
+        return [Destination(name=self.name, indices=i * cols + self.tp_rank * cols_local + j)]
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        cl = self.source_shape[1]
+        cols = slice(self.tp_rank * cl, (self.tp_rank + 1) * cl)
+        return [(self.name, canonical[self.name][:, cols], shard)]
+
+
+@dataclass(frozen=True, slots=True)
+class GatedMLP(AffineMapping):
+    """Megatron ``linear_fc1 = [gate_r; up_r]`` on rank ``r`` -> ``gate_proj`` and ``up_proj``.
+
+    Local rows ``[0, f)`` are gate rows ``r * f + i``; rows ``[f, 2f)`` are up rows
+    ``r * f + i - f``, with ``f`` the per-rank intermediate size.
+    """
+
+    gate_name: str
+    up_name: str
+    canonical_shape: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        f = _divide(self.canonical_shape[0], self.tp_size, self.gate_name)
+        return (2 * f, *self.canonical_shape[1:])
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.gate_name, self.up_name)
+
+    def project(self, local: Index) -> list[Destination]:
+        cols = _cols(self.canonical_shape)
+        half = self.source_shape[0] // 2 * cols
+        offset = self.tp_rank * half
+        up = local >= half
+        if not up.any():
+            return [Destination(name=self.gate_name, indices=local + offset)]
+        if up.all():
+            return [Destination(name=self.up_name, indices=local - half + offset)]
+        g = np.flatnonzero(~up)
+        u = np.flatnonzero(up)
+        return [
+            Destination(name=self.gate_name, indices=local[g] + offset, select=g),
+            Destination(name=self.up_name, indices=local[u] - half + offset, select=u),
+        ]
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        f = self.source_shape[0] // 2
+        rows = slice(self.tp_rank * f, (self.tp_rank + 1) * f)
+        return [
+            (self.gate_name, canonical[self.gate_name][rows], shard[:f]),
+            (self.up_name, canonical[self.up_name][rows], shard[f:]),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedQKV(AffineMapping):
+    """Megatron's fused ``linear_qkv`` as a per-element permutation into q/k/v projections.
+
+    With ``G`` query groups (= key/value heads) and ``G >= tp``, rank ``r`` holds groups
+    ``[r*G/tp, (r+1)*G/tp)``, each stored as ``[q heads of the group; k; v]`` rows of
+    ``head_dim`` each.  With ``G < tp`` each rank holds ``heads/tp`` query heads followed by the
+    one key/value head of its group, which ``tp/G`` ranks replicate; only the first rank of
+    each such group projects the key/value rows (the others drop them).  Every element maps to
+    exactly one canonical row, so QKV needs no residual conversion.  ``inner`` is the shape of
+    one row (``(hidden,)`` for weights, ``()`` for biases).
+    """
+
+    q_name: str
+    k_name: str
+    v_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    inner: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        _divide(self.num_heads, self.num_kv_heads, f"{self.q_name}: heads per group")
+        if self.num_kv_heads >= self.tp_size:
+            _divide(self.num_kv_heads, self.tp_size, f"{self.q_name}: query groups per rank")
+        else:
+            _divide(self.tp_size, self.num_kv_heads, f"{self.q_name}: ranks per group")
+            _divide(self.num_heads, self.tp_size, f"{self.q_name}: heads per rank")
+
+    @property
+    def _rows_local(self) -> int:
+        if self.num_kv_heads >= self.tp_size:
+            groups = self.num_kv_heads // self.tp_size
+            return groups * (self.num_heads // self.num_kv_heads + 2) * self.head_dim
+        return (self.num_heads // self.tp_size + 2) * self.head_dim
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return (self._rows_local, *self.inner)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.q_name, self.k_name, self.v_name)
+
+    def project(self, local: Index) -> list[Destination]:
+        d = self.head_dim
+        cols = math.prod(self.inner)
+        row, col = np.divmod(local, cols)
+        q_base: Index | int
+        kv_base: Index | int
+        if self.num_kv_heads >= self.tp_size:
+            q_rows = self.num_heads // self.num_kv_heads * d  # query rows per group
+            groups_local = self.num_kv_heads // self.tp_size
+            gl, w = np.divmod(row, q_rows + 2 * d)
+            g = self.tp_rank * groups_local + gl
+            q_base, kv_base, emit_kv = g * q_rows, g * d, True
+        else:
+            q_rows = self.num_heads // self.tp_size * d  # query rows on this rank
+            ranks_per_group = self.tp_size // self.num_kv_heads
+            w = row
+            q_base = self.tp_rank * q_rows
+            kv_base = self.tp_rank // ranks_per_group * d
+            emit_kv = self.tp_rank % ranks_per_group == 0
+        is_q = w < q_rows
+        is_k = (w >= q_rows) & (w < q_rows + d)
+        parts = [(self.q_name, is_q, q_base + w)]
+        if emit_kv:
+            parts.append((self.k_name, is_k, kv_base + w - q_rows))
+            parts.append((self.v_name, ~is_q & ~is_k, kv_base + w - q_rows - d))
+        out = []
+        for name, mask, canon_row in parts:
+            sel = np.flatnonzero(mask)
+            if sel.size:
+                out.append(
+                    Destination(name=name, indices=canon_row[sel] * cols + col[sel], select=sel)
+                )
+        return out
+
+    def _blocks(self, canonical: Canonical, shard: torch.Tensor, *, kv: bool) -> Blocks:
+        d = self.head_dim
+        q, k, v = canonical[self.q_name], canonical[self.k_name], canonical[self.v_name]
+        if self.num_kv_heads >= self.tp_size:
+            groups = self.num_kv_heads
+            qg = self.num_heads // groups * d
+            local = groups // self.tp_size
+            g0 = self.tp_rank * local
+            s = shard.view(local, qg + 2 * d, *self.inner)
+            return [
+                (self.q_name, q.view(groups, qg, *self.inner)[g0 : g0 + local], s[:, :qg]),
+                (self.k_name, k.view(groups, d, *self.inner)[g0 : g0 + local], s[:, qg : qg + d]),
+                (self.v_name, v.view(groups, d, *self.inner)[g0 : g0 + local], s[:, qg + d :]),
+            ]
+        qr = self.num_heads // self.tp_size * d
+        out = [(self.q_name, q[self.tp_rank * qr : (self.tp_rank + 1) * qr], shard[:qr])]
+        if kv:
+            g = self.tp_rank // (self.tp_size // self.num_kv_heads)
+            out.append((self.k_name, k[g * d : (g + 1) * d], shard[qr : qr + d]))
+            out.append((self.v_name, v[g * d : (g + 1) * d], shard[qr + d :]))
+        return out
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        owns_kv = (
+            self.num_kv_heads >= self.tp_size
+            or self.tp_rank % (self.tp_size // self.num_kv_heads) == 0
+        )
+        return self._blocks(canonical, shard, kv=owns_kv)
+
+    def source_blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        return self._blocks(canonical, shard, kv=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PerExpert(AffineMapping):
+    """A routed expert's shard: local expert ``local_index`` of EP rank ``ep_rank``.
+
+    Its global index is ``ep_rank * num_experts / ep_size + local_index``; ``inner`` is the
+    mapping of the expert's own tensors (already named with the global index), e.g.
+    :class:`GatedMLP` for ``fc1`` or :class:`RowParallel` for ``fc2`` under expert TP.
+    """
+
+    inner: AffineMapping
+    ep_rank: int
+    ep_size: int
+    num_experts: int
+    local_index: int
+
+    @staticmethod
+    def global_index(ep_rank: int, ep_size: int, num_experts: int, local_index: int) -> int:
+        per_rank = _divide(num_experts, ep_size, "experts per EP rank")
+        if not 0 <= local_index < per_rank:
+            raise LayoutError(f"local expert {local_index} out of range [0, {per_rank})")
+        return ep_rank * per_rank + local_index
+
+    @property
+    def expert(self) -> int:
+        return self.global_index(self.ep_rank, self.ep_size, self.num_experts, self.local_index)
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return self.inner.source_shape
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.inner.names
+
+    def project(self, local: Index) -> list[Destination]:
+        return self.inner.project(local)
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        return self.inner.blocks(canonical, shard)
+
+    def source_blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        return self.inner.source_blocks(canonical, shard)
+
+
+@dataclass(frozen=True, slots=True)
+class Tied(AffineMapping):
+    """One source shard with several canonical destinations (tied embedding / output head).
+
+    Every destination of ``inner`` is emitted once more under each name in ``also``.
+    """
+
+    inner: AffineMapping
+    also: tuple[str, ...]
+    """Additional canonical names that hold a copy of the inner mapping's one tensor."""
+
+    def __post_init__(self) -> None:
+        if len(self.inner.names) != 1:
+            raise LayoutError("Tied needs an inner mapping with one canonical tensor")
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return self.inner.source_shape
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.inner.names, *self.also)
+
+    def project(self, local: Index) -> list[Destination]:
+        base = self.inner.project(local)
+        out = list(base)
+        for extra in self.also:
+            out.extend(Destination(name=extra, indices=d.indices, select=d.select) for d in base)
+        return out
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        (name,) = self.inner.names
+        out = self.inner.blocks(canonical, shard)
+        for extra in self.also:
+            out.extend(
+                (extra, c, s) for _, c, s in self.inner.blocks({name: canonical[extra]}, shard)
+            )
+        return out
+
+    def source_blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        return self.inner.source_blocks(canonical, shard)

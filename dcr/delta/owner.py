@@ -1,0 +1,366 @@
+"""Owners: change detection, direct projection and record packing on one training rank.
+
+An owner compares each shard it owns with its *tracker* (the committed copy, in host memory),
+projects the changed elements into canonical coordinates, and packs the records into buckets
+of items (paper §4, §7.2, Fig. 8): whole tensors are grouped into chunks for comparison, an
+unchanged chunk contributes nothing, and a bucket closes once the chunks that emitted records
+reach the bucket target.  Trackers and the residual baseline change only in :meth:`commit`,
+after the commit record names the new version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dcr.delta.bits import bits, changed_indices
+from dcr.delta.layout import ShardSpec, TrainingPlan
+from dcr.delta.records import Encoding, Item, Mode, TensorSpec
+from dcr.errors import ConfigError, DcrError, LayoutError
+
+__all__ = ["BuildConfig", "BuildStats", "Bucket", "Owner", "ResidualJob"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BuildConfig:
+    """Construction settings (paper App. C "Pipeline settings").
+
+    ``chunk_bytes``: tensors compared together (64 MiB suits object storage, 256 MiB the relay
+    tree).  ``bucket_bytes``: input bytes of record-emitting chunks packed into one payload.
+    Tensors and chunks are never split, so either can exceed its target.
+    """
+
+    chunk_bytes: int = 64 * MiB
+    bucket_bytes: int = 512 * MiB
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.bucket_bytes <= 0:
+            raise ConfigError("chunk_bytes and bucket_bytes must be positive")
+
+
+@dataclass(slots=True, kw_only=True)
+class BuildStats:
+    """Counters and stage seconds of one owner's construction."""
+
+    source_bytes: int = 0
+    changed_elements: int = 0
+    residual_changed: int = 0
+    xor_items: int = 0
+    overwrite_items: int = 0
+    xor_entries: int = 0
+    overwrite_entries: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, stage: str, dt: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + dt
+
+    def merge(self, other: BuildStats) -> None:
+        for f in (
+            "source_bytes",
+            "changed_elements",
+            "residual_changed",
+            "xor_items",
+            "overwrite_items",
+            "xor_entries",
+            "overwrite_entries",
+        ):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for k, v in other.seconds.items():
+            self.add_time(k, v)
+
+
+@dataclass(slots=True, kw_only=True)
+class Bucket:
+    """Items of one payload, with the input bytes of the chunks they came from."""
+
+    items: list[Item]
+    input_bytes: int
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ResidualJob:
+    """A residual canonical tensor this owner assembles and compares.
+
+    ``candidate`` returns the converted candidate tensor (assembled from every owner's parts);
+    the owner compares it with its residual baseline.
+    """
+
+    spec: TensorSpec
+    candidate: Callable[[], torch.Tensor]
+
+
+UInt = npt.NDArray[np.unsignedinteger[Any]]
+Index = npt.NDArray[np.int64]
+
+
+class _Packer:
+    """Collects records per (canonical name, encoding) and turns them into sorted items."""
+
+    def __init__(self, catalog: Mapping[str, TensorSpec]) -> None:
+        self.catalog = catalog
+        self.parts: dict[tuple[str, Encoding], list[tuple[Index, UInt]]] = {}
+
+    def add(self, name: str, encoding: Encoding, indices: Index, values: UInt) -> None:
+        self.parts.setdefault((name, encoding), []).append((indices, values))
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def items(self, stats: BuildStats) -> list[Item]:
+        out = []
+        for (name, enc), chunks in self.parts.items():
+            if len(chunks) == 1:
+                idx, vals = chunks[0]
+            else:
+                idx = np.concatenate([c[0] for c in chunks])
+                vals = np.concatenate([c[1] for c in chunks])
+            if idx.size > 1:
+                step = np.diff(idx)
+                if not bool((step > 0).all()):
+                    order = np.argsort(idx, kind="stable")
+                    idx, vals = idx[order], vals[order]
+                    if not bool((np.diff(idx) > 0).all()):
+                        raise LayoutError(
+                            "two records for one canonical destination", tensor=name,
+                            check="conflicting-records",
+                        )
+            spec = self.catalog[name]
+            out.append(
+                Item(
+                    name=name,
+                    shape=spec.shape,
+                    dtype=spec.dtype,
+                    encoding=enc,
+                    indices=np.ascontiguousarray(idx, dtype=np.int64),
+                    values=np.ascontiguousarray(vals),
+                )
+            )
+            if enc is Encoding.XOR:
+                stats.xor_items += 1
+                stats.xor_entries += int(idx.size)
+            else:
+                stats.overwrite_items += 1
+                stats.overwrite_entries += int(idx.size)
+        self.parts = {}
+        return out
+
+
+class Owner:
+    """One training rank's trackers, candidate shards and construction.
+
+    ``base`` holds (at least) this rank's owned shards at the committed version; they are
+    copied into trackers, so the caller may keep mutating its own tensors.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        plan: TrainingPlan,
+        base: Mapping[str, torch.Tensor],
+        *,
+        config: BuildConfig | None = None,
+    ) -> None:
+        self.rank = rank
+        self.plan = plan
+        self.config = config or BuildConfig()
+        self.shards: list[ShardSpec] = plan.owned_by(rank)
+        self.trackers: dict[str, torch.Tensor] = {}
+        for s in self.shards:
+            t = base.get(s.key)
+            if t is None:
+                raise LayoutError("base shard missing", tensor=s.key)
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise LayoutError(
+                    f"base shard is {t.dtype}{list(t.shape)}, expected {s.dtype}{list(s.shape)}",
+                    tensor=s.key,
+                    check="shape",
+                )
+            self.trackers[s.key] = t.detach().to("cpu", copy=True).contiguous()
+        self.residual_baseline: dict[str, torch.Tensor] = {}
+        self._candidate: dict[str, torch.Tensor] | None = None
+        self._residual_candidate: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ version state
+
+    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
+        """Hold the candidate shards of the next version (kept until commit)."""
+        held = {}
+        for s in self.shards:
+            t = candidate.get(s.key)
+            if t is None:
+                raise LayoutError("candidate shard missing", tensor=s.key)
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise LayoutError(
+                    f"candidate shard is {t.dtype}{list(t.shape)}, expected "
+                    f"{s.dtype}{list(s.shape)}",
+                    tensor=s.key,
+                    check="shape",
+                )
+            held[s.key] = t.detach() if t.is_contiguous() else t.detach().contiguous()
+        self._candidate = held
+        self._residual_candidate = {}
+
+    def set_residual_baseline(self, name: str, tensor: torch.Tensor) -> None:
+        """Install the committed canonical tensor of a residual task this rank owns."""
+        self.residual_baseline[name] = tensor.detach().to("cpu", copy=True).contiguous()
+
+    def commit(self) -> None:
+        """Update trackers and residual baseline in place to the staged candidate.
+
+        Repeatable: it writes absolute values of the fixed candidate, so an owner that reads
+        the commit record again after a coordinator failover may call it again (App. B.2).
+        """
+        cand = self._require_candidate()
+        with torch.no_grad():
+            for key, tracker in self.trackers.items():
+                tracker.copy_(cand[key])
+            for name, t in self._residual_candidate.items():
+                self.residual_baseline[name].copy_(t)
+
+    def discard(self) -> None:
+        """Drop the staged candidate (transition aborted); the baseline is unchanged."""
+        self._candidate = None
+        self._residual_candidate = {}
+
+    def _require_candidate(self) -> dict[str, torch.Tensor]:
+        if self._candidate is None:
+            raise DcrError(f"owner {self.rank} has no staged candidate", check="stage")
+        return self._candidate
+
+    # ------------------------------------------------------------------ construction
+
+    def flags(self) -> frozenset[str]:
+        """Keys of owned residual-input shards whose stored bits changed (change flags)."""
+        cand = self._require_candidate()
+        inputs = self.plan.residual_inputs
+        out = set()
+        for s in self.shards:
+            if s.key in inputs and changed_indices(
+                bits(cand[s.key]), bits(self.trackers[s.key])
+            ).size:
+                out.add(s.key)
+        return frozenset(out)
+
+    def chunks(self) -> list[list[ShardSpec]]:
+        """Owned projectable shards grouped into chunks of about ``chunk_bytes``."""
+        out: list[list[ShardSpec]] = []
+        cur: list[ShardSpec] = []
+        size = 0
+        for s in self.shards:
+            if s.mapping is None:
+                continue
+            if cur and size + s.nbytes > self.config.chunk_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(s)
+            size += s.nbytes
+        if cur:
+            out.append(cur)
+        return out
+
+    def build(
+        self,
+        *,
+        mode: Mode,
+        xor_allowed: Container[str],
+        residual: Sequence[ResidualJob] = (),
+        project: bool = True,
+        stats: BuildStats | None = None,
+    ) -> Iterator[Bucket]:
+        """Construct this owner's buckets for the staged candidate, lazily.
+
+        Affine shards are compared chunk by chunk and projected (skipped when ``project`` is
+        false, as in full conversion); then the ``residual`` jobs are assembled and compared
+        with the residual baseline.  The last bucket has ``final=True`` (an owner with no
+        changes still yields one empty final bucket so receivers learn it is done).
+        """
+        cand = self._require_candidate()
+        stats = stats if stats is not None else BuildStats()
+        packer = _Packer(self.plan.catalog)
+        mixed = mode is Mode.MIXED
+        pending: Bucket | None = None
+        input_bytes = 0
+
+        def flush() -> Bucket | None:
+            nonlocal input_bytes
+            if not packer:
+                return None
+            t0 = time.perf_counter()
+            b = Bucket(items=packer.items(stats), input_bytes=input_bytes)
+            stats.add_time("pack", time.perf_counter() - t0)
+            input_bytes = 0
+            return b
+
+        for chunk in self.chunks() if project else []:
+            chunk_bytes = 0
+            emitted = False
+            for s in chunk:
+                assert s.mapping is not None
+                chunk_bytes += s.nbytes
+                t0 = time.perf_counter()
+                new = bits(cand[s.key]).reshape(-1)
+                old = bits(self.trackers[s.key]).reshape(-1)
+                idx = changed_indices(new, old)
+                t1 = time.perf_counter()
+                stats.add_time("detect", t1 - t0)
+                if not idx.size:
+                    continue
+                stats.changed_elements += int(idx.size)
+                for d in s.mapping.project(idx):
+                    src = idx if d.select is None else idx[d.select]
+                    values = new[src]
+                    if mixed and d.name in xor_allowed:
+                        packer.add(d.name, Encoding.XOR, d.indices, values ^ old[src])
+                    else:
+                        packer.add(d.name, Encoding.OVERWRITE, d.indices, values)
+                emitted = True
+                stats.add_time("project", time.perf_counter() - t1)
+            stats.source_bytes += chunk_bytes
+            if emitted:
+                input_bytes += chunk_bytes
+                if input_bytes >= self.config.bucket_bytes:
+                    if pending is not None:
+                        yield pending
+                    pending = flush()
+        for job in residual:
+            t0 = time.perf_counter()
+            converted = job.candidate()
+            t1 = time.perf_counter()
+            stats.add_time("convert", t1 - t0)
+            base = self.residual_baseline.get(job.spec.name)
+            if base is None:
+                raise LayoutError(
+                    f"owner {self.rank} holds no residual baseline", tensor=job.spec.name
+                )
+            new = bits(converted).reshape(-1)
+            idx = changed_indices(new, bits(base).reshape(-1))
+            stats.add_time("detect", time.perf_counter() - t1)
+            stats.source_bytes += job.spec.nbytes
+            self._residual_candidate[job.spec.name] = converted
+            if idx.size:
+                stats.residual_changed += int(idx.size)
+                packer.add(job.spec.name, Encoding.OVERWRITE, idx, new[idx])
+                input_bytes += job.spec.nbytes
+                if input_bytes >= self.config.bucket_bytes:
+                    if pending is not None:
+                        yield pending
+                    pending = flush()
+        last = flush()
+        if pending is not None and last is not None:
+            yield pending
+            pending = last
+        elif last is not None:
+            pending = last
+        if pending is None:
+            pending = Bucket(items=[], input_bytes=0)
+        pending.final = True
+        yield pending
