@@ -1,0 +1,67 @@
+"""dcr: bit-exact delta-compressed refit of policy weights from RL trainers to rollout engines.
+
+Only the names below are public API.  They are imported on first use, so ``import
+dcr.protocol`` stays free of torch and anyio, and importing dcr never imports vLLM, Megatron,
+pyzmq or botocore (adapters that need them import them lazily).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcr.adapters.loaders.torch_module import TorchModuleLoader as TorchModuleLoader
+    from dcr.adapters.sources import ShardSource as ShardSource
+    from dcr.adapters.sources import Source as Source
+    from dcr.adapters.sources import StateDictSource as StateDictSource
+    from dcr.apply.loader import Loader as Loader
+    from dcr.apply.receiver import ApplyConfig as ApplyConfig
+    from dcr.apply.receiver import Receiver as Receiver
+    from dcr.delta.layout import TrainLayout as TrainLayout
+    from dcr.delta.owner import BuildConfig as BuildConfig
+    from dcr.delta.records import Encoding as Encoding
+    from dcr.delta.records import Item as Item
+    from dcr.delta.records import Mode as Mode
+    from dcr.delta.records import TensorSpec as TensorSpec
+    from dcr.errors import DcrError as DcrError
+    from dcr.local import LocalRefit as LocalRefit
+    from dcr.local import RefitConfig as RefitConfig
+    from dcr.local import RefitReport as RefitReport
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ApplyConfig": "dcr.apply.receiver",
+    "BuildConfig": "dcr.delta.owner",
+    "DcrError": "dcr.errors",
+    "Encoding": "dcr.delta.records",
+    "Item": "dcr.delta.records",
+    "LocalRefit": "dcr.local",
+    "Loader": "dcr.apply.loader",
+    "Mode": "dcr.delta.records",
+    "Receiver": "dcr.apply.receiver",
+    "RefitConfig": "dcr.local",
+    "RefitReport": "dcr.local",
+    "ShardSource": "dcr.adapters.sources",
+    "Source": "dcr.adapters.sources",
+    "StateDictSource": "dcr.adapters.sources",
+    "TensorSpec": "dcr.delta.records",
+    "TorchModuleLoader": "dcr.adapters.loaders.torch_module",
+    "TrainLayout": "dcr.delta.layout",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

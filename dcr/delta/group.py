@@ -61,9 +61,7 @@ class LocalTrainingGroup:
 
     def _convert(self, task: ResidualTask, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Convert the parts of ``task`` on their owners; assemble it on its residual owner."""
-        converted = {
-            i: p.convert([shards[k] for k in p.inputs]) for i, p in enumerate(task.parts)
-        }
+        converted = {i: p.convert([shards[k] for k in p.inputs]) for i, p in enumerate(task.parts)}
         return assemble(task, converted)
 
     def _export(self, name: str, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -74,7 +72,9 @@ class LocalTrainingGroup:
             if s.mapping is None or name not in s.mapping.names:
                 continue
             views = {
-                n: out if n == name else torch.empty(
+                n: out
+                if n == name
+                else torch.empty(
                     self.plan.catalog[n].shape, dtype=self.plan.catalog[n].dtype, device="meta"
                 )
                 for n in s.mapping.names

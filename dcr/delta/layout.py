@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from dcr.delta.bits import bits
 from dcr.delta.mapping import (
     AffineMapping,
     ColumnParallel,
@@ -139,8 +141,9 @@ class TrainingPlan:
                 raise LayoutError("residual task outside the catalog", tensor=task.name)
             for key in task.inputs:
                 if key not in by_key:
-                    raise LayoutError(f"residual input shard {key!r} is not in the plan",
-                                      tensor=task.name)
+                    raise LayoutError(
+                        f"residual input shard {key!r} is not in the plan", tensor=task.name
+                    )
 
     def __getitem__(self, key: str) -> ShardSpec:
         return self._by_key[key]
@@ -229,15 +232,18 @@ def _slice_one(
     if isinstance(mapping, Direct):
         t = sd[mapping.name]
         return t if t.is_contiguous() else t.contiguous()
-    blocks_probe = torch.empty(mapping.source_shape, dtype=dtype, device="meta")
-    pairs = mapping.source_blocks(sd, blocks_probe)
-    if len(pairs) == 1 and pairs[0][2].shape == blocks_probe.shape:
-        t = pairs[0][1]
-        if t.is_contiguous():
-            return t
-    shard = torch.zeros(mapping.source_shape, dtype=dtype)
+    probe = torch.empty(mapping.source_shape, dtype=dtype, device="meta")
+    pairs = mapping.source_blocks(sd, probe)
+    if len(pairs) == 1 and pairs[0][2].shape == probe.shape and pairs[0][1].is_contiguous():
+        return pairs[0][1]
+    # Rows without a canonical source (vocabulary padding) are zero; skip the zero fill when
+    # the blocks cover the whole shard (fresh pages are slow to touch twice).
+    covered = sum(local.numel() for _, _, local in pairs)
+    shard = (torch.empty if covered == probe.numel() else torch.zeros)(
+        mapping.source_shape, dtype=dtype
+    )
     for _, canon, local in mapping.source_blocks(sd, shard):
-        local.copy_(canon)
+        np.copyto(bits(local), bits(canon))  # numpy: no intra-op thread wake-ups per block
     return shard
 
 
@@ -264,9 +270,7 @@ class _Builder:
 
     def dense_replicas(self, tp_rank: int) -> tuple[int, ...]:
         lay = self.layout
-        return tuple(
-            lay.rank(dp=d, ep=e, tp=tp_rank) for d in range(lay.dp) for e in range(lay.ep)
-        )
+        return tuple(lay.rank(dp=d, ep=e, tp=tp_rank) for d in range(lay.dp) for e in range(lay.ep))
 
     def expert_replicas(self, ep_rank: int, tp_rank: int) -> tuple[int, ...]:
         lay = self.layout
@@ -314,8 +318,13 @@ class _Builder:
             mapping = Replicated(canonical, spec.shape)
         self.add(source_name, mapping, tuple(range(lay.world_size)))
 
-    def column(self, source_name: str, canonical: str, padded: int | None = None,
-               also: tuple[str, ...] = ()) -> None:
+    def column(
+        self,
+        source_name: str,
+        canonical: str,
+        padded: int | None = None,
+        also: tuple[str, ...] = (),
+    ) -> None:
         spec = self.catalog[canonical]
         tp = self.layout.tp
         for r in range(tp):
@@ -331,8 +340,13 @@ class _Builder:
         tp = self.layout.tp
         for r in range(tp):
             shape2 = (spec.shape[0], spec.shape[1])
-            self.add(source_name, RowParallel(canonical, shape2, r, tp),
-                     self.dense_replicas(r), tp_rank=r, suffix=f"@tp{r}")
+            self.add(
+                source_name,
+                RowParallel(canonical, shape2, r, tp),
+                self.dense_replicas(r),
+                tp_rank=r,
+                suffix=f"@tp{r}",
+            )
 
 
 def _require(catalog: Mapping[str, TensorSpec], *names: str) -> None:
@@ -403,14 +417,24 @@ def _family(b: _Builder, family: str, config: Mapping[str, Any] | None) -> None:
         _require(cat, q, k, v)
         for r in range(tp):
             qkv = FusedQKV(q, k, v, heads, kv_heads, head_dim, cat[q].shape[1:], r, tp)
-            b.add(m + "self_attention.linear_qkv.weight", qkv, b.dense_replicas(r),
-                  tp_rank=r, suffix=f"@tp{r}")
+            b.add(
+                m + "self_attention.linear_qkv.weight",
+                qkv,
+                b.dense_replicas(r),
+                tp_rank=r,
+                suffix=f"@tp{r}",
+            )
         if all(p + f"self_attn.{x}_proj.bias" in cat for x in "qkv"):
             qb, kb, vb = (p + f"self_attn.{x}_proj.bias" for x in "qkv")
             for r in range(tp):
                 qkv = FusedQKV(qb, kb, vb, heads, kv_heads, head_dim, (), r, tp)
-                b.add(m + "self_attention.linear_qkv.bias", qkv, b.dense_replicas(r),
-                      tp_rank=r, suffix=f"@tp{r}")
+                b.add(
+                    m + "self_attention.linear_qkv.bias",
+                    qkv,
+                    b.dense_replicas(r),
+                    tp_rank=r,
+                    suffix=f"@tp{r}",
+                )
         b.row(m + "self_attention.linear_proj.weight", p + "self_attn.o_proj.weight")
         for src, dst in (
             ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
@@ -425,12 +449,18 @@ def _family(b: _Builder, family: str, config: Mapping[str, Any] | None) -> None:
             g, u, d = (p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
             _require(cat, g, u, d)
             for r in range(tp):
-                b.add(m + "mlp.linear_fc1.weight", GatedMLP(g, u, cat[g].shape, r, tp),
-                      b.dense_replicas(r), tp_rank=r, suffix=f"@tp{r}")
+                b.add(
+                    m + "mlp.linear_fc1.weight",
+                    GatedMLP(g, u, cat[g].shape, r, tp),
+                    b.dense_replicas(r),
+                    tp_rank=r,
+                    suffix=f"@tp{r}",
+                )
             b.row(m + "mlp.linear_fc2.weight", d)
             if p + "post_attention_layernorm.weight" in cat:
-                b.replicated(m + "mlp.linear_fc1.layer_norm_weight",
-                             p + "post_attention_layernorm.weight")
+                b.replicated(
+                    m + "mlp.linear_fc1.layer_norm_weight", p + "post_attention_layernorm.weight"
+                )
     if lay.ep != 1 and not any(s.ep_rank is not None for s in b.shards):
         raise LayoutError(f"ep={lay.ep} but the {family} model has no routed experts")
 
@@ -456,8 +486,13 @@ def _moe_layer(b: _Builder, i: int, config: Mapping[str, Any] | None) -> None:
             src = m + f"mlp.experts.local_experts.{local}."
             for r in range(lay.tp):
                 fc1 = PerExpert(GatedMLP(g, u, cat[g].shape, r, lay.tp), e, lay.ep, experts, local)
-                fc2 = PerExpert(RowParallel(d, (cat[d].shape[0], cat[d].shape[1]), r, lay.tp),
-                                e, lay.ep, experts, local)
+                fc2 = PerExpert(
+                    RowParallel(d, (cat[d].shape[0], cat[d].shape[1]), r, lay.tp),
+                    e,
+                    lay.ep,
+                    experts,
+                    local,
+                )
                 reps = b.expert_replicas(e, r)
                 sfx = f"@ep{e}.tp{r}"
                 b.add(src + "linear_fc1.weight", fc1, reps, tp_rank=r, ep_rank=e, suffix=sfx)

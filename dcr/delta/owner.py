@@ -130,7 +130,8 @@ class _Packer:
                     idx, vals = idx[order], vals[order]
                     if not bool((np.diff(idx) > 0).all()):
                         raise LayoutError(
-                            "two records for one canonical destination", tensor=name,
+                            "two records for one canonical destination",
+                            tensor=name,
                             check="conflicting-records",
                         )
             spec = self.catalog[name]
@@ -188,6 +189,9 @@ class Owner:
         self.residual_baseline: dict[str, torch.Tensor] = {}
         self._candidate: dict[str, torch.Tensor] | None = None
         self._residual_candidate: dict[str, torch.Tensor] = {}
+        # Changed indices per shard from the last *complete* build of the staged candidate;
+        # lets commit update trackers at O(changed) instead of copying every shard.
+        self._changed: dict[str, Index] | None = None
 
     # ------------------------------------------------------------------ version state
 
@@ -208,6 +212,7 @@ class Owner:
             held[s.key] = t.detach() if t.is_contiguous() else t.detach().contiguous()
         self._candidate = held
         self._residual_candidate = {}
+        self._changed = None
 
     def set_residual_baseline(self, name: str, tensor: torch.Tensor) -> None:
         """Install the committed canonical tensor of a residual task this rank owns."""
@@ -218,18 +223,26 @@ class Owner:
 
         Repeatable: it writes absolute values of the fixed candidate, so an owner that reads
         the commit record again after a coordinator failover may call it again (App. B.2).
+        After a complete build only the changed elements are written; otherwise every shard
+        is copied.
         """
         cand = self._require_candidate()
-        with torch.no_grad():
-            for key, tracker in self.trackers.items():
-                tracker.copy_(cand[key])
-            for name, t in self._residual_candidate.items():
-                self.residual_baseline[name].copy_(t)
+        changed = self._changed
+        for key, tracker in self.trackers.items():
+            dst, src = bits(tracker).reshape(-1), bits(cand[key]).reshape(-1)
+            if changed is not None and key in changed:
+                idx = changed[key]
+                dst[idx] = src[idx]
+            else:
+                np.copyto(dst, src)
+        for name, t in self._residual_candidate.items():
+            np.copyto(bits(self.residual_baseline[name]), bits(t))
 
     def discard(self) -> None:
         """Drop the staged candidate (transition aborted); the baseline is unchanged."""
         self._candidate = None
         self._residual_candidate = {}
+        self._changed = None
 
     def _require_candidate(self) -> dict[str, torch.Tensor]:
         if self._candidate is None:
@@ -244,9 +257,10 @@ class Owner:
         inputs = self.plan.residual_inputs
         out = set()
         for s in self.shards:
-            if s.key in inputs and changed_indices(
-                bits(cand[s.key]), bits(self.trackers[s.key])
-            ).size:
+            if (
+                s.key in inputs
+                and changed_indices(bits(cand[s.key]), bits(self.trackers[s.key])).size
+            ):
                 out.add(s.key)
         return frozenset(out)
 
@@ -286,6 +300,8 @@ class Owner:
         cand = self._require_candidate()
         stats = stats if stats is not None else BuildStats()
         packer = _Packer(self.plan.catalog)
+        self._changed = None
+        changed: dict[str, Index] = {}
         mixed = mode is Mode.MIXED
         pending: Bucket | None = None
         input_bytes = 0
@@ -312,6 +328,7 @@ class Owner:
                 idx = changed_indices(new, old)
                 t1 = time.perf_counter()
                 stats.add_time("detect", t1 - t0)
+                changed[s.key] = idx
                 if not idx.size:
                     continue
                 stats.changed_elements += int(idx.size)
@@ -363,4 +380,6 @@ class Owner:
         if pending is None:
             pending = Bucket(items=[], input_bytes=0)
         pending.final = True
+        if project:
+            self._changed = changed
         yield pending

@@ -102,9 +102,7 @@ class Item:
         n = math.prod(self.shape)
         if self.indices.dtype != np.int64 or self.indices.ndim != 1:
             raise ConfigError("indices must be a 1-D int64 array", tensor=self.name)
-        if self.values.dtype != numpy_bits_dtype(self.dtype) or self.values.shape != (
-            self.count,
-        ):
+        if self.values.dtype != numpy_bits_dtype(self.dtype) or self.values.shape != (self.count,):
             raise ConfigError(
                 f"values must be {np.dtype(numpy_bits_dtype(self.dtype)).name}[{self.count}]",
                 tensor=self.name,

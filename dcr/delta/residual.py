@@ -87,9 +87,7 @@ class ScaledCast:
         return (source.to(torch.float32) * scale.to(torch.float32)).to(self.dtype)
 
 
-def required_tensors(
-    tasks: Iterable[ResidualTask], flagged: frozenset[str]
-) -> list[ResidualTask]:
+def required_tensors(tasks: Iterable[ResidualTask], flagged: frozenset[str]) -> list[ResidualTask]:
     """The required tensor set ``U_req`` for the OR-reduced change flags ``flagged``."""
     tasks = list(tasks)
     if not flagged:

@@ -30,8 +30,9 @@ def perturb(
 ) -> dict[str, torch.Tensor]:
     """A copy of ``state_dict`` with about ``rate`` of the elements of each tensor updated.
 
-    Chosen elements become ``cast(w * (1 + relative * eps))`` computed in float32; unchosen
-    elements keep their bits.  ``names`` limits the update to some tensors.
+    Each element is chosen independently with probability ``rate``; chosen elements become
+    ``cast(w * (1 + relative * eps))`` computed in float32; unchosen elements keep their bits.
+    ``names`` limits the update to some tensors.
     """
     gen = torch.Generator().manual_seed(seed)
     chosen_names = set(state_dict) if names is None else set(names)
@@ -40,13 +41,11 @@ def perturb(
         if name not in chosen_names or t.numel() == 0 or not t.is_floating_point():
             out[name] = t.clone()
             continue
-        flat = t.reshape(-1).to(torch.float32)
-        k = round(rate * flat.numel())
         new = t.clone().reshape(-1)
-        if k:
-            idx = torch.randperm(flat.numel(), generator=gen)[:k]
-            eps = torch.randn(k, generator=gen, dtype=torch.float32)
-            new[idx] = (flat[idx] * (1.0 + relative * eps)).to(t.dtype)
+        idx = (torch.rand(new.numel(), generator=gen) < rate).nonzero().squeeze(1)
+        if idx.numel():
+            eps = torch.randn(idx.numel(), generator=gen, dtype=torch.float32)
+            new[idx] = (new[idx].to(torch.float32) * (1.0 + relative * eps)).to(t.dtype)
         out[name] = new.reshape(t.shape)
     return out
 

@@ -1,0 +1,52 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Both create .venv (Python 3.11) and install everything they need.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-dev
+PYTEST  ?= -q
+
+.PHONY: help venv demo test test-main test-fast test-vllm lint bench docs clean
+
+help:
+	@echo "make demo       run the main job (dcr demo) in .venv"
+	@echo "make test       lint, type-check and run the whole suite (incl. heavy and vLLM tests)"
+	@echo "make test-fast  the suite without heavy cases and without vLLM"
+	@echo "make bench      dcr bench codec + dcr bench construct (JSON to out/)"
+	@echo "make docs       regenerate generated docs (protocol state diagram)"
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dcr demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check dcr tests
+	$(BIN)/mypy dcr
+
+test-main: lint
+	$(BIN)/python -m pytest $(PYTEST)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST) -m "not heavy"
+
+test-vllm:
+	scripts/vllm-venv.sh
+	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm
+
+test: test-main test-vllm
+
+bench: $(STAMP)
+	mkdir -p out
+	$(BIN)/dcr bench codec --json | tee out/bench-codec.json
+	$(BIN)/dcr bench construct --json | tee out/bench-construct.json
+
+clean:
+	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache .hypothesis out

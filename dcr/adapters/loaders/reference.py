@@ -1,0 +1,287 @@
+"""A sharded reference receiver: one tensor-parallel rank of a vLLM-like model, in plain torch.
+
+:class:`ShardedReferenceModel` holds one rank's parameters in the fused, padded layout vLLM
+uses for the ``llama``, ``qwen3`` and ``qwen3_moe`` families of :mod:`dcr.testing.models`, and
+:class:`ShardedReferenceLoader` loads canonical (Hugging Face) tensors into it the way vLLM's
+weight loaders do: ``narrow`` views of the checkpoint tensor and one ``copy_`` per destination,
+plus ``fill_(0)`` of vocabulary padding rows.  It lets the receiver data plane be tested at any
+tensor-parallel size without vLLM:
+
+* ``embed_tokens`` / ``lm_head``: vocabulary-parallel, padded to a multiple of ``64 * tp``;
+  rank ``r`` holds padded rows ``[r*Vp/tp, (r+1)*Vp/tp)``; tied ``lm_head`` shares the
+  embedding and ``lm_head.weight`` is a native skip;
+* ``q/k/v_proj`` -> fused ``qkv_proj`` ``[q of this rank's heads; k; v]``, key/value heads
+  replicated when ``num_key_value_heads < tp`` (rank ``r`` holds kv head ``r*nkv//tp``);
+* ``gate/up_proj`` -> fused ``gate_up_proj`` (column-parallel); ``o_proj``/``down_proj``
+  row-parallel;
+* ``qwen3_moe`` experts -> ``w13_weight [E/tp, 2f, h]`` and ``w2_weight [E/tp, h, f]``, rank
+  ``r`` holding experts ``[r*E/tp, (r+1)*E/tp)`` (others are native skips); router replicated;
+* norms replicated; **transforming paths**: ``model.norm.weight`` is stored in float32 (a cast
+  on copy) and any extra tensor named ``*A_log`` is stored as ``A = -exp(A_log.float())``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dcr.apply.loader import Loader
+from dcr.delta.records import TensorSpec
+from dcr.errors import LayoutError
+from dcr.testing.models import canonical_shapes, head_dim
+
+__all__ = ["ShardedReferenceLoader", "ShardedReferenceModel", "padded_vocab"]
+
+_VOCAB_PADDING = 64
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def padded_vocab(vocab: int, tp_size: int) -> int:
+    """Vocabulary rows after padding to a multiple of ``64 * tp_size``."""
+    unit = _VOCAB_PADDING * tp_size
+    return -(-vocab // unit) * unit
+
+
+def _divide(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise LayoutError(f"{what}={total} is not divisible by tp_size={tp_size}")
+    return total // tp_size
+
+
+def _a_name(name: str) -> str:
+    """Where an ``*A_log`` canonical tensor is stored: the same path ending in ``A``."""
+    return name.removesuffix("A_log") + "A"
+
+
+class ShardedReferenceModel(torch.nn.Module):
+    """One tensor-parallel rank of a vLLM-like model of ``family`` (parameters only).
+
+    ``extra`` adds canonical tensors the families lack (stored replicated), e.g. a Mamba-style
+    ``...A_log`` that the loader transforms.  Parameters start at zero.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        family: str,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        extra: Mapping[str, TensorSpec] | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
+        self.config = dict(config)
+        self.family = family
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.dtype = dtype
+        self.extra = dict(extra or {})
+        self.canonical = canonical_shapes(self.config, family)
+
+        c = self.config
+        h = int(c["hidden_size"])
+        nq = int(c["num_attention_heads"])
+        nkv = int(c.get("num_key_value_heads", nq))
+        self.head_dim = head_dim(self.config)
+        self.q_heads = _divide(nq, tp_size, "num_attention_heads")
+        if nkv >= tp_size:
+            self.kv_heads = _divide(nkv, tp_size, "num_key_value_heads")
+        elif tp_size % nkv:
+            raise LayoutError(f"tp_size={tp_size} is not a multiple of num_key_value_heads={nkv}")
+        else:
+            self.kv_heads = 1
+        self.ffn = _divide(int(c["intermediate_size"]), tp_size, "intermediate_size")
+        self.vocab = int(c["vocab_size"])
+        self.vocab_rows = padded_vocab(self.vocab, tp_size) // tp_size
+        self.experts = int(c.get("num_experts") or 0)
+        self.local_experts = _divide(self.experts, tp_size, "num_experts") if self.experts else 0
+        self.tied = bool(c.get("tie_word_embeddings", False))
+
+        hd = self.head_dim
+        self._add("model.embed_tokens.weight", (self.vocab_rows, h))
+        for i in range(int(c["num_hidden_layers"])):
+            p = f"model.layers.{i}."
+            self._add(p + "input_layernorm.weight", (h,))
+            qkv_rows = (self.q_heads + 2 * self.kv_heads) * hd
+            self._add(p + "self_attn.qkv_proj.weight", (qkv_rows, h))
+            self._add(p + "self_attn.o_proj.weight", (h, self.q_heads * hd))
+            if p + "self_attn.q_norm.weight" in self.canonical:
+                self._add(p + "self_attn.q_norm.weight", (hd,))
+                self._add(p + "self_attn.k_norm.weight", (hd,))
+            self._add(p + "post_attention_layernorm.weight", (h,))
+            if p + "mlp.gate.weight" in self.canonical:
+                f = int(c["moe_intermediate_size"])
+                self._add(p + "mlp.gate.weight", (self.experts, h))
+                self._add(p + "mlp.experts.w13_weight", (self.local_experts, 2 * f, h))
+                self._add(p + "mlp.experts.w2_weight", (self.local_experts, h, f))
+            else:
+                self._add(p + "mlp.gate_up_proj.weight", (2 * self.ffn, h))
+                self._add(p + "mlp.down_proj.weight", (h, self.ffn))
+        self._add("model.norm.weight", (h,), torch.float32)
+        if self.tied:
+            self.lm_head = torch.nn.Module()
+            self.lm_head.weight = self.get_parameter("model.embed_tokens.weight")
+        else:
+            self._add("lm_head.weight", (self.vocab_rows, h))
+        for name, spec in self.extra.items():
+            if name.endswith("A_log"):
+                self._add(_a_name(name), spec.shape, torch.float32)
+            else:
+                self._add(name, spec.shape, spec.dtype)
+        rope = torch.arange(0, hd, 2, dtype=torch.float32) / hd
+        inv_freq = 1.0 / (float(c.get("rope_theta", 10000.0)) ** rope)
+        self._submodule("model.rotary_emb").register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _submodule(self, path: str) -> torch.nn.Module:
+        module: torch.nn.Module = self
+        for part in path.split("."):
+            child = getattr(module, part, None)
+            if not isinstance(child, torch.nn.Module):
+                child = torch.nn.Module()
+                module.add_module(part, child)
+            module = child
+        return module
+
+    def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
+        parent, _, leaf = name.rpartition(".")
+        data = torch.zeros(shape, dtype=dtype or self.dtype)
+        self._submodule(parent).register_parameter(
+            leaf, torch.nn.Parameter(data, requires_grad=False)
+        )
+
+    def rank_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer of this rank by name (tied names included), detached."""
+        out = {n: p.detach() for n, p in self.named_parameters(remove_duplicate=False)}
+        out.update((n, b.detach()) for n, b in self.named_buffers(remove_duplicate=False))
+        return out
+
+
+class ShardedReferenceLoader(Loader):
+    """vLLM-style native loader of a :class:`ShardedReferenceModel`.
+
+    ``load_weights`` takes canonical names and returns the names of the rank's parameters it
+    wrote; unknown names and other ranks' experts are skipped without a report.
+    """
+
+    def __init__(self, model: ShardedReferenceModel) -> None:
+        self._model = model
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+
+    @property
+    def module(self) -> ShardedReferenceModel:
+        return self._model
+
+    @classmethod
+    def dense(
+        cls,
+        config: Mapping[str, Any],
+        family: str,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        extra: Mapping[str, TensorSpec] | None = None,
+    ) -> ShardedReferenceLoader:
+        """Build one rank and dense-load ``state_dict`` into it."""
+        model = ShardedReferenceModel(
+            config, family, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, extra=extra
+        )
+        loader = cls(model)
+        loader.dense_load(state_dict)
+        return loader
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, w in weights:
+                target = self._load_one(name, w)
+                if target is not None:
+                    loaded.add(target)
+        return loaded
+
+    def _param(self, name: str) -> torch.Tensor:
+        return self._params[name].data
+
+    def _load_one(self, name: str, w: torch.Tensor) -> str | None:
+        m = self._model
+        if name in m.extra:
+            if name.endswith("A_log"):
+                target = _a_name(name)
+                self._param(target).copy_(-torch.exp(w.float()))
+                return target
+            self._param(name).copy_(w)
+            return name
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name == "lm_head.weight" and m.tied:
+                return None
+            return self._vocab_parallel(name, w)
+        if name == "model.norm.weight":
+            self._param(name).copy_(w)
+            return name
+        layer = _LAYER.fullmatch(name)
+        if layer is None:
+            return None
+        return self._layer(f"model.layers.{layer.group(1)}.", layer.group(2), w)
+
+    def _vocab_parallel(self, name: str, w: torch.Tensor) -> str:
+        m = self._model
+        param = self._param(name)
+        first = m.tp_rank * m.vocab_rows
+        valid = max(0, min(m.vocab - first, m.vocab_rows))
+        shard = w.narrow(0, min(first, m.vocab), valid)
+        param[:valid].copy_(shard)
+        param[valid:].fill_(0)
+        return name
+
+    def _layer(self, prefix: str, rest: str, w: torch.Tensor) -> str | None:
+        m = self._model
+        r, hd = m.tp_rank, m.head_dim
+        if rest.endswith("norm.weight") or rest == "mlp.gate.weight":
+            self._param(prefix + rest).copy_(w)
+            return prefix + rest
+        if rest in _QKV:
+            target = prefix + "self_attn.qkv_proj.weight"
+            q_rows, kv_rows = m.q_heads * hd, m.kv_heads * hd
+            if rest.startswith("self_attn.q"):
+                src, dst = w.narrow(0, r * q_rows, q_rows), (0, q_rows)
+            else:
+                nkv = int(m.config.get("num_key_value_heads", m.config["num_attention_heads"]))
+                head = r * m.kv_heads if nkv >= m.tp_size else r * nkv // m.tp_size
+                src = w.narrow(0, head * hd, kv_rows)
+                dst = (q_rows if rest.startswith("self_attn.k") else q_rows + kv_rows, kv_rows)
+            self._param(target)[dst[0] : dst[0] + dst[1]].copy_(src)
+            return target
+        if rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            cols = self._param(prefix + rest).shape[1]
+            self._param(prefix + rest).copy_(w.narrow(1, r * cols, cols))
+            return prefix + rest
+        if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            target = prefix + "mlp.gate_up_proj.weight"
+            offset = 0 if rest == "mlp.gate_proj.weight" else m.ffn
+            self._param(target)[offset : offset + m.ffn].copy_(w.narrow(0, r * m.ffn, m.ffn))
+            return target
+        expert = _EXPERT.fullmatch(rest)
+        if expert is None:
+            return None
+        local = int(expert.group(1)) - r * m.local_experts
+        if not 0 <= local < m.local_experts:
+            return None
+        kind = expert.group(2)
+        if kind == "down_proj":
+            target = prefix + "mlp.experts.w2_weight"
+            self._param(target)[local].copy_(w)
+            return target
+        target = prefix + "mlp.experts.w13_weight"
+        f = w.shape[0]
+        offset = 0 if kind == "gate_proj" else f
+        self._param(target)[local, offset : offset + f].copy_(w)
+        return target

@@ -1,0 +1,112 @@
+"""Resident storage of a receiver: what the dispatch hook protects and what must not move.
+
+Exact in-place application needs every parameter and buffer to keep its storage (paper App. A.2
+"Loader properties"): an XOR lands on the resident bits, and a loader that replaces
+``param.data`` would leave the resident bits behind.  :class:`StorageGuard` records every
+storage at prewarm and checks it after loader calls; a replaced storage is put back (the held
+alias keeps the old storage alive) before the error is raised, so the module keeps its bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from dcr.apply.hook import StorageInfo, storage_ptr
+from dcr.apply.loader import Loader
+from dcr.errors import DcrError
+
+__all__ = ["StorageGuard"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Entry:
+    name: str
+    tensor: torch.Tensor
+    alias: torch.Tensor
+    ptr: int | None
+    nbytes: int
+    label: str
+
+
+class StorageGuard:
+    """Every storage the loader may write, keyed by data pointer, with replacement checks."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._entries: list[_Entry] = []
+        protected: dict[int, StorageInfo] = {}
+        for name, t in loader.storage_tensors():
+            ptr = storage_ptr(t)
+            nbytes = int(t.untyped_storage().nbytes()) if ptr is not None else 0
+            info = protected.get(ptr) if ptr is not None else None
+            if info is None and ptr is not None and nbytes > 0:
+                info = StorageInfo(label=name, index=len(protected), nbytes=nbytes)
+                protected[ptr] = info
+            label = info.label if info is not None else name
+            self._entries.append(
+                _Entry(name=name, tensor=t, alias=t.detach(), ptr=ptr, nbytes=nbytes, label=label)
+            )
+        self._protected = protected
+        self._names = [(e.name, e.ptr) for e in self._entries]
+        self._by_label: dict[str, list[_Entry]] = {}
+        for e in self._entries:
+            self._by_label.setdefault(e.label, []).append(e)
+
+    @property
+    def protected(self) -> Mapping[int, StorageInfo]:
+        """Protected storages by data pointer (empty storages are left out)."""
+        return MappingProxyType(self._protected)
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device of the first resident tensor (``None`` when the module has none)."""
+        return self._entries[0].tensor.device if self._entries else None
+
+    def check(
+        self,
+        fail: Callable[[str, str], DcrError],
+        labels: Collection[str] | None = None,
+        *,
+        full: bool = False,
+        restore: bool = True,
+    ) -> None:
+        """Raise ``fail(...)`` if a tensor's storage moved; with ``restore``, put it back first.
+
+        ``labels`` limits the check to the storages a path writes (cheap, per loader call);
+        ``full`` also re-enumerates the loader's tensors, catching a replaced ``Parameter``.
+        """
+        entries = (
+            self._entries
+            if labels is None
+            else [e for label in labels for e in self._by_label.get(label, ())]
+        )
+        moved = [
+            e
+            for e in entries
+            if storage_ptr(e.tensor) != e.ptr
+            or (e.ptr is not None and e.tensor.untyped_storage().nbytes() != e.nbytes)
+        ]
+        if moved:
+            if restore:
+                with torch.no_grad():
+                    for e in moved:
+                        e.tensor.data = e.alias
+            names = ", ".join(e.name for e in moved[:4])
+            raise fail(
+                f"the loader replaced the storage of {names}"
+                + (" (restored)" if restore else "")
+                + "; the loader must copy into existing parameter and buffer storage",
+                "storage-replaced",
+            )
+        if full:
+            now = [(name, storage_ptr(t)) for name, t in self._loader.storage_tensors()]
+            if now != self._names:
+                raise fail(
+                    "the loader's parameters or buffers changed identity since prewarm; "
+                    "a dense refit and a new prewarm are required",
+                    "storage-replaced",
+                )

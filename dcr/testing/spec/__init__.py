@@ -1,0 +1,16 @@
+"""Python mirror of ``models/refit.tla`` and an exhaustive breadth-first model checker.
+
+:mod:`~dcr.testing.spec.state` holds the specification's variables, :mod:`.actions` one
+function per TLA+ action, :mod:`.invariants` the safety properties, and :mod:`.checker` the
+search that reports the shortest counterexample trace.
+"""
+
+from dcr.testing.spec.actions import ACTIONS as ACTIONS
+from dcr.testing.spec.actions import ENVIRONMENT as ENVIRONMENT
+from dcr.testing.spec.actions import Config as Config
+from dcr.testing.spec.actions import initial_state as initial_state
+from dcr.testing.spec.checker import Counterexample as Counterexample
+from dcr.testing.spec.checker import Result as Result
+from dcr.testing.spec.checker import explore as explore
+from dcr.testing.spec.invariants import INVARIANTS as INVARIANTS
+from dcr.testing.spec.state import State as State
