@@ -19,10 +19,10 @@ from dcr.testing.modules import module_from_state_dict
 from dcr.testing.updates import perturb, special_patterns
 
 
-def reference_ranks(cfg, family, tp, state):
+def reference_ranks(cfg, family, tp, state, extra=None):
     models = []
     for r in range(tp):
-        m = ShardedReferenceModel(cfg, family, tp_size=tp, tp_rank=r)
+        m = ShardedReferenceModel(cfg, family, tp_size=tp, tp_rank=r, extra=extra)
         ShardedReferenceLoader(m).dense_load(state)
         models.append(m)
     return models
@@ -78,27 +78,47 @@ def test_tied_checkpoint_without_lm_head_and_tied_module():
     assert module.lm_head.weight is module.model.embed_tokens.weight
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     family=st.sampled_from(["llama", "qwen3", "qwen3_moe"]),
     train_tp=st.integers(1, 4),
     serve_tp=st.integers(1, 4),
     dp=st.integers(1, 2),
+    kv_heads=st.sampled_from([1, 12]),
     rate=st.sampled_from([0.0, 0.01, 0.03, 0.5, 1.0]),
     mode=st.sampled_from(["mixed", "overwrite"]),
     seed=st.integers(0, 1000),
 )
-def test_reference_receivers_match_dense_load(family, train_tp, serve_tp, dp, rate, mode, seed):
-    if train_tp == 3 or serve_tp == 3:  # the tiny models have 4 heads / 2 kv heads
-        train_tp, serve_tp = 2, 4
-    cfg = tiny_config(family)
+def test_reference_receivers_match_dense_load(
+    family, train_tp, serve_tp, dp, kv_heads, rate, mode, seed
+):
+    """G1 across training TP 1-4 x serving TP 1-4, EP, MQA (kv rows replicated over TP ranks),
+    tied embeddings (qwen3), padded vocabularies, a float32 norm (cast) and an ``A_log`` tensor
+    stored as ``-exp(A_log)`` on the receiver (transforming paths)."""
+    cfg = tiny_config(
+        family,
+        hidden_size=96,
+        num_attention_heads=12,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        num_experts=12,
+        vocab_size=250,
+    )
     sd = random_state_dict(cfg, family, seed=seed)
+    sd["model.layers.0.mixer.A_log"] = torch.randn(12).to(torch.bfloat16)
+    extra = {
+        "model.layers.0.mixer.A_log": dcr.TensorSpec.of(
+            "model.layers.0.mixer.A_log", sd["model.layers.0.mixer.A_log"]
+        )
+    }
     ep = 2 if family == "qwen3_moe" and dp == 2 else 1
-    receivers = reference_ranks(cfg, family, serve_tp, sd)
+    receivers = reference_ranks(cfg, family, serve_tp, sd, extra)
     source = StateDictSource(
         sd, layout=TrainLayout(tp=train_tp, dp=dp, ep=ep), family=family, config=cfg
     )
     with LocalRefit(source, [ShardedReferenceLoader(m) for m in receivers], mode=mode) as refit:
+        assert "model.norm.weight" not in refit.xor_allowed  # the cast path is overwrite-only
+        assert "model.layers.0.mixer.A_log" not in refit.xor_allowed
         for v in range(2):
             new = perturb(sd, rate=rate, seed=seed + v)
             if v:
@@ -106,7 +126,8 @@ def test_reference_receivers_match_dense_load(family, train_tp, serve_tp, dp, ra
             report = refit.refit(new)
             if mode == "overwrite":
                 assert report.xor_items == 0
-            for a, b in zip(receivers, reference_ranks(cfg, family, serve_tp, new), strict=True):
+            fresh = reference_ranks(cfg, family, serve_tp, new, extra)
+            for a, b in zip(receivers, fresh, strict=True):
                 assert module_bit_mismatches(a, b) == []
             sd = new
 
