@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dcr.delta.bits import bits
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.layout import ShardSpec, TrainLayout, TrainingPlan, build_plan, stable_hash
+from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, build_plan, stable_hash
 from dcr.delta.mapping import ColumnParallel, Replicated
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
@@ -44,8 +44,9 @@ def run(group: LocalTrainingGroup, new_shards, mode=Mode.MIXED, xor=None, full=F
     xor_allowed = set(group.catalog) if xor is None else xor
     items: list[Item] = []
     finals = 0
-    for it, _stats in group.build(mode=mode, xor_allowed=xor_allowed,
-                                  full_conversion=full).values():
+    for it, _stats in group.build(
+        mode=mode, xor_allowed=xor_allowed, full_conversion=full
+    ).values():
         for bucket in it:
             items.extend(bucket.items)
             finals += bucket.final
@@ -53,8 +54,9 @@ def run(group: LocalTrainingGroup, new_shards, mode=Mode.MIXED, xor=None, full=F
     return items
 
 
-def refit_and_check(family, layout, rate, seed, mode=Mode.MIXED, special=False, rounds=2,
-                    config=None):
+def refit_and_check(
+    family, layout, rate, seed, mode=Mode.MIXED, special=False, rounds=2, config=None
+):
     cfg = tiny_config(family)
     w = random_state_dict(cfg, family, seed=seed)
     plan = build_plan(catalog_of(w), layout, family=family, config=cfg)
@@ -112,7 +114,11 @@ def test_single_element_change_is_one_xor_entry():
     assert len(items) == 1
     (item,) = items
     assert (item.name, item.encoding, item.indices.tolist(), item.values.tolist()) == (
-        name, Encoding.XOR, [77], [3])
+        name,
+        Encoding.XOR,
+        [77],
+        [3],
+    )
 
 
 def test_signed_zero_and_nan_payload_changes_are_detected():
@@ -125,7 +131,8 @@ def test_signed_zero_and_nan_payload_changes_are_detected():
     group = LocalTrainingGroup(plan, plan.slice(w))
     items = run(group, plan.slice(new))
     assert [(i.indices.tolist(), i.values.tolist()) for i in items] == [
-        ([0, 1], [0x8000, 0x7FC0 ^ 0x7FC1])]
+        ([0, 1], [0x8000, 0x7FC0 ^ 0x7FC1])
+    ]
 
 
 def test_xor_only_where_allowed():
@@ -143,16 +150,20 @@ def test_xor_only_where_allowed():
 
 
 def test_small_buckets_split_payloads_and_stay_exact():
-    items = refit_and_check("qwen3_moe", TrainLayout(tp=2, ep=2), 0.05, 5,
-                            config=BuildConfig(chunk_bytes=4096, bucket_bytes=8192))
+    items = refit_and_check(
+        "qwen3_moe",
+        TrainLayout(tp=2, ep=2),
+        0.05,
+        5,
+        config=BuildConfig(chunk_bytes=4096, bucket_bytes=8192),
+    )
     assert items
 
 
 def test_full_conversion_mode_matches_projection():
     cfg = tiny_config("qwen3_moe")
     w = random_state_dict(cfg, "qwen3_moe", seed=6)
-    plan = build_plan(catalog_of(w), TrainLayout(tp=2, ep=2, dp=2), family="qwen3_moe",
-                      config=cfg)
+    plan = build_plan(catalog_of(w), TrainLayout(tp=2, ep=2, dp=2), family="qwen3_moe", config=cfg)
     new = perturb(w, rate=0.03, seed=7)
     special_patterns(new, seed=1)
     g1 = LocalTrainingGroup(plan, plan.slice(w), full_conversion=True)
@@ -178,22 +189,59 @@ def scaled_plan(tp: int) -> tuple[TrainingPlan, dict[str, torch.Tensor]]:
     parts = []
     for r in range(tp):
         reps = tuple(layout.rank(dp=d, ep=0, tp=r) for d in range(layout.dp))
-        shards.append(ShardSpec(key=f"src@tp{r}", source_name="src", shape=(8 // tp, 6),
-                                dtype=torch.float32, mapping=None, replicas=reps,
-                                owner=reps[stable_hash("src") % len(reps)], tp_rank=r))
-        parts.append(ResidualPart(inputs=(f"src@tp{r}", "scale"),
-                                  placement=ColumnParallel("w", (8, 6), r, tp),
-                                  convert=ScaledCast(torch.bfloat16)))
-    shards.append(ShardSpec(key="scale", source_name="scale", shape=(), dtype=torch.float32,
-                            mapping=None, replicas=tuple(range(world)),
-                            owner=stable_hash("scale") % world))
-    shards.append(ShardSpec(key="b", source_name="b", shape=(6,), dtype=torch.bfloat16,
-                            mapping=Replicated("b", (6,)), replicas=tuple(range(world)),
-                            owner=stable_hash("b") % world))
-    task = ResidualTask(spec=canon, parts=tuple(parts),
-                        depends_on=frozenset({*(f"src@tp{r}" for r in range(tp)), "scale"}))
-    plan = TrainingPlan(layout=layout, family=None, catalog={"w": canon, "b": other},
-                        shards=tuple(shards), residual=(task,))
+        shards.append(
+            ShardSpec(
+                key=f"src@tp{r}",
+                source_name="src",
+                shape=(8 // tp, 6),
+                dtype=torch.float32,
+                mapping=None,
+                replicas=reps,
+                owner=reps[stable_hash("src") % len(reps)],
+                tp_rank=r,
+            )
+        )
+        parts.append(
+            ResidualPart(
+                inputs=(f"src@tp{r}", "scale"),
+                placement=ColumnParallel("w", (8, 6), r, tp),
+                convert=ScaledCast(torch.bfloat16),
+            )
+        )
+    shards.append(
+        ShardSpec(
+            key="scale",
+            source_name="scale",
+            shape=(),
+            dtype=torch.float32,
+            mapping=None,
+            replicas=tuple(range(world)),
+            owner=stable_hash("scale") % world,
+        )
+    )
+    shards.append(
+        ShardSpec(
+            key="b",
+            source_name="b",
+            shape=(6,),
+            dtype=torch.bfloat16,
+            mapping=Replicated("b", (6,)),
+            replicas=tuple(range(world)),
+            owner=stable_hash("b") % world,
+        )
+    )
+    task = ResidualTask(
+        spec=canon,
+        parts=tuple(parts),
+        depends_on=frozenset({*(f"src@tp{r}" for r in range(tp)), "scale"}),
+    )
+    plan = TrainingPlan(
+        layout=layout,
+        family=None,
+        catalog={"w": canon, "b": other},
+        shards=tuple(shards),
+        residual=(task,),
+    )
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(8, 6, generator=gen)
     state = {f"src@tp{r}": src.chunk(tp)[r].contiguous() for r in range(tp)}
@@ -241,8 +289,13 @@ def test_residual_parts_must_cover_the_tensor():
     plan, state = scaled_plan(2)
     task = plan.residual[0]
     broken = ResidualTask(spec=task.spec, parts=task.parts[:1], depends_on=task.depends_on)
-    bad = TrainingPlan(layout=plan.layout, family=None, catalog=plan.catalog,
-                       shards=plan.shards, residual=(broken,))
+    bad = TrainingPlan(
+        layout=plan.layout,
+        family=None,
+        catalog=plan.catalog,
+        shards=plan.shards,
+        residual=(broken,),
+    )
     with pytest.raises(LayoutError):
         LocalTrainingGroup(bad, state)
 

@@ -80,8 +80,9 @@ def test_family_layouts_project_every_element_once(family: str, lay: dict) -> No
     heads = 12 if lay.get("tp") == 3 else 4
     cfg = tiny_config(family, num_attention_heads=heads, hidden_size=96 if heads == 12 else 64)
     if lay.get("tp") == 3:
-        cfg.update(num_key_value_heads=3, intermediate_size=96, moe_intermediate_size=48,
-                   vocab_size=250)
+        cfg.update(
+            num_key_value_heads=3, intermediate_size=96, moe_intermediate_size=48, vocab_size=250
+        )
     shapes = canonical_shapes(cfg, family)
     check_plan(shapes, dict(layout=TrainLayout(**lay), family=family, config=cfg))
 
@@ -117,8 +118,10 @@ def test_tied_embedding_emits_both_destinations() -> None:
     emb = [s for s in plan.shards if s.source_name == "embedding.word_embeddings.weight"]
     assert all(isinstance(s.mapping, Tied) for s in emb)
     assert not any(s.source_name == "output_layer.weight" for s in plan.shards)
-    hit = {n: np.zeros(int(np.prod(shapes[n])), dtype=np.int64)
-           for n in ("model.embed_tokens.weight", "lm_head.weight")}
+    hit = {
+        n: np.zeros(int(np.prod(shapes[n])), dtype=np.int64)
+        for n in ("model.embed_tokens.weight", "lm_head.weight")
+    }
     for s in emb:
         idx = np.arange(int(np.prod(s.shape)), dtype=np.int64)
         dests = s.mapping.project(idx)
@@ -144,19 +147,25 @@ def test_padded_vocab_rows_are_dropped() -> None:
 
 def test_hand_checked_qkv_permutation() -> None:
     # 4 query heads, 2 groups, head_dim 1, one column: Megatron rows per group [q, q, k, v]
-    m = FusedQKV("q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(),
-                 tp_rank=0, tp_size=1)
+    m = FusedQKV(
+        "q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(), tp_rank=0, tp_size=1
+    )
     got = {d.name: (d.indices.tolist(), d.select.tolist()) for d in m.project(np.arange(8))}
     assert got == {"q": ([0, 1, 2, 3], [0, 1, 4, 5]), "k": ([0, 1], [2, 6]), "v": ([0, 1], [3, 7])}
     # groups < tp: 4 ranks, 2 groups; rank 1 replicates group 0's kv and must not project it
-    r1 = FusedQKV("q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(),
-                  tp_rank=1, tp_size=4)
+    r1 = FusedQKV(
+        "q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(), tp_rank=1, tp_size=4
+    )
     assert r1.source_shape == (3,)
     assert [(d.name, d.indices.tolist()) for d in r1.project(np.arange(3))] == [("q", [1])]
-    r2 = FusedQKV("q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(),
-                  tp_rank=2, tp_size=4)
+    r2 = FusedQKV(
+        "q", "k", "v", num_heads=4, num_kv_heads=2, head_dim=1, inner=(), tp_rank=2, tp_size=4
+    )
     assert [(d.name, d.indices.tolist()) for d in r2.project(np.arange(3))] == [
-        ("q", [2]), ("k", [1]), ("v", [1])]
+        ("q", [2]),
+        ("k", [1]),
+        ("v", [1]),
+    ]
 
 
 def test_gated_row_and_expert_index_math() -> None:
@@ -172,8 +181,10 @@ def test_gated_row_and_expert_index_math() -> None:
 
 def test_bad_layouts_raise_typed_errors() -> None:
     cfg = tiny_config("llama")
-    catalog = {n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
-               for n, s in canonical_shapes(cfg, "llama").items()}
+    catalog = {
+        n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
+        for n, s in canonical_shapes(cfg, "llama").items()
+    }
     with pytest.raises(LayoutError):
         build_plan(catalog, TrainLayout(tp=3), family="llama", config=cfg)  # 4 heads / 3
     with pytest.raises(LayoutError):
@@ -186,11 +197,19 @@ def test_bad_layouts_raise_typed_errors() -> None:
 def test_project_accepts_any_order_and_subsets(tp: int, rank: int) -> None:
     if rank >= tp:
         return
-    m = FusedQKV("q", "k", "v", num_heads=8, num_kv_heads=4, head_dim=2, inner=(3,),
-                 tp_rank=rank, tp_size=tp)
-    full = {d.name: dict(zip((d.select if d.select is not None else np.arange(m.numel)).tolist(),
-                              d.indices.tolist(), strict=True))
-            for d in m.project(np.arange(m.numel, dtype=np.int64))}
+    m = FusedQKV(
+        "q", "k", "v", num_heads=8, num_kv_heads=4, head_dim=2, inner=(3,), tp_rank=rank, tp_size=tp
+    )
+    full = {
+        d.name: dict(
+            zip(
+                (d.select if d.select is not None else np.arange(m.numel)).tolist(),
+                d.indices.tolist(),
+                strict=True,
+            )
+        )
+        for d in m.project(np.arange(m.numel, dtype=np.int64))
+    }
     rng = np.random.default_rng(rank)
     sub = rng.permutation(m.numel)[: m.numel // 3].astype(np.int64)
     for d in m.project(sub):
