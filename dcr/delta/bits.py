@@ -7,6 +7,7 @@ unsigned integer type of the same width.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -50,8 +51,10 @@ _NUMPY_BITS: dict[int, type[np.unsignedinteger[Any]]] = {
     8: np.uint64,
 }
 
-# Elements compared per block: bounds the boolean temporary to a few MiB.
-_BLOCK = 1 << 22
+# Elements compared per block: bounds the boolean temporary to 1 MiB, reused per thread (a
+# fresh temporary per block costs page faults that halve the comparison rate).
+_BLOCK = 1 << 20
+_scratch = threading.local()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -105,10 +108,15 @@ def changed_indices(
     n = a.shape[0]
     if n <= block:
         return np.flatnonzero(a != b).astype(np.int64, copy=False)
+    buf = getattr(_scratch, "mask", None)
+    if buf is None or buf.shape[0] < block:
+        buf = _scratch.mask = np.empty(block, dtype=np.bool_)
     parts = []
     for start in range(0, n, block):
         stop = min(start + block, n)
-        hit = np.flatnonzero(a[start:stop] != b[start:stop])
+        mask = buf[: stop - start]
+        np.not_equal(a[start:stop], b[start:stop], out=mask)
+        hit = np.flatnonzero(mask)
         if hit.size:
             parts.append(hit.astype(np.int64, copy=False) + start)
     if not parts:
