@@ -19,6 +19,7 @@ import torch
 
 from dcr.delta.bits import DTYPE_CODES, dtype_name, numpy_bits_dtype
 from dcr.errors import ConfigError
+from dcr.protocol.types import Mode  # one enum for the protocol core and the data plane
 
 __all__ = ["Encoding", "Item", "Mode", "TensorSpec"]
 
@@ -30,15 +31,6 @@ class Encoding(enum.IntEnum):
     """``stored ^= mask``; only on bit-preserving paths with no overlapping writes."""
     OVERWRITE = 1
     """``stored = value`` (cast/transformed by the loader like a dense load would)."""
-
-
-class Mode(enum.Enum):
-    """Encoding mode of an attempt (paper §5)."""
-
-    MIXED = "mixed"
-    """XOR wherever the path preserves stored bits, overwrite elsewhere (the default)."""
-    OVERWRITE = "overwrite"
-    """Every entry is an absolute overwrite (retries after a failed attempt)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from dcr.protocol.lifecycle import (
     EDGES,
@@ -81,6 +82,12 @@ class Config:
     crashes: int = 0
     reply_losses: int = 0
     aborts: int = 0
+    replaced_acts: bool = True
+    """A replaced coordinator keeps running until the control plane tells it; when False it
+    stands down at the takeover (its commit already in flight can still land)."""
+    atomic_delivery: bool = False
+    """A sent payload reaches every live receiver of its attempt at once (no loss, duplicate
+    or late arrival; for larger configurations)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +119,7 @@ def initial_state(cfg: Config) -> State:
         commit_epoch=NONE,
         epoch=1,
         registered=NONE,
-        coords=(replace(idle, started=True),) + (idle,) * cfg.failovers,
+        coords=(idle._replace(started=True),) + (idle,) * cfg.failovers,
         attempts=(),
         owners=tuple(OwnerVar(_O.IDLE, NONE, V0, False) for _ in range(cfg.owners)),
         receivers=tuple(
@@ -163,33 +170,34 @@ class _Builder:
     def may(self, phase: Phase, trigger: Trigger) -> bool:
         return (phase, trigger) in _NEXT
 
-    def coord(self, c: int, **changes: object) -> None:
-        self.coords[c - 1] = replace(self.coords[c - 1], **changes)  # type: ignore[arg-type]
+    def coord(self, c: int, **changes: Any) -> None:
+        self.coords[c - 1] = self.coords[c - 1]._replace(**changes)
 
-    def attempt(self, tau: int, **changes: object) -> None:
-        self.attempts[tau - 1] = replace(self.attempts[tau - 1], **changes)  # type: ignore[arg-type]
+    def attempt(self, tau: int, **changes: Any) -> None:
+        self.attempts[tau - 1] = self.attempts[tau - 1]._replace(**changes)
 
-    def owner(self, o: int, **changes: object) -> None:
-        self.owners[o] = replace(self.owners[o], **changes)  # type: ignore[arg-type]
+    def owner(self, o: int, **changes: Any) -> None:
+        self.owners[o] = self.owners[o]._replace(**changes)
 
-    def receiver(self, r: int, **changes: object) -> None:
-        self.receivers[r] = replace(self.receivers[r], **changes)  # type: ignore[arg-type]
+    def receiver(self, r: int, **changes: Any) -> None:
+        self.receivers[r] = self.receivers[r]._replace(**changes)
 
-    def step(self, label: str, **changes: object) -> Step:
+    def step(self, label: str, **changes: Any) -> Step:
         state = replace(
             self.s,
             coords=tuple(self.coords),
             attempts=tuple(self.attempts),
             owners=tuple(self.owners),
             receivers=tuple(self.receivers),
-            **changes,  # type: ignore[arg-type]
+            **changes,
         )
         return Step(label, state, tuple(self.edges))
 
 
-def _coords(s: State) -> Iterator[tuple[int, CoordVar]]:
+def _coords(s: State, cfg: Config) -> Iterator[tuple[int, CoordVar]]:
+    """Coordinators that may act: started ones; replaced ones only if the config lets them."""
     for i, c in enumerate(s.coords):
-        if c.started:
+        if c.started and (cfg.replaced_acts or i + 1 == s.epoch):
             yield i + 1, c
 
 
@@ -209,7 +217,7 @@ def _fail_transition(b: _Builder, c: int, cv: CoordVar, trigger: Trigger) -> Non
 
 def prepare(s: State, cfg: Config) -> Iterator[Step]:
     """Start an attempt; the control plane accepts it only from the active coordinator."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.tphase not in (_T.IDLE, _T.READMITTING, _T.RECOVERING) or s.epoch != c:
             continue
         if cv.attempt != NONE and cv.aphase is not _A.CLEANED:
@@ -267,7 +275,7 @@ def prepare(s: State, cfg: Config) -> Iterator[Step]:
 
 def send(s: State, cfg: Config) -> Iterator[Step]:
     """The coordinator starts the owners (admission); an owner sends its payload."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is _A.PREPARING:
             b = _Builder(s)
             b.coord(c, aphase=b.go(cv.aphase, _X.SEND))
@@ -288,27 +296,37 @@ def send(s: State, cfg: Config) -> Iterator[Step]:
             b = _Builder(s)
             b.owner(o, phase=b.go(ow.phase, _X.SEND), sent=True)
             sent = frozenset(Payload(ow.attempt, o, r, enc) for r in _live(s, ow.attempt))
-            yield b.step(f"send(o{o})", inflight=s.inflight | sent)
+            if cfg.atomic_delivery:
+                for p in sorted(sent, key=_payload_key):
+                    _deliver(b, p)
+                yield b.step(f"send(o{o})")
+            else:
+                yield b.step(f"send(o{o})", inflight=s.inflight | sent)
 
 
 def ingest(s: State, cfg: Config) -> Iterator[Step]:
     """A payload is delivered; the receiver drops other attempts' payloads and duplicates."""
     for p in sorted(s.inflight, key=_payload_key):
-        rx = s.receivers[p.receiver]
         b = _Builder(s)
-        seen = {x for x, _ in rx.staged} | rx.applied
-        if rx.attempt == p.attempt and rx.phase in _RECEIVER_RUNNING and p.range not in seen:
-            b.receiver(
-                p.receiver,
-                phase=b.go(rx.phase, _X.INGEST),
-                staged=rx.staged | {(p.range, p.encoding)},
-            )
+        _deliver(b, p)
         yield b.step(f"ingest(t{p.attempt},o{p.range},r{p.receiver})", inflight=s.inflight - {p})
+
+
+def _deliver(b: _Builder, p: Payload) -> None:
+    """Stage ``p`` if it belongs to the receiver's active attempt and is not a duplicate."""
+    rx = b.receivers[p.receiver]
+    seen = {x for x, _ in rx.staged} | rx.applied
+    if rx.attempt == p.attempt and rx.phase in _RECEIVER_RUNNING and p.range not in seen:
+        b.receiver(
+            p.receiver,
+            phase=b.go(rx.phase, _X.INGEST),
+            staged=rx.staged | {(p.range, p.encoding)},
+        )
 
 
 def wait_for_requests(s: State, cfg: Config) -> Iterator[Step]:
     """Close the gate: at once in synchronous RL, after the arrival check in asynchronous RL."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is not _A.STREAMING:
             continue
         live = _live(s, cv.attempt)
@@ -333,7 +351,7 @@ def wait_for_requests(s: State, cfg: Config) -> Iterator[Step]:
 
 def open_apply(s: State, cfg: Config) -> Iterator[Step]:
     """Every required receiver closed its gate; receivers may apply (obsolete ones ignore it)."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is not _A.GATING:
             continue
         required = s.attempt(cv.attempt).required
@@ -374,7 +392,7 @@ def apply(s: State, cfg: Config) -> Iterator[Step]:
 
 def flush(s: State, cfg: Config) -> Iterator[Step]:
     """Every owner sent its payload: close sends; receivers check arrival and drain."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is not _A.APPLYING:
             continue
         if any(
@@ -408,8 +426,9 @@ def ack(s: State, cfg: Config) -> Iterator[Step]:
 
 def commit(s: State, cfg: Config) -> Iterator[Step]:
     """Compare-and-set ``K^v -> (v+1, g)`` once every required receiver ACKed."""
-    for c, cv in _coords(s):
-        if cv.aphase is _A.FLUSHING and s.attempt(cv.attempt).required <= s.attempt(cv.attempt).acks:
+    for c, cv in _coords(s, cfg):
+        a = s.attempt(cv.attempt) if cv.attempt != NONE else None
+        if cv.aphase is _A.FLUSHING and a is not None and a.required <= a.acks:
             b = _Builder(s)
             b.coord(c, aphase=b.go(cv.aphase, _X.COMMIT))
             b.attempt(cv.attempt, cas=Cas.IN_FLIGHT)
@@ -438,7 +457,7 @@ def compare_and_set(s: State, cfg: Config) -> Iterator[Step]:
 
 def commit_succeeded(s: State, cfg: Config) -> Iterator[Step]:
     """The record names ``(v+1, g)`` of the coordinator's attempt (reply or read_commit)."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         tau = cv.attempt
         if tau == NONE:
             continue
@@ -460,7 +479,7 @@ def commit_succeeded(s: State, cfg: Config) -> Iterator[Step]:
 
 def commit_failed(s: State, cfg: Config) -> Iterator[Step]:
     """The record still holds ``K^v`` and no commit of the attempt can change it."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         tau = cv.attempt
         if tau == NONE:
             continue
@@ -483,7 +502,7 @@ def commit_failed(s: State, cfg: Config) -> Iterator[Step]:
 
 def commit_unknown(s: State, cfg: Config) -> Iterator[Step]:
     """The coordinator got no reply: the request is still in flight or its reply was lost."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is _A.COMMITTING and (
             s.attempt(cv.attempt).cas is Cas.IN_FLIGHT or s.attempt(cv.attempt).reply is Reply.LOST
         ):
@@ -494,7 +513,7 @@ def commit_unknown(s: State, cfg: Config) -> Iterator[Step]:
 
 def read_commit(s: State, cfg: Config) -> Iterator[Step]:
     """Read the record once no commit of the attempt can change it (deadline or obsolete)."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         tau = cv.attempt
         if tau == NONE:
             continue
@@ -510,7 +529,7 @@ def read_commit(s: State, cfg: Config) -> Iterator[Step]:
 
 def conflict(s: State, cfg: Config) -> Iterator[Step]:
     """The control plane raises conflict: this coordinator was replaced or lost the race."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, replace(cfg, replaced_acts=True)):
         tau = cv.attempt
         lost_race = tau != NONE and (
             (cv.aphase is _A.COMMITTING and s.attempt(tau).reply is Reply.CONFLICT)
@@ -530,26 +549,43 @@ def conflict(s: State, cfg: Config) -> Iterator[Step]:
 
 
 def fail(s: State, cfg: Config) -> Iterator[Step]:
-    """An attempt fails: a coordinator timeout, or a receiver rejects a payload."""
+    """An attempt fails: the coordinator gives up waiting, or a receiver rejects a payload.
+
+    A receiver's report reaches its coordinator in the same step.  That loses no behaviour:
+    every other endpoint's progress in between is independent of the failed receiver, so
+    the search reaches the same combinations by running that progress first.
+    """
     if s.budgets.failures == 0:
         return
-    budgets = replace(s.budgets, failures=s.budgets.failures - 1)
-    for c, cv in _coords(s):
+    budgets = s.budgets._replace(failures=s.budgets.failures - 1)
+    for c, cv in _coords(s, cfg):
         if cv.aphase in _ATTEMPT_RUNNING:
             b = _Builder(s)
-            b.coord(c, aphase=b.go(cv.aphase, _X.FAIL))
-            _fail_transition(b, c, cv, _X.FAIL)
+            _fail_attempt(b, c, cv)
             yield b.step(f"fail(c{c})", budgets=budgets)
     for r, rx in enumerate(s.receivers):
         if rx.phase in _RECEIVER_RUNNING:
             b = _Builder(s)
             b.receiver(r, phase=b.go(rx.phase, _X.FAIL))
+            _notice(b, s, cfg, r)
             yield b.step(f"fail(r{r})", budgets=budgets)
+
+
+def _fail_attempt(b: _Builder, c: int, cv: CoordVar) -> None:
+    b.coord(c, aphase=b.go(cv.aphase, _X.FAIL))
+    _fail_transition(b, c, cv, _X.FAIL)
+
+
+def _notice(b: _Builder, s: State, cfg: Config, r: int) -> None:
+    """Coordinators whose running attempt requires receiver ``r`` fail that attempt."""
+    for c, cv in _coords(s, cfg):
+        if cv.aphase in _ATTEMPT_RUNNING and any(x == r for x, _ in s.attempt(cv.attempt).required):
+            _fail_attempt(b, c, cv)
 
 
 def reject(s: State, cfg: Config) -> Iterator[Step]:
     """A prepare check fails before admission: the transition ends with ``v`` committed."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is _A.PREPARING and cv.tphase is _T.ADMITTING:
             b = _Builder(s)
             b.coord(c, aphase=b.go(cv.aphase, _X.REJECT), tphase=b.go(cv.tphase, _X.REJECT))
@@ -558,7 +594,7 @@ def reject(s: State, cfg: Config) -> Iterator[Step]:
 
 def mark_obsolete(s: State, cfg: Config) -> Iterator[Step]:
     """The control plane refuses the attempt's commit; endpoints ignore its later payloads."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is not _A.FAILED:
             continue
         tau = cv.attempt
@@ -578,7 +614,7 @@ def mark_obsolete(s: State, cfg: Config) -> Iterator[Step]:
 
 def stop_and_wait(s: State, cfg: Config) -> Iterator[Step]:
     """Surviving endpoints drain the attempt's writes; crashed receivers are retired."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.aphase is not _A.OBSOLETE:
             continue
         tau = cv.attempt
@@ -595,7 +631,7 @@ def stop_and_wait(s: State, cfg: Config) -> Iterator[Step]:
 
 def cleanup(s: State, cfg: Config) -> Iterator[Step]:
     """Release the attempt; then retry, end, finish the commit, or wait for dense refits."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         tau = cv.attempt
         b = _Builder(s)
         if cv.tphase is _T.FINISHING:
@@ -625,7 +661,7 @@ def cleanup(s: State, cfg: Config) -> Iterator[Step]:
 
 def baseline_update(s: State, cfg: Config) -> Iterator[Step]:
     """An owner reads ``(v+1, g)``, updates its baseline in place and reports (repeatable)."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if cv.tphase is not _T.FINISHING or s.record == NONE:
             continue
         for o, ow in enumerate(s.owners):
@@ -639,7 +675,7 @@ def baseline_update(s: State, cfg: Config) -> Iterator[Step]:
 
 def reopen_gate(s: State, cfg: Config) -> Iterator[Step]:
     """Receivers drop KV caches and reopen the gate (after commit, or after dense refits)."""
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         b = _Builder(s)
         if cv.tphase is _T.REOPENING:
             b.coord(c, tphase=b.go(cv.tphase, _X.REOPEN_GATE))
@@ -656,13 +692,19 @@ def reopen_gate(s: State, cfg: Config) -> Iterator[Step]:
                         r, phase=b.go(rx.phase, _X.REOPEN_GATE), gate_open=True, kv=EMPTY, held=V1
                     )
         elif cv.tphase is _T.REFITTING:
-            closed = [r for r, rx in enumerate(s.receivers) if not rx.gate_open]
-            if any(s.receivers[r].phase is _R.CLEANED for r in closed):
+            # Receivers where writes landed are dense-refitted first; the others hold the
+            # committed record and reopen at once.
+            if any(rx.phase is _R.CLEANED and _dirty(rx) for rx in s.receivers):
                 continue
             b.coord(c, tphase=b.go(cv.tphase, _X.REOPEN_GATE))
-            for r in closed:
-                rx = s.receivers[r]
-                if rx.phase is _R.REFITTED and rx.held == s.record_version and rx.epoch <= c:
+            for r, rx in enumerate(s.receivers):
+                if (
+                    rx.attempt == cv.attempt
+                    and rx.phase in (_R.CLEANED, _R.REFITTED)
+                    and rx.held == s.record_version
+                    and not _dirty(rx)
+                    and rx.epoch <= c
+                ):
                     b.receiver(r, phase=b.go(rx.phase, _X.REOPEN_GATE), gate_open=True, kv=EMPTY)
         else:
             continue
@@ -676,7 +718,7 @@ def take_over(s: State, cfg: Config) -> Iterator[Step]:
     c = s.epoch + 1
     fresh = s.coords[c - 1]
     b = _Builder(s)
-    budgets = replace(s.budgets, failovers=s.budgets.failovers - 1)
+    budgets = s.budgets._replace(failovers=s.budgets.failovers - 1)
     if s.registered == NONE:
         b.coord(c, started=True)
     else:
@@ -689,6 +731,14 @@ def take_over(s: State, cfg: Config) -> Iterator[Step]:
             overwrite=True,
             admitted=True,
         )
+    if not cfg.replaced_acts:
+        # The replaced coordinator learns of the takeover at once and stands down; only its
+        # commit already in flight can still reach the control plane.
+        old = s.coords[s.epoch - 1]
+        if b.may(old.tphase, _X.CONFLICT):
+            b.coord(s.epoch, tphase=b.go(old.tphase, _X.CONFLICT))
+        if b.may(old.aphase, _X.CONFLICT):
+            b.coord(s.epoch, aphase=b.go(old.aphase, _X.CONFLICT))
     yield b.step(f"take_over(c{c})", epoch=c, budgets=budgets)
 
 
@@ -696,7 +746,7 @@ def abort(s: State, cfg: Config) -> Iterator[Step]:
     """The operator aborts; not while a commit outcome is pending (it is resolved first)."""
     if s.budgets.aborts == 0:
         return
-    for c, cv in _coords(s):
+    for c, cv in _coords(s, cfg):
         if s.epoch != c or (cv.tphase, _X.ABORT) not in _NEXT:
             continue
         if cv.aphase in (_A.COMMITTING, _A.UNKNOWN, _A.RESOLVING, _A.COMMITTED):
@@ -705,15 +755,15 @@ def abort(s: State, cfg: Config) -> Iterator[Step]:
         b.coord(c, tphase=b.go(cv.tphase, _X.ABORT))
         if cv.aphase in _ATTEMPT_RUNNING:
             b.coord(c, aphase=b.go(cv.aphase, _X.FAIL))
-        yield b.step(f"abort(c{c})", budgets=replace(s.budgets, aborts=s.budgets.aborts - 1))
+        yield b.step(f"abort(c{c})", budgets=s.budgets._replace(aborts=s.budgets.aborts - 1))
 
 
 def dense_refit(s: State, cfg: Config) -> Iterator[Step]:
     """A receiver restores the committed version by a dense load and prewarm."""
-    refitting = [c for c, cv in _coords(s) if cv.tphase is _T.REFITTING]
+    refitting = [c for c, cv in _coords(s, cfg) if cv.tphase is _T.REFITTING]
     for r, rx in enumerate(s.receivers):
         stale = rx.phase is _R.REFITTED and rx.held != s.record_version
-        aborted = rx.phase is _R.CLEANED and bool(refitting)
+        aborted = rx.phase is _R.CLEANED and _dirty(rx) and bool(refitting)
         if not (rx.phase is _R.JOINING or stale or aborted):
             continue
         b = _Builder(s)
@@ -759,17 +809,18 @@ def crash_receiver(s: State, cfg: Config) -> Iterator[Step]:
             epoch=0,
             acked=NONE,
         )
+        _notice(b, s, cfg, r)
         yield b.step(
             f"crash_receiver(r{r})",
             inflight=frozenset(p for p in s.inflight if p.receiver != r),
-            budgets=replace(s.budgets, crashes=s.budgets.crashes - 1),
+            budgets=s.budgets._replace(crashes=s.budgets.crashes - 1),
         )
 
 
 def lose_payload(s: State, cfg: Config) -> Iterator[Step]:
     if s.budgets.losses == 0:
         return
-    budgets = replace(s.budgets, losses=s.budgets.losses - 1)
+    budgets = s.budgets._replace(losses=s.budgets.losses - 1)
     for p in sorted(s.inflight, key=_payload_key):
         yield Step(
             f"lose_payload(t{p.attempt},o{p.range},r{p.receiver})",
@@ -782,7 +833,7 @@ def duplicate_payload(s: State, cfg: Config) -> Iterator[Step]:
     """The transport delivers an already ingested payload again."""
     if s.budgets.duplicates == 0:
         return
-    budgets = replace(s.budgets, duplicates=s.budgets.duplicates - 1)
+    budgets = s.budgets._replace(duplicates=s.budgets.duplicates - 1)
     for r, rx in enumerate(s.receivers):
         if rx.attempt == NONE or rx.phase not in _RECEIVER_RUNNING:
             continue
@@ -798,30 +849,41 @@ def duplicate_payload(s: State, cfg: Config) -> Iterator[Step]:
 
 
 def lose_commit_reply(s: State, cfg: Config) -> Iterator[Step]:
+    """The reply to a compare-and-set is lost before its coordinator reads it."""
     if s.budgets.reply_losses == 0:
         return
     for tau, a in enumerate(s.attempts, start=1):
-        if a.reply in (Reply.SUCCEEDED, Reply.FAILED, Reply.CONFLICT):
+        if a.reply in (Reply.SUCCEEDED, Reply.FAILED, Reply.CONFLICT) and _awaits_outcome(s, tau):
             b = _Builder(s)
             b.attempt(tau, reply=Reply.LOST)
             yield b.step(
                 f"lose_commit_reply(t{tau})",
-                budgets=replace(s.budgets, reply_losses=s.budgets.reply_losses - 1),
+                budgets=s.budgets._replace(reply_losses=s.budgets.reply_losses - 1),
             )
 
 
 def expire_deadline(s: State, cfg: Config) -> Iterator[Step]:
     """The commit deadline of an attempt passes; the control plane refuses its commit after."""
     for tau, a in enumerate(s.attempts, start=1):
-        if a.cas is not Cas.NONE and not a.expired:
+        if a.cas is not Cas.NONE and not a.expired and _awaits_outcome(s, tau):
             b = _Builder(s)
             b.attempt(tau, expired=True)
             yield b.step(f"expire_deadline(t{tau})")
 
 
-_TERMINAL = frozenset(
-    {_T.COMMITTED, _T.REJECTED, _T.ABORTED, _T.STOOD_DOWN}
-)
+def _dirty(rx: ReceiverVar) -> bool:
+    """Writes of some attempt landed since the receiver held a committed version."""
+    return any(v != rx.held for v in rx.storage)
+
+
+def _awaits_outcome(s: State, tau: int) -> bool:
+    """Some coordinator still waits for the commit outcome of ``tau`` (else time is moot)."""
+    return any(
+        c.started and c.attempt == tau and c.aphase in (_A.COMMITTING, _A.UNKNOWN) for c in s.coords
+    )
+
+
+_TERMINAL = frozenset({_T.COMMITTED, _T.REJECTED, _T.ABORTED, _T.STOOD_DOWN})
 
 
 def _payload_key(p: Payload) -> tuple[int, int, int, int]:

@@ -13,10 +13,10 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from dcr.protocol.lifecycle import AnyEdge
+from dcr.protocol.lifecycle import AnyEdge, ReceiverPhase
 from dcr.testing.spec.actions import ACTIONS, Action, Config, Step, initial_state
 from dcr.testing.spec.invariants import INVARIANTS, Invariant
-from dcr.testing.spec.state import Payload, ReceiverVar, State
+from dcr.testing.spec.state import Payload, State
 
 __all__ = ["Counterexample", "Result", "canonical", "explore", "successors"]
 
@@ -30,7 +30,8 @@ class Counterexample:
     trace: tuple[Step, ...]
 
     def __str__(self) -> str:
-        lines = [f"invariant {self.invariant} violated after {len(self.trace)} steps: {self.message}"]
+        head = f"invariant {self.invariant} violated after {len(self.trace)} steps"
+        lines = [f"{head}: {self.message}"]
         lines += [f"  {i + 1:3d}. {step.label}" for i, step in enumerate(self.trace)]
         return "\n".join(lines)
 
@@ -59,38 +60,44 @@ def successors(s: State, cfg: Config, actions: Mapping[str, Action] = ACTIONS) -
     return [step for action in actions.values() for step in action(s, cfg)]
 
 
-def _receiver_key(s: State, r: int) -> tuple[object, ...]:
-    rx = s.receivers[r]
-    return (
-        _var_key(rx),
-        tuple(
-            (any(x == r for x, _ in a.required), any(x == r for x, _ in a.acks))
-            for a in s.attempts
-        ),
-        tuple(sorted((p.attempt, p.range, int(p.encoding)) for p in s.inflight if p.receiver == r)),
-    )
-
-
-def _var_key(rx: ReceiverVar) -> tuple[object, ...]:
-    return (
-        rx.phase.value,
-        rx.attempt,
-        rx.inc,
-        rx.gate_open,
-        rx.kv,
-        rx.storage,
-        tuple(sorted((x, int(e)) for x, e in rx.staged)),
-        tuple(sorted(rx.applied)),
-        rx.held,
-        rx.epoch,
-        rx.acked,
-    )
+_PHASE_INDEX = {p: i for i, p in enumerate(ReceiverPhase)}
 
 
 def canonical(s: State) -> State:
-    """``s`` with receivers renumbered into a canonical order (receivers are symmetric)."""
+    """``s`` with receivers renumbered into a canonical order (receivers are symmetric).
+
+    Receivers are sorted by everything that concerns them: their own variables, the
+    attempts that require them or hold their ACKs, and the payloads in flight to them.
+    """
     n = len(s.receivers)
-    order = sorted(range(n), key=lambda r: _receiver_key(s, r))  # type: ignore[arg-type, return-value]
+    member = [0] * n
+    for i, a in enumerate(s.attempts):
+        for r, _ in a.required:
+            member[r] |= 1 << (2 * i)
+        for r, _ in a.acks:
+            member[r] |= 1 << (2 * i + 1)
+    mail: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    for p in s.inflight:
+        mail[p.receiver].append((p.attempt, p.range, int(p.encoding)))
+    keys = [
+        (
+            _PHASE_INDEX[rx.phase],
+            rx.attempt,
+            rx.inc,
+            rx.gate_open,
+            rx.kv,
+            rx.storage,
+            tuple(sorted((x, int(e)) for x, e in rx.staged)),
+            tuple(sorted(rx.applied)),
+            rx.held,
+            rx.epoch,
+            rx.acked,
+            member[r],
+            tuple(sorted(mail[r])),
+        )
+        for r, rx in enumerate(s.receivers)
+    ]
+    order = sorted(range(n), key=keys.__getitem__)
     if order == list(range(n)):
         return s
     new = {old: i for i, old in enumerate(order)}
@@ -98,8 +105,7 @@ def canonical(s: State) -> State:
         s,
         receivers=tuple(s.receivers[old] for old in order),
         attempts=tuple(
-            replace(
-                a,
+            a._replace(
                 required=frozenset((new[r], inc) for r, inc in a.required),
                 acks=frozenset((new[r], inc) for r, inc in a.acks),
             )

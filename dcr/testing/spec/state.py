@@ -1,6 +1,8 @@
 """The variables of ``models/refit.tla`` as frozen dataclasses.
 
-One transition ``v -> v+1`` is modelled.  Versions are small integers: ``V0`` is ``v`` and
+One transition ``v -> v+1`` is modelled.  The per-process records are named tuples (cheap
+to copy and hash: the model checker creates millions of them); ``State`` is a frozen
+dataclass that caches its hash.  Versions are small integers: ``V0`` is ``v`` and
 ``V1`` is ``v+1``.  Receiver storage is abstract: one value per *range* (the destinations of
 one owner's payload), which records which version's bits the range holds, or ``BAD`` when an
 XOR entry landed on bits other than the base it was computed from, or ``LOST`` after a crash.
@@ -9,7 +11,8 @@ XOR entry landed on bits other than the base it was computed from, or ``LOST`` a
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from dcr.protocol.lifecycle import AttemptPhase, OwnerPhase, ReceiverPhase, TransitionPhase
 
@@ -79,8 +82,7 @@ class Reply(enum.IntEnum):
     LOST = 4
 
 
-@dataclass(frozen=True, slots=True)
-class CoordVar:
+class CoordVar(NamedTuple):
     """One coordinator: its transition phase and its view of its current attempt."""
 
     started: bool
@@ -96,8 +98,7 @@ class CoordVar:
     """The current attempt's endpoints all stopped (stop_and_wait returned)."""
 
 
-@dataclass(frozen=True, slots=True)
-class AttemptVar:
+class AttemptVar(NamedTuple):
     """What the control plane and the endpoints know about one attempt."""
 
     coord: int
@@ -113,16 +114,14 @@ class AttemptVar:
     """The commit deadline passed: the control plane accepts no commit of the attempt."""
 
 
-@dataclass(frozen=True, slots=True)
-class OwnerVar:
+class OwnerVar(NamedTuple):
     phase: OwnerPhase
     attempt: int
     baseline: int
     sent: bool
 
 
-@dataclass(frozen=True, slots=True)
-class ReceiverVar:
+class ReceiverVar(NamedTuple):
     phase: ReceiverPhase
     attempt: int
     inc: int
@@ -141,8 +140,7 @@ class ReceiverVar:
     """The attempt this receiver fully applied and acknowledged (``NONE`` if none)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Payload:
+class Payload(NamedTuple):
     """A payload in flight: attempt, range (owner), destination receiver, encoding."""
 
     attempt: int
@@ -151,8 +149,7 @@ class Payload:
     encoding: Encoding
 
 
-@dataclass(frozen=True, slots=True)
-class Budgets:
+class Budgets(NamedTuple):
     """Faults the environment may still inject (bounds the explored configuration)."""
 
     losses: int = 0
@@ -169,7 +166,7 @@ class State:
     """One state of the specification (the TLA+ variables)."""
 
     record: int
-    """``NONE`` while the record holds ``K^v``; otherwise the attempt whose ``(v+1, g)`` it names."""
+    """``NONE`` while the record holds ``K^v``, else the attempt whose ``(v+1, g)`` it names."""
     commit_epoch: int
     """Active coordinator epoch at the moment the record changed (``NONE`` before)."""
     epoch: int
@@ -182,6 +179,15 @@ class State:
     receivers: tuple[ReceiverVar, ...]
     inflight: frozenset[Payload]
     budgets: Budgets
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = (self.record, self.commit_epoch, self.epoch, self.registered, self.coords)
+        rest = (self.attempts, self.owners, self.receivers, self.inflight, self.budgets)
+        object.__setattr__(self, "_hash", hash(fields + rest))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def attempt(self, tau: int) -> AttemptVar:
         return self.attempts[tau - 1]
