@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AttemptObsolete",
     "CommitConflict",
+    "CommitStoreError",
     "ConfigError",
     "DcrError",
     "LayoutError",
@@ -102,6 +103,26 @@ class LoaderPathUnsupported(LoaderConditionViolated):
 
 class TransportError(DcrError):
     """Moving payload bytes failed; ``retryable`` says whether trying again may help."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        attempt: int | None = None,
+        tensor: str | None = None,
+        check: str | None = None,
+    ) -> None:
+        self.retryable = retryable
+        super().__init__(message, attempt=attempt, tensor=tensor, check=check)
+
+
+class CommitStoreError(DcrError):
+    """The commit store (control plane) could not be reached or answered with an error.
+
+    ``retryable`` says whether trying again may help.  A compare-and-set whose outcome is not
+    known is not an error: it returns ``UNKNOWN`` and ``read_commit`` resolves it.
+    """
 
     def __init__(
         self,

@@ -1,0 +1,173 @@
+"""The commit-store interface (paper §6.3, App. B.2 "Commit outcomes", "Failover").
+
+A commit store holds, durably, the commit record ``K = (v, g)`` together with what makes
+compare-and-set safe across coordinators: the active coordinator *epoch* (a coordinator that
+takes over claims a new epoch; the store then refuses every later registration or commit of an
+older one with a conflict), the active attempt, and the attempts marked obsolete (whose commits
+it refuses).  Each compare-and-set carries a deadline; the store accepts it only before then, so
+``read_commit`` can wait out the deadline and then read an outcome no pending commit can change.
+
+Subclasses implement one primitive, :meth:`CommitStore._transact`, that reads the state and
+writes a new one atomically; the base class builds every operation on it.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import anyio
+
+from dcr.errors import CommitConflict, CommitStoreError
+from dcr.protocol.types import CommitOutcome, CommitRecord
+
+__all__ = ["INITIAL_RECORD", "CommitState", "CommitStore"]
+
+INITIAL_RECORD = CommitRecord(version=0, candidate="g0")
+"""The record of a store that has never committed: version 0 of the initial checkpoint."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitState:
+    """Everything the store holds for one policy.
+
+    ``revision`` increases with every change; a compare-and-set must observe it unchanged, so
+    two writers can never both win (an S3 ETag or an etcd ``mod_revision`` plays this role).
+    """
+
+    record: CommitRecord
+    epoch: int = 0
+    """Epoch of the active coordinator (0: none claimed yet)."""
+    attempt: int | None = None
+    """The active attempt: the one the active coordinator registered last."""
+    deadline: float | None = None
+    """Commit deadline of the active attempt's last compare-and-set (store clock, seconds)."""
+    obsolete: frozenset[int] = frozenset()
+    revision: int = 0
+
+
+Transaction = Callable[[CommitState], CommitState | None]
+"""Reads the current state and returns the new one, or ``None`` to change nothing."""
+
+
+class CommitStore(ABC):
+    """Durable commit record with compare-and-set; all operations are atomic.
+
+    ``clock`` is the store's clock (seconds); it must agree with the coordinators' clocks
+    within the margin their deadlines allow (the paper assumes clock-synchronized coordinators
+    and control plane).
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.time, poll_s: float = 0.05) -> None:
+        self.clock = clock
+        self.poll_s = poll_s
+
+    @abstractmethod
+    async def _transact(self, fn: Transaction) -> CommitState:
+        """Atomically apply ``fn`` to the stored state; return the state after it.
+
+        Implementations convert vendor errors into :class:`~dcr.errors.CommitStoreError`.
+        """
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+    async def read(self) -> CommitState:
+        """The current state."""
+        return await self._transact(lambda s: None)
+
+    async def claim(self) -> int:
+        """Become the active coordinator: returns a new epoch, newer than every earlier one."""
+        state = await self._transact(
+            lambda s: replace(s, epoch=s.epoch + 1, revision=s.revision + 1)
+        )
+        return state.epoch
+
+    async def register(self, *, epoch: int, attempt: int) -> CommitState:
+        """Admit ``attempt`` at prepare; it becomes the active attempt.
+
+        Raises :class:`~dcr.errors.CommitConflict` when ``epoch`` is no longer the active
+        coordinator's (paper App. B: the control plane accepts prepare only from it).
+        """
+        stale: list[int] = []
+
+        def fn(s: CommitState) -> CommitState | None:
+            if s.epoch != epoch:
+                stale.append(s.epoch)
+                return None
+            return replace(s, attempt=attempt, deadline=None, revision=s.revision + 1)
+
+        state = await self._transact(fn)
+        if stale:
+            raise CommitConflict(
+                f"coordinator epoch {epoch} was replaced by epoch {stale[0]}",
+                attempt=attempt,
+                check="epoch",
+            )
+        return state
+
+    async def compare_and_set(
+        self,
+        *,
+        epoch: int,
+        attempt: int,
+        expected: CommitRecord,
+        new: CommitRecord,
+        deadline: float,
+    ) -> CommitOutcome:
+        """Replace ``expected`` by ``new`` if nothing forbids it (paper App. B.2).
+
+        ``CONFLICT``: the epoch was replaced, or the record holds neither ``expected`` nor
+        ``new`` (another coordinator committed).  ``FAILED``: the attempt is obsolete or not
+        the active one, or the store's clock passed ``deadline``.  ``SUCCEEDED`` also when the
+        record already holds ``new`` (a repeated commit of the same attempt).
+        """
+        outcome: list[CommitOutcome] = []
+
+        def fn(s: CommitState) -> CommitState | None:
+            if s.epoch != epoch:
+                outcome.append(CommitOutcome.CONFLICT)
+            elif s.record == new:
+                outcome.append(CommitOutcome.SUCCEEDED)
+            elif s.record != expected:
+                outcome.append(CommitOutcome.CONFLICT)
+            elif attempt in s.obsolete or s.attempt != attempt or self.clock() >= deadline:
+                outcome.append(CommitOutcome.FAILED)
+            else:
+                outcome.append(CommitOutcome.SUCCEEDED)
+                return replace(s, record=new, deadline=deadline, revision=s.revision + 1)
+            return None
+
+        try:
+            await self._transact(fn)
+        except CommitStoreError:
+            # The write may or may not have happened: read_commit resolves it after the
+            # deadline (paper App. B.2, unknown outcome).
+            return CommitOutcome.UNKNOWN
+        return outcome[0]
+
+    async def mark_obsolete(self, *, attempt: int) -> None:
+        """Refuse every later commit of ``attempt`` (paper App. B.2, stopping an attempt)."""
+
+        def fn(s: CommitState) -> CommitState | None:
+            if attempt in s.obsolete:
+                return None
+            return replace(s, obsolete=s.obsolete | {attempt}, revision=s.revision + 1)
+
+        await self._transact(fn)
+
+    async def read_commit(self, *, attempt: int, deadline: float) -> CommitRecord:
+        """The record once no commit of ``attempt`` can change it any more.
+
+        Waits until the store's clock passes ``deadline`` (the one the attempt's commit
+        carried) or the attempt is obsolete, then reads (paper App. B.2: read_commit waits
+        past the deadline, which bounds the wait).
+        """
+        while True:
+            state = await self.read()
+            remaining = deadline - self.clock()
+            if attempt in state.obsolete or remaining <= 0:
+                return state.record
+            await anyio.sleep(min(remaining, self.poll_s))

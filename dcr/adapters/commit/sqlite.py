@@ -1,0 +1,126 @@
+"""The SQLite commit store: the embedded default control plane.
+
+One database file holds the commit record of any number of named policies.  Every operation is
+one ``BEGIN IMMEDIATE`` transaction (the database's write lock), and the write is an
+``UPDATE ... WHERE revision = ?`` whose row count proves no other writer got in between, so
+compare-and-set is correct across threads and processes sharing the file (WAL mode).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+
+from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
+from dcr.errors import CommitStoreError
+from dcr.protocol.types import CommitRecord
+
+__all__ = ["SqliteCommitStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dcr_commit (
+    name      TEXT PRIMARY KEY,
+    version   INTEGER NOT NULL,
+    candidate TEXT NOT NULL,
+    epoch     INTEGER NOT NULL,
+    attempt   INTEGER,
+    deadline  REAL,
+    obsolete  TEXT NOT NULL,
+    revision  INTEGER NOT NULL
+)
+"""
+
+
+class SqliteCommitStore(CommitStore):
+    """Commit state in the SQLite database at ``path`` under ``name``.
+
+    A missing row is created with ``record`` (default: version 0).  ``timeout_s`` bounds how
+    long an operation waits for the database lock.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        name: str = "policy",
+        record: CommitRecord = INITIAL_RECORD,
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        poll_s: float = 0.05,
+    ) -> None:
+        super().__init__(clock=clock, poll_s=poll_s)
+        self.path = Path(path)
+        self.name = name
+        self.timeout_s = timeout_s
+        self._initial = record
+        try:
+            with self._connect() as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(_SCHEMA)
+                db.execute(
+                    "INSERT OR IGNORE INTO dcr_commit VALUES (?, ?, ?, 0, NULL, NULL, '[]', 0)",
+                    (name, record.version, record.candidate),
+                )
+        except sqlite3.Error as exc:
+            raise CommitStoreError(f"cannot open {self.path}: {exc}", retryable=False) from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        return db
+
+    def _run(self, fn: Transaction) -> CommitState:
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            row = db.execute(
+                "SELECT version, candidate, epoch, attempt, deadline, obsolete, revision "
+                "FROM dcr_commit WHERE name = ?",
+                (self.name,),
+            ).fetchone()
+            if row is None:
+                raise CommitStoreError(f"no commit record named {self.name!r}", retryable=False)
+            state = CommitState(
+                record=CommitRecord(version=row[0], candidate=row[1]),
+                epoch=row[2],
+                attempt=row[3],
+                deadline=row[4],
+                obsolete=frozenset(json.loads(row[5])),
+                revision=row[6],
+            )
+            new = fn(state)
+            if new is None:
+                db.execute("COMMIT")
+                return state
+            cur = db.execute(
+                "UPDATE dcr_commit SET version = ?, candidate = ?, epoch = ?, attempt = ?, "
+                "deadline = ?, obsolete = ?, revision = ? WHERE name = ? AND revision = ?",
+                (
+                    new.record.version,
+                    new.record.candidate,
+                    new.epoch,
+                    new.attempt,
+                    new.deadline,
+                    json.dumps(sorted(new.obsolete)),
+                    new.revision,
+                    self.name,
+                    state.revision,
+                ),
+            )
+            if cur.rowcount != 1:
+                raise CommitStoreError("the commit record changed under the lock", retryable=True)
+            db.execute("COMMIT")
+            return new
+        except sqlite3.Error as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise CommitStoreError(f"{self.path}: {exc}", retryable=True) from exc
+        finally:
+            db.close()
+
+    async def _transact(self, fn: Transaction) -> CommitState:
+        return await anyio.to_thread.run_sync(self._run, fn)
