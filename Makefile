@@ -48,5 +48,8 @@ bench: $(STAMP)
 	$(BIN)/dcr bench codec --json | tee out/bench-codec.json
 	$(BIN)/dcr bench construct --json | tee out/bench-construct.json
 
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_protocol_doc.py
+
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache .hypothesis out
