@@ -10,7 +10,7 @@ PYTEST  ?= -q
 .PHONY: help venv demo test test-main test-fast test-vllm lint bench docs clean
 
 help:
-	@echo "make demo       run the main job (dcr demo) in .venv"
+	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy and vLLM tests)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
 	@echo "make bench      dcr bench codec + dcr bench construct (JSON to out/)"
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/dcr demo
+	$(BIN)/dcr demo $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check dcr tests

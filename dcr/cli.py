@@ -93,15 +93,22 @@ def _parser() -> argparse.ArgumentParser:
         help="refit two serving layouts from a TP=2 x DP=2 trainer, checked bit for bit",
         description=(
             "Builds a synthetic llama-family model, slices it for a TP=2 x DP=2 trainer, and "
-            "refits two receivers with different serving TP (1 and 2) through their native "
-            "loaders for several versions; after each refit every parameter bit is compared "
-            "with a dense load of the new version. Exits non-zero on any mismatch."
+            "refits two receivers with different serving TP (1 and 2) through the refit "
+            "protocol and their native loaders for several versions; after each refit every "
+            "parameter bit is compared with a dense load of the new version. Exits non-zero "
+            "on any mismatch."
         ),
     )
     demo.add_argument("--size-mb", type=float, default=300.0, help="model size (default 300)")
     demo.add_argument("--refits", type=_positive, default=5, help="versions to refit")
     demo.add_argument("--rate", type=float, default=0.01, help="element change rate")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--faults",
+        action="store_true",
+        help="inject failures into refits 2..N: a receiver killed mid-refit, lost/corrupted/"
+        "duplicated/reordered payloads, a lost commit reply, a coordinator failover",
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -141,6 +148,7 @@ def _demo(args: argparse.Namespace) -> int:
         refits=args.refits,
         rate=args.rate,
         seed=args.seed,
+        faults=args.faults,
         quiet=args.json,
     )
     if args.json:

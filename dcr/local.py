@@ -1,28 +1,48 @@
-"""One-call in-process refit: owners, payload bytes, decode and apply on every receiver.
+"""One-call in-process refit.
 
-:class:`LocalRefit` is the whole data plane in one process, for tests, notebooks, demos and
-single-node setups: it builds every owner of the source's training layout, prewarms every
-receiver, and on each :meth:`LocalRefit.refit` runs construction -> payload bytes -> strict
-decode -> in-place apply through each receiver's native loader, then commits (owners update
-their trackers in place).
+:class:`LocalRefit` runs every role of a refit in this process through the real protocol:
+one owner engine per training rank, one receiver engine per receiver and a coordinator per
+transition, talking over in-memory adapters (control channel, transport) and a commit store
+(in-memory by default, or e.g. SQLite).  Each :meth:`LocalRefit.refit` is one transition
+``v -> v+1``: construction -> payload bytes -> strict decode -> in-place apply through each
+receiver's native loader -> completion ACKs -> compare-and-set commit -> in-place baseline
+update, with overwrite retries when something fails (see ``docs/protocol.md``).  Faults can be
+injected (:class:`~dcr.engine.faults.Faults`) to watch recovery.
+
+:class:`DataPlane` is the data plane alone (no protocol, no retries): build payloads, apply
+them, commit -- for experiments and tests that need to hold the pieces in their hands.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.from_thread
+
+from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.commit.memory import MemoryCommitStore
+from dcr.adapters.control.memory import MemoryControl
 from dcr.adapters.sources.base import Source
+from dcr.adapters.transport.memory import MemoryTransport
 from dcr.apply.loader import Loader
 from dcr.apply.receiver import ApplyConfig, Receiver, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats
 from dcr.delta.records import Mode, TensorSpec
-from dcr.errors import ConfigError
+from dcr.engine.cluster import AttemptSummary, LocalCluster, TransitionResult
+from dcr.engine.faults import Faults
+from dcr.engine.receiver import ReceiverHooks
+from dcr.engine.setup import Integration
+from dcr.errors import ConfigError, DcrError
+from dcr.protocol.receiver import QueueConfig
+from dcr.protocol.types import Timeouts, TransitionOutcome
 from dcr.wire.payload import (
     DecodeLimits,
     PayloadHeader,
@@ -31,12 +51,18 @@ from dcr.wire.payload import (
     encode_payload,
 )
 
-__all__ = ["LocalRefit", "RefitConfig", "RefitReport"]
+__all__ = ["DataPlane", "LocalRefit", "RefitConfig", "RefitReport", "TransitionFailed"]
+
+LOCAL_TIMEOUTS = Timeouts(
+    prepare_s=30.0, arrival_s=300.0, gate_s=60.0, flush_s=600.0, commit_s=2.0, stop_s=120.0
+)
+"""Deadlines for one process: a commit deadline of 2 s bounds how long an unknown commit
+outcome takes to resolve."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RefitConfig:
-    """Settings of :class:`LocalRefit`; every field has the documented default."""
+    """Settings of :class:`LocalRefit` and :class:`DataPlane`; every field has a default."""
 
     build: BuildConfig = field(default_factory=BuildConfig)
     """Chunk and bucket targets of the owners."""
@@ -49,7 +75,14 @@ class RefitConfig:
     limits: DecodeLimits = field(default_factory=DecodeLimits)
     """Bounds the strict decoder enforces on received payloads."""
     threads: int = 0
-    """Owners constructing in parallel; 0 means one per CPU core."""
+    """Worker threads for construction, decode and apply; 0 means one per CPU core."""
+    timeouts: Timeouts = LOCAL_TIMEOUTS
+    """Protocol deadlines (``LocalRefit`` only)."""
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """Receivers' bounded queue of decoded payloads (default 32 groups x 8 + 8)."""
+    sync: bool = True
+    """Synchronous RL (apply while payloads stream) or asynchronous RL (stage compressed
+    payloads while serving, apply after the gate closes)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +96,7 @@ class RefitReport:
     residual_changed: int
     """Canonical elements changed in residual tensors (compared after conversion)."""
     payload_bytes: int
+    """Compressed payload bytes sent, over all attempts."""
     num_payloads: int
     xor_items: int
     overwrite_items: int
@@ -74,10 +108,14 @@ class RefitReport:
     """Bytes of source shards (and residual tensors) the owners compared."""
     receivers: int
     seconds: Mapping[str, float]
-    """Wall seconds per stage: ``source`` (candidate shards from the update), ``construct``
-    (detect, project, pack, encode on every owner in parallel), ``decode``, ``apply`` (summed
-    over receivers), ``commit`` and ``total``; ``owner_*`` keys sum each owner sub-stage over
-    owners (CPU seconds, not wall)."""
+    """Wall seconds: ``source`` (candidate shards from the update), ``transition`` (the
+    protocol run, construction to baseline update, stages overlapping), ``total``; and
+    worker seconds summed over owners or receivers: ``construct`` (detect, project, pack,
+    encode), ``decode``, ``apply`` (plus ``owner_*`` sub-stages)."""
+    attempts: tuple[AttemptSummary, ...] = ()
+    """The attempts of the transition: the first in mixed mode, retries in overwrite mode."""
+    faults: Mapping[str, object] = field(default_factory=dict)
+    """What injected faults did (dropped payloads, killed endpoints, ...)."""
 
     @property
     def bytes_per_changed_element(self) -> float:
@@ -89,6 +127,14 @@ class RefitReport:
         return self.payload_bytes / self.checkpoint_bytes if self.checkpoint_bytes else 0.0
 
 
+class TransitionFailed(DcrError):
+    """A refit ended without committing (conflict, rejection or operator abort)."""
+
+    def __init__(self, outcome: TransitionOutcome, reason: str) -> None:
+        self.outcome = outcome
+        super().__init__(f"the transition ended {outcome.value}: {reason}", check=outcome.value)
+
+
 def _mode(mode: Mode | str) -> Mode:
     try:
         return mode if isinstance(mode, Mode) else Mode(mode)
@@ -96,22 +142,16 @@ def _mode(mode: Mode | str) -> Mode:
         raise ConfigError(f"mode must be 'mixed' or 'overwrite', got {mode!r}") from None
 
 
-class LocalRefit:
-    """Refit ``receivers`` from ``source`` in this process.
-
-    ``receivers`` are native loaders (e.g. :class:`~dcr.TorchModuleLoader`) or already built
-    :class:`~dcr.apply.receiver.Receiver` objects; each must hold the source's current version.
-    ``mode`` is ``"mixed"`` (XOR where every receiver's loader path preserves bits) or
-    ``"overwrite"``.
-    """
+class _Base:
+    """Owners of the source's layout and prewarmed receivers, shared by both front ends."""
 
     def __init__(
         self,
         source: Source,
         receivers: Sequence[Loader | Receiver],
         *,
-        mode: Mode | str = Mode.MIXED,
-        config: RefitConfig | None = None,
+        mode: Mode | str,
+        config: RefitConfig | None,
     ) -> None:
         self.source = source
         self.config = config or RefitConfig()
@@ -126,14 +166,206 @@ class LocalRefit:
             r.prewarm()
         self.xor_allowed = xor_allowed_across(self.receivers)
         self.version = 0
-        self.attempt = 0
         self.checkpoint_bytes = sum(s.nbytes for s in self.catalog.values())
-        self._pool = ThreadPoolExecutor(max_workers=self.config.threads or os.cpu_count() or 1)
+        self.threads = self.config.threads or os.cpu_count() or 1
+
+    def _report(self, stats: BuildStats, seconds: dict[str, float], **fields: Any) -> RefitReport:
+        seconds["construct"] = sum(
+            stats.seconds.get(k, 0.0) for k in ("detect", "project", "pack", "encode", "convert")
+        )
+        seconds.update({f"owner_{k}": v for k, v in stats.seconds.items()})
+        return RefitReport(
+            version=self.version,
+            changed_elements=stats.changed_elements,
+            residual_changed=stats.residual_changed,
+            xor_items=stats.xor_items,
+            overwrite_items=stats.overwrite_items,
+            xor_entries=stats.xor_entries,
+            overwrite_entries=stats.overwrite_entries,
+            checkpoint_bytes=self.checkpoint_bytes,
+            source_bytes=stats.source_bytes,
+            receivers=len(self.receivers),
+            seconds=seconds,
+            **fields,
+        )
+
+
+class LocalRefit(_Base):
+    """Refit ``receivers`` from ``source`` in this process, through the refit protocol.
+
+    ``receivers`` are native loaders (e.g. :class:`~dcr.TorchModuleLoader`) or prebuilt
+    :class:`~dcr.apply.receiver.Receiver` objects; each must hold the source's current
+    version.  ``mode="mixed"`` XOR-encodes where every receiver's loader path preserves bits;
+    ``"overwrite"`` sends absolute values only.  ``store`` is the commit store (default
+    in-memory; pass e.g. :class:`~dcr.adapters.commit.SqliteCommitStore` for a durable one);
+    ``hooks`` maps receiver names (``r0``, ``r1``, ...) to request-gate and KV-cache actions.
+    Owners are named ``o<rank>``.  Close it (or use it as a context manager) to stop the
+    engines.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        receivers: Sequence[Loader | Receiver],
+        *,
+        mode: Mode | str = Mode.MIXED,
+        config: RefitConfig | None = None,
+        store: CommitStore | None = None,
+        hooks: Mapping[str, ReceiverHooks] | None = None,
+    ) -> None:
+        super().__init__(source, receivers, mode=mode, config=config)
+        self.store = store or MemoryCommitStore()
+        ranks = range(source.plan.layout.world_size)
+        self.integration = Integration(
+            catalog=self.catalog,
+            xor_names=self.xor_allowed if self.mode is Mode.MIXED else frozenset(),
+            owner_ids={f"o{r}": r for r in ranks},
+            zstd_level=self.config.zstd_level,
+            value_layout=self.config.value_layout,
+            limits=self.config.limits,
+        )
+        self.receiver_names = tuple(f"r{i}" for i in range(len(self.receivers)))
+        self._hooks = dict(hooks or {})
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._closed = False
+        try:
+            self._committed = self._portal.call(self._read_record)
+            self.cluster = LocalCluster(
+                group=self.group,
+                receivers=dict(zip(self.receiver_names, self.receivers, strict=True)),
+                integration=self.integration,
+                store=self.store,
+                control=MemoryControl(),
+                transport=MemoryTransport(),
+                sync=self.config.sync,
+                timeouts=self.config.timeouts,
+                queue=self.config.queue,
+                hooks=self._hooks,
+                limiter=anyio.CapacityLimiter(self.threads),
+            )
+            self.cluster.versions[self._committed] = source.base_shards()
+            self._running = self._portal.wrap_async_context_manager(self._serve())
+            self._running.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    async def _read_record(self) -> Any:
+        return (await self.store.read()).record
+
+    @asynccontextmanager
+    async def _serve(self) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            await self.cluster.start(tg, self._committed)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+
+    def close(self) -> None:
+        """Stop every engine and the event loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._running.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> LocalRefit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def refit(
+        self,
+        update: Any,
+        *,
+        faults: Faults | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> RefitReport:
+        """Run the transition to the version in ``update`` and commit it.
+
+        ``update`` is what the source turns into candidate shards (a canonical state dict for
+        :class:`~dcr.StateDictSource`).  ``faults`` injects failures into the first attempt.
+        ``progress(stage, done, total)`` is called as stages advance.  Raises
+        :class:`TransitionFailed` when the transition ends without a commit.
+        """
+        if self._closed:
+            raise ConfigError("this LocalRefit is closed")
+        t0 = time.perf_counter()
+        if progress:
+            progress("source", 0, 1)
+        candidate = self.source.candidate_shards(update)
+        self.group.stage(candidate)
+        t1 = time.perf_counter()
+        before = [
+            (s.decode_seconds, s.apply_seconds) for s in self.cluster.receiver_services.values()
+        ]
+        if progress:
+            progress("transition", 0, 1)
+        self.cluster.progress = progress
+        try:
+            result: TransitionResult = self._portal.call(self.cluster.transition, faults)
+        finally:
+            self.cluster.progress = None
+        t2 = time.perf_counter()
+        if result.outcome is not TransitionOutcome.COMMITTED:
+            self.group.discard()
+            raise TransitionFailed(result.outcome, result.reason)
+        del self.cluster.versions[self._committed]
+        self._committed = result.record
+        self.cluster.versions[self._committed] = candidate
+        self.version += 1
+        if progress:
+            progress("transition", 1, 1)
+        after = [
+            (s.decode_seconds, s.apply_seconds) for s in self.cluster.receiver_services.values()
+        ]
+        seconds = {
+            "source": t1 - t0,
+            "transition": t2 - t1,
+            "total": time.perf_counter() - t0,
+            "decode": sum(a[0] for a in after) - sum(b[0] for b in before),
+            "apply": sum(a[1] for a in after) - sum(b[1] for b in before),
+        }
+        modes = {a.mode for a in result.attempts}
+        return self._report(
+            result.stats,
+            seconds,
+            mode=Mode.OVERWRITE if Mode.OVERWRITE in modes or not self.xor_allowed else self.mode,
+            payload_bytes=result.payload_bytes,
+            num_payloads=result.num_payloads,
+            attempts=result.attempts,
+            faults=result.faults.summary(),
+        )
+
+
+class DataPlane(_Base):
+    """The data plane alone, in this process: build payloads, apply them, commit.
+
+    No protocol runs: nothing deduplicates, retries or commits for you.  Use it to inspect
+    payloads, reproduce a partial apply followed by an overwrite retry, or measure stages.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        receivers: Sequence[Loader | Receiver],
+        *,
+        mode: Mode | str = Mode.MIXED,
+        config: RefitConfig | None = None,
+    ) -> None:
+        super().__init__(source, receivers, mode=mode, config=config)
+        self.attempt = 0
+        self._pool = ThreadPoolExecutor(max_workers=self.threads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> LocalRefit:
+    def __enter__(self) -> DataPlane:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -149,12 +381,13 @@ class LocalRefit:
         source_seconds = time.perf_counter() - t0
         self.attempt += 1
         attempt = self.attempt
-        streams = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
+        xor = self.xor_allowed if self.mode is Mode.MIXED else frozenset()
+        streams = self.group.build(mode=mode, xor_allowed=xor)
 
         def encode_all(owner: int, buckets: Iterator[Bucket], stats: BuildStats) -> list[bytes]:
             out = []
             for seq, bucket in enumerate(buckets):
-                t0 = time.perf_counter()
+                t = time.perf_counter()
                 header = PayloadHeader(
                     attempt=attempt, owner=owner, payload_id=seq, final=bucket.final
                 )
@@ -166,7 +399,7 @@ class LocalRefit:
                         layout=self.config.value_layout,
                     )
                 )
-                stats.add_time("encode", time.perf_counter() - t0)
+                stats.add_time("encode", time.perf_counter() - t)
             return out
 
         futures = [
@@ -199,69 +432,35 @@ class LocalRefit:
                 )
                 for p in data
             ]
-            decoded.sort(key=lambda p: (p.header.payload_id, p.header.owner))
+            decoded.sort(key=lambda p: p.header.order)
             t1 = time.perf_counter()
             for p in decoded:
                 r.apply_items(p.items, attempt=p.header.attempt)
-            t2 = time.perf_counter()
             seconds["decode"] += t1 - t0
-            seconds["apply"] += t2 - t1
+            seconds["apply"] += time.perf_counter() - t1
             if progress is not None:
                 progress(done, len(targets))
         return seconds
 
-    def refit(
-        self,
-        update: Any,
-        *,
-        mode: Mode | str | None = None,
-        progress: Callable[[str, int, int], None] | None = None,
-    ) -> RefitReport:
-        """Bring every receiver to the version in ``update`` and commit it.
-
-        ``update`` is what the source turns into candidate shards (a canonical state dict for
-        :class:`~dcr.StateDictSource`).  ``progress(stage, done, total)`` is called as stages
-        advance.
-        """
-        mode_ = self.mode if mode is None else _mode(mode)
-        t_start = time.perf_counter()
-        if progress:
-            progress("construct", 0, 1)
-        payloads, stats = self.build_payloads(update, mode=mode_)
-        t_built = time.perf_counter()
-        if progress:
-            progress("construct", 1, 1)
-        seconds = self.apply_payloads(
-            payloads,
-            progress=(lambda d, n: progress("apply", d, n)) if progress else None,
-        )
-        t_applied = time.perf_counter()
+    def commit(self) -> None:
+        """Owners update their trackers and residual baseline to the staged candidate."""
         self.group.commit()
         self.version += 1
-        t_end = time.perf_counter()
+
+    def refit(self, update: Any, *, mode: Mode | str | None = None) -> RefitReport:
+        """Build, apply on every receiver, commit -- without the protocol."""
+        mode_ = self.mode if mode is None else _mode(mode)
+        t0 = time.perf_counter()
+        payloads, stats = self.build_payloads(update, mode=mode_)
+        seconds = self.apply_payloads(payloads)
+        self.commit()
         source = stats.seconds.pop("source", 0.0)
-        stage_seconds = {
-            "source": source,
-            "construct": t_built - t_start - source,
-            "decode": seconds["decode"],
-            "apply": seconds["apply"],
-            "commit": t_end - t_applied,
-            "total": t_end - t_start,
-        }
-        stage_seconds.update({f"owner_{k}": v for k, v in stats.seconds.items()})
-        return RefitReport(
-            version=self.version,
-            mode=mode_,
-            changed_elements=stats.changed_elements,
-            residual_changed=stats.residual_changed,
+        seconds.update({"source": source, "transition": time.perf_counter() - t0 - source})
+        seconds["total"] = time.perf_counter() - t0
+        return self._report(
+            stats,
+            seconds,
+            mode=mode_ if self.mode is Mode.MIXED else Mode.OVERWRITE,
             payload_bytes=sum(len(p) for p in payloads),
             num_payloads=len(payloads),
-            xor_items=stats.xor_items,
-            overwrite_items=stats.overwrite_items,
-            xor_entries=stats.xor_entries,
-            overwrite_entries=stats.overwrite_entries,
-            checkpoint_bytes=self.checkpoint_bytes,
-            source_bytes=stats.source_bytes,
-            receivers=len(self.receivers),
-            seconds=stage_seconds,
         )

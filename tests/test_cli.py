@@ -7,7 +7,6 @@ import json
 import pytest
 
 from dcr import cli
-from dcr.local import LocalRefit
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -64,14 +63,37 @@ def test_demo_is_bit_exact(capsys):
 
 
 def test_demo_exits_nonzero_when_a_receiver_misses_a_payload(capsys, monkeypatch):
-    real = LocalRefit.apply_payloads
+    """A receiver engine that silently skips its first payload yet acknowledges: the demo's
+    dense check must catch it and the command must fail."""
+    from dcr.engine.receiver import ReceiverService
 
-    def drop_one(self, payloads, *args, **kwargs):
-        payloads = list(payloads)
-        biggest = max(range(len(payloads)), key=lambda i: len(payloads[i]))
-        return real(self, payloads[:biggest] + payloads[biggest + 1 :], *args, **kwargs)
+    real = ReceiverService._apply_group
+    skipped: list[object] = []
 
-    monkeypatch.setattr(LocalRefit, "apply_payloads", drop_one)
+    def skip_first(self, attempt, keys):
+        if not skipped and self.name == "r0":
+            skipped.append(keys[0])
+            self._decoded.pop(keys[0])
+            keys = keys[1:]
+        return real(self, attempt, keys)
+
+    monkeypatch.setattr(ReceiverService, "_apply_group", skip_first)
     assert cli.main(["demo", "--size-mb", "8", "--refits", "1", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["bit_exact"] is False
+    assert out["bit_exact"] is False and skipped
+
+
+def test_demo_with_faults_recovers_bit_exactly(capsys):
+    out = run_json(capsys, "demo", "--size-mb", "8", "--refits", "5", "--faults")
+    assert out["bit_exact"] is True
+    rows = out["refits"]
+    assert rows[0]["attempts"] == ["mixed"]
+    # refit 2: a receiver killed mid-refit -> overwrite retry, restarted by dense refit
+    assert rows[1]["attempts"] == ["mixed", "overwrite"]
+    assert rows[1]["faults"]["killed"] == ["r1"] and rows[1]["faults"]["restarted"] == ["r1"]
+    # refit 3: damaged deliveries fail the mixed attempt; the retry repairs
+    assert rows[2]["attempts"] == ["mixed", "overwrite"] and rows[2]["faults"]["dropped"] == 1
+    # refit 4: a lost commit reply is resolved by read_commit, no retry needed
+    assert rows[3]["attempts"] == ["mixed"] and rows[3]["faults"]["lost_commit_replies"] == 1
+    # refit 5: failover; the new coordinator retries in overwrite mode
+    assert rows[4]["faults"]["failovers"] == 1 and rows[4]["attempts"][-1] == "overwrite"

@@ -15,7 +15,7 @@ BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 def examples() -> list[str]:
     blocks = BLOCK.findall((DOCS / "api.md").read_text())
     # Fragments that need a live loader or engine (receiver, vLLM) are shown, not run.
-    return [b for b in blocks if "from dcr import LocalRefit" in b]
+    return [b for b in blocks if "from dcr import" in b and "StateDictSource" in b and "w1" in b]
 
 
 def test_there_are_runnable_examples():

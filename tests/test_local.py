@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import dcr
 from dcr import LocalRefit, Mode, StateDictSource, TorchModuleLoader, TrainLayout
+from dcr.local import DataPlane
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.delta.bits import bits
 from dcr.errors import PayloadRejected
@@ -54,7 +55,7 @@ def test_plain_module_refit_is_bit_exact_and_reports():
     assert report.payload_bytes > 0 and report.checkpoint_bytes == sum(
         t.numel() * t.element_size() for t in sd.values()
     )
-    for stage in ("construct", "decode", "apply", "commit", "total"):
+    for stage in ("source", "construct", "decode", "apply", "transition", "total"):
         assert report.seconds[stage] >= 0
     # the next refit starts from the committed baseline: no change, nothing but empty payloads
     again = refit.refit(new)
@@ -137,7 +138,7 @@ def test_corrupted_payload_is_rejected_and_writes_nothing():
     sd = random_state_dict(cfg, "llama", seed=6)
     (m,) = reference_ranks(cfg, "llama", 1, sd)
     snapshot = {n: t.clone() for n, t in m.state_dict().items()}
-    refit = LocalRefit(
+    refit = DataPlane(
         StateDictSource(sd, family="llama", config=cfg, layout=TrainLayout(tp=2)),
         [ShardedReferenceLoader(m)],
     )
@@ -171,7 +172,7 @@ def test_overwrite_retry_repairs_a_partial_mixed_apply():
         sd, layout=TrainLayout(tp=2, ep=2, dp=2), family="qwen3_moe", config=cfg
     )
     new = perturb(sd, rate=0.05, seed=9)
-    with LocalRefit(source, [ShardedReferenceLoader(m) for m in receivers]) as refit:
+    with DataPlane(source, [ShardedReferenceLoader(m) for m in receivers]) as refit:
         payloads, _ = refit.build_payloads(new, mode=Mode.MIXED)
         refit.apply_payloads(payloads[: len(payloads) // 2])  # the attempt dies half-way
         mixed = [
@@ -181,6 +182,6 @@ def test_overwrite_retry_repairs_a_partial_mixed_apply():
         assert any(mixed)  # a real mixture of versions
         retry, _ = refit.build_payloads(new, mode=Mode.OVERWRITE)
         refit.apply_payloads(retry)
-        refit.group.commit()
+        refit.commit()
     for a, b in zip(receivers, reference_ranks(cfg, "qwen3_moe", 2, new), strict=True):
         assert module_bit_mismatches(a, b) == []

@@ -238,6 +238,15 @@ class Receiver:
         """The native loader this receiver applies through."""
         return self._loader
 
+    @property
+    def config(self) -> ApplyConfig:
+        return self._config
+
+    @property
+    def device(self) -> torch.device:
+        """Where the scratch buffer (and, normally, the resident weights) live."""
+        return self._require_prewarm()[1].device
+
     def xor_allowed(self) -> frozenset[str]:
         """Names on which XOR entries are safe on this receiver (paper §5, App. A.2).
 

@@ -48,6 +48,10 @@ class Scratch:
         return int(self._buffer.numel())
 
     @property
+    def device(self) -> torch.device:
+        return self._buffer.device
+
+    @property
     def ptr(self) -> int:
         return int(self._buffer.untyped_storage().data_ptr())
 

@@ -84,6 +84,24 @@ class LocalTrainingGroup:
                     canon.copy_(local)
         return out
 
+    @property
+    def staged(self) -> Mapping[str, torch.Tensor] | None:
+        """The candidate shards of the next version, if staged."""
+        return self._candidate
+
+    def export(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical tensors of a version given its shards (full conversion of every tensor).
+
+        Used to restore a receiver by dense refit from the training side's own baseline.
+        """
+        residual = {task.name: task for task in self.plan.residual}
+        return {
+            name: self._convert(residual[name], shards)
+            if name in residual
+            else self._export(name, shards)
+            for name in self.plan.catalog
+        }
+
     def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
         """Hand every owner its candidate shards for the next version."""
         self.plan.check_shards(candidate)

@@ -73,6 +73,8 @@ class _Ingest:
     staged_reported: bool = False
     synchronizing: bool = False
     paused: bool = False
+    want: PayloadKey | None = None
+    """While paused: the one payload ingestion still lets through."""
     stop_pending: bool = False
 
     waiting: list[tuple[int, PayloadKey]] = field(default_factory=list)
@@ -411,14 +413,18 @@ class ReceiverCore:
             out.append(cmd.Notify(event=ev.Staged(attempt=tau, receiver=self.name, counts=counts)))
         if s.info.sync:
             full = len(s.staged) + s.used >= self.queue.capacity
-            if full and not s.paused:
-                s.paused = True
+            if full:
                 missing = nxt is not None and all(
                     nxt not in held for held in (s.staged, s.decoding, s.decoded, s.applying)
                 )
-                out.append(cmd.PauseIngest(attempt=tau, want=nxt if missing else None))
-            elif not full and s.paused:
-                s.paused = False
+                want = nxt if missing else None
+                # Re-announce when the payload the declared order needs next has changed:
+                # ingestion must let exactly that one through, or nothing can move.
+                if not s.paused or want != s.want:
+                    s.paused, s.want = True, want
+                    out.append(cmd.PauseIngest(attempt=tau, want=want))
+            elif s.paused:
+                s.paused, s.want = False, None
                 out.append(cmd.ResumeIngest(attempt=tau))
         if self.phase is _R.FLUSHING and not s.synchronizing and s.complete():
             s.synchronizing = True

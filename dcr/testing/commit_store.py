@@ -40,6 +40,7 @@ class _Model:
     epoch: int = 0
     attempt: int | None = None
     obsolete: set[int] = field(default_factory=set)
+    info: str = ""
     history: list[CommitRecord] = field(default_factory=lambda: [INITIAL_RECORD])
 
 
@@ -74,18 +75,22 @@ class CommitStoreMachine(RuleBasedStateMachine):
         self.model.epoch += 1
         assert epoch == self.model.epoch
 
-    @rule(stale=st.booleans())
-    def register(self, stale: bool) -> None:
+    @rule(stale=st.booleans(), stale_base=st.booleans())
+    def register(self, stale: bool, stale_base: bool) -> None:
         epoch = self.model.epoch - 1 if stale else self.model.epoch
         attempt = self.next_attempt
         self.next_attempt += 1
+        base = self.model.record if not stale_base else self.model.history[0]
         try:
-            self.call(self.store.register, epoch=epoch, attempt=attempt)
+            self.call(
+                self.store.register, epoch=epoch, attempt=attempt, base=base, info=f"i{attempt}"
+            )
         except CommitConflict:
-            assert epoch != self.model.epoch
+            assert epoch != self.model.epoch or base != self.model.record
             return
-        assert epoch == self.model.epoch
+        assert epoch == self.model.epoch and base == self.model.record
         self.model.attempt = attempt
+        self.model.info = f"i{attempt}"
 
     @precondition(lambda self: self.next_attempt > 1)
     @rule(
@@ -155,6 +160,7 @@ class CommitStoreMachine(RuleBasedStateMachine):
         assert s.record == m.record
         assert s.epoch == m.epoch
         assert s.attempt == m.attempt
+        assert s.info == m.info
         assert set(s.obsolete) == m.obsolete
         versions = [r.version for r in m.history]
         assert versions == sorted(set(versions))  # one commit per version, never backwards

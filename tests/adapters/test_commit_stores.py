@@ -15,6 +15,8 @@ from dcr.errors import CommitConflict, ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord
 from dcr.testing.commit_store import CommitStoreMachine, ManualClock
 
+G0 = CommitRecord(version=0, candidate="g0")
+
 SETTINGS = settings(
     max_examples=30,
     stateful_step_count=25,
@@ -62,7 +64,7 @@ def test_sqlite_compare_and_set_has_one_winner_across_processes(tmp_path):
     async def setup() -> None:
         store = SqliteCommitStore(path)
         epoch = await store.claim()
-        await store.register(epoch=epoch, attempt=7)
+        await store.register(epoch=epoch, attempt=7, base=CommitRecord(version=0, candidate="g0"))
 
     anyio.run(setup)
     ctx = mp.get_context("spawn")
@@ -87,10 +89,10 @@ def test_stale_epoch_cannot_register_or_commit(tmp_path):
     async def main() -> None:
         store = SqliteCommitStore(tmp_path / "c.db")
         old = await store.claim()
-        await store.register(epoch=old, attempt=1)
+        await store.register(epoch=old, attempt=1, base=G0)
         new = await store.claim()  # failover
         with pytest.raises(CommitConflict):
-            await store.register(epoch=old, attempt=2)
+            await store.register(epoch=old, attempt=2, base=G0)
         outcome = await store.compare_and_set(
             epoch=old,
             attempt=1,
@@ -99,8 +101,11 @@ def test_stale_epoch_cannot_register_or_commit(tmp_path):
             deadline=1e12,
         )
         assert outcome is CommitOutcome.CONFLICT
-        await store.register(epoch=new, attempt=3)
-        assert (await store.read()).attempt == 3
+        await store.register(epoch=new, attempt=3, base=G0, info="x")
+        state = await store.read()
+        assert (state.attempt, state.info) == (3, "x")
+        with pytest.raises(CommitConflict):  # the record moved on: the prepare is stale
+            await store.register(epoch=new, attempt=4, base=CommitRecord(version=5, candidate="g5"))
 
     anyio.run(main)
 
@@ -111,7 +116,7 @@ def test_read_commit_waits_for_the_deadline():
     async def main() -> None:
         store = MemoryCommitStore(clock=clock, poll_s=0.001)
         epoch = await store.claim()
-        await store.register(epoch=epoch, attempt=1)
+        await store.register(epoch=epoch, attempt=1, base=G0)
         done: list[CommitRecord] = []
 
         async def reader() -> None:

@@ -334,3 +334,25 @@ def test_any_arrival_order_applies_in_declared_order_within_the_queue_bound(
     )
     assert applied == declared
     assert r.phase is ReceiverPhase.ACKED and r.applied == tuple(counts.items())
+
+
+def test_paused_ingestion_follows_the_next_payload_in_declared_order():
+    """With the queue full of later payloads, ingestion must let through exactly the payload
+    the declared order needs next -- and re-announce it each time the cursor moves on."""
+    r = ReceiverCore("r", held=K0, queue=QueueConfig(groups=1, group_size=1))  # capacity 2
+    r.handle(ev.PrepareRequested(info=info(owners=("a",))))
+    r.handle(ev.WaitForRequestsRequested(attempt=1, epoch=1))
+    r.handle(ev.RequestsDrained(attempt=1))
+    r.handle(ev.OpenApplyRequested(attempt=1, epoch=1))
+    r.handle(arrived(1, "a", 3, final=True))
+    out = r.handle(arrived(1, "a", 2))
+    assert of(out, cmd.PauseIngest) == [cmd.PauseIngest(attempt=1, want=key(1, "a", 0))]
+    out = r.handle(arrived(1, "a", 0))
+    assert of(out, cmd.Decode) == [cmd.Decode(key=key(1, "a", 0))]
+    out = r.handle(ev.PayloadDecoded(key=key(1, "a", 0)))
+    assert of(out, cmd.Apply) == [cmd.Apply(attempt=1, keys=(key(1, "a", 0),))]
+    out = r.handle(ev.PayloadsApplied(attempt=1, keys=(key(1, "a", 0),)))
+    # the cursor moved to a/1, which has not arrived: ingestion must now wait for it
+    assert of(out, cmd.PauseIngest) == [cmd.PauseIngest(attempt=1, want=key(1, "a", 1))]
+    out = r.handle(arrived(1, "a", 1))
+    assert of(out, cmd.Decode) == [cmd.Decode(key=key(1, "a", 1))]

@@ -45,6 +45,10 @@ class CommitState:
     deadline: float | None = None
     """Commit deadline of the active attempt's last compare-and-set (store clock, seconds)."""
     obsolete: frozenset[int] = frozenset()
+    info: str = ""
+    """What the active coordinator registered with the active attempt (opaque to the store;
+    the engine keeps the attempt's :class:`~dcr.protocol.types.AttemptInfo` here so that a
+    coordinator that takes over can resume it)."""
     revision: int = 0
 
 
@@ -85,27 +89,29 @@ class CommitStore(ABC):
         )
         return state.epoch
 
-    async def register(self, *, epoch: int, attempt: int) -> CommitState:
+    async def register(
+        self, *, epoch: int, attempt: int, base: CommitRecord, info: str = ""
+    ) -> CommitState:
         """Admit ``attempt`` at prepare; it becomes the active attempt.
 
         Raises :class:`~dcr.errors.CommitConflict` when ``epoch`` is no longer the active
-        coordinator's (paper App. B: the control plane accepts prepare only from it).
+        coordinator's (paper App. B: the control plane accepts prepare only from it) or the
+        record no longer equals ``base`` (the transition was committed meanwhile).
         """
-        stale: list[int] = []
+        conflict: list[str] = []
 
         def fn(s: CommitState) -> CommitState | None:
             if s.epoch != epoch:
-                stale.append(s.epoch)
+                conflict.append(f"coordinator epoch {epoch} was replaced by epoch {s.epoch}")
                 return None
-            return replace(s, attempt=attempt, deadline=None, revision=s.revision + 1)
+            if s.record != base:
+                conflict.append(f"the record is {s.record}, not {base}")
+                return None
+            return replace(s, attempt=attempt, deadline=None, info=info, revision=s.revision + 1)
 
         state = await self._transact(fn)
-        if stale:
-            raise CommitConflict(
-                f"coordinator epoch {epoch} was replaced by epoch {stale[0]}",
-                attempt=attempt,
-                check="epoch",
-            )
+        if conflict:
+            raise CommitConflict(conflict[0], attempt=attempt, check="register")
         return state
 
     async def compare_and_set(

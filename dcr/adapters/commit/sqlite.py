@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS dcr_commit (
     attempt   INTEGER,
     deadline  REAL,
     obsolete  TEXT NOT NULL,
+    info      TEXT NOT NULL,
     revision  INTEGER NOT NULL
 )
 """
@@ -63,7 +64,7 @@ class SqliteCommitStore(CommitStore):
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(_SCHEMA)
                 db.execute(
-                    "INSERT OR IGNORE INTO dcr_commit VALUES (?, ?, ?, 0, NULL, NULL, '[]', 0)",
+                    "INSERT OR IGNORE INTO dcr_commit VALUES (?, ?, ?, 0, NULL, NULL, '[]', '', 0)",
                     (name, record.version, record.candidate),
                 )
         except sqlite3.Error as exc:
@@ -78,7 +79,7 @@ class SqliteCommitStore(CommitStore):
         try:
             db.execute("BEGIN IMMEDIATE")
             row = db.execute(
-                "SELECT version, candidate, epoch, attempt, deadline, obsolete, revision "
+                "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision "
                 "FROM dcr_commit WHERE name = ?",
                 (self.name,),
             ).fetchone()
@@ -90,7 +91,8 @@ class SqliteCommitStore(CommitStore):
                 attempt=row[3],
                 deadline=row[4],
                 obsolete=frozenset(json.loads(row[5])),
-                revision=row[6],
+                info=row[6],
+                revision=row[7],
             )
             new = fn(state)
             if new is None:
@@ -98,7 +100,8 @@ class SqliteCommitStore(CommitStore):
                 return state
             cur = db.execute(
                 "UPDATE dcr_commit SET version = ?, candidate = ?, epoch = ?, attempt = ?, "
-                "deadline = ?, obsolete = ?, revision = ? WHERE name = ? AND revision = ?",
+                "deadline = ?, obsolete = ?, info = ?, revision = ? "
+                "WHERE name = ? AND revision = ?",
                 (
                     new.record.version,
                     new.record.candidate,
@@ -106,6 +109,7 @@ class SqliteCommitStore(CommitStore):
                     new.attempt,
                     new.deadline,
                     json.dumps(sorted(new.obsolete)),
+                    new.info,
                     new.revision,
                     self.name,
                     state.revision,

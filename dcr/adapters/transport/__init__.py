@@ -1,0 +1,7 @@
+"""Transports: how payload bytes travel from owners to receivers."""
+
+from dcr.adapters.transport.base import Delivery as Delivery
+from dcr.adapters.transport.base import Transport as Transport
+from dcr.adapters.transport.memory import MemoryTransport as MemoryTransport
+
+__all__ = ["Delivery", "MemoryTransport", "Transport"]

@@ -1,0 +1,395 @@
+"""Every role of a refit in one process: owners, receivers and coordinators on real adapters.
+
+:class:`LocalCluster` starts one owner engine per training rank and one receiver engine per
+receiver, all talking through a control channel, a transport and a commit store (in-memory by
+default), and runs each transition with a fresh coordinator.  It is also the *supervisor*:
+it confirms dead endpoints (``Retired``), restarts them (a receiver restores the committed
+version by dense refit and rejoins at the next prepare; an owner reinitializes its baseline
+from the committed version), and plays the fault plan of :mod:`dcr.engine.faults`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import TaskGroup
+
+from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.transport.base import Transport
+from dcr.apply.receiver import Receiver
+from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.owner import BuildStats, Owner
+from dcr.engine.coordinator import CoordinatorService
+from dcr.engine.faults import FaultLog, Faults, FaultyCommitStore, FaultyTransport
+from dcr.engine.owner import OwnerService, TrainingSide
+from dcr.engine.receiver import ReceiverHooks, ReceiverService
+from dcr.engine.setup import Integration, default_limiter
+from dcr.errors import ConfigError
+from dcr.protocol import commands as cmd
+from dcr.protocol import events as ev
+from dcr.protocol.lifecycle import ReceiverPhase
+from dcr.protocol.receiver import QueueConfig
+from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
+
+__all__ = ["AttemptSummary", "LocalCluster", "TransitionResult"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttemptSummary:
+    """One attempt of a transition as the coordinators ran it."""
+
+    attempt: int
+    mode: Mode
+    receivers: tuple[str, ...]
+    coordinator: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransitionResult:
+    """How a transition ended, and what it took."""
+
+    outcome: TransitionOutcome
+    record: CommitRecord
+    attempts: tuple[AttemptSummary, ...]
+    stats: BuildStats
+    """Construction counters of the first attempt (the changed set is the same in all)."""
+    payload_bytes: int
+    """Payload bytes the transport accepted, over all attempts."""
+    num_payloads: int
+    faults: FaultLog
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class _Process:
+    scope: anyio.CancelScope
+    exited: anyio.Event = field(default_factory=anyio.Event)
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class LocalCluster:
+    """Owners of ``group`` and the given receivers, driven through real protocol engines."""
+
+    group: LocalTrainingGroup
+    receivers: Mapping[str, Receiver]
+    integration: Integration
+    store: CommitStore
+    control: ControlChannel
+    transport: Transport
+    sync: bool = True
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    hooks: Mapping[str, ReceiverHooks] = field(default_factory=dict)
+    limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
+    owners: dict[str, OwnerService] = field(default_factory=dict)
+    receiver_services: dict[str, ReceiverService] = field(default_factory=dict)
+    versions: dict[CommitRecord, Mapping[str, torch.Tensor]] = field(default_factory=dict)
+    """Shards of the committed version and of the candidate, for dense refits and restarts."""
+    _transport: FaultyTransport = field(init=False)
+    _store: FaultyCommitStore = field(init=False)
+    _side: TrainingSide = field(init=False)
+    _tg: TaskGroup | None = None
+    _processes: dict[str, _Process] = field(default_factory=dict)
+    _dead: set[str] = field(default_factory=set)
+    _faults: Faults = field(default_factory=Faults)
+    _log: FaultLog = field(default_factory=FaultLog)
+    _coordinators: list[CoordinatorService] = field(default_factory=list)
+    _applied_in_first: int = 0
+    _first_attempt: int | None = None
+    _failover_due: anyio.Event | None = None
+    progress: Callable[[str, int, int], None] | None = None
+    """Called in the event loop as payloads are applied: ``("apply", applied, -1)``."""
+    _applied: int = 0
+
+    def __post_init__(self) -> None:
+        self._transport = FaultyTransport(self.transport)
+        self._store = FaultyCommitStore(self.store)
+        self._side = TrainingSide(self.group, self.integration.xor_names)
+
+    @property
+    def side(self) -> TrainingSide:
+        return self._side
+
+    # -- processes ----------------------------------------------------------------------
+
+    @property
+    def owner_names(self) -> tuple[str, ...]:
+        return tuple(self.integration.owner_ids)
+
+    async def start(self, tg: TaskGroup, committed: CommitRecord) -> None:
+        """Start every owner and receiver engine in ``tg``, all holding ``committed``."""
+        self._tg = tg
+        for name, rank in self.integration.owner_ids.items():
+            await self._start_owner(name, rank, committed)
+        for name in self.receivers:
+            await self._start_receiver(name, committed)
+
+    async def _spawn(self, name: str, serve: Callable[..., Awaitable[None]]) -> None:
+        assert self._tg is not None
+        proc = _Process(scope=anyio.CancelScope())
+
+        async def run(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            try:
+                with proc.scope:
+                    await serve(task_status=task_status)
+            finally:
+                proc.exited.set()
+
+        self._processes[name] = proc
+        await self._tg.start(run)
+
+    async def _start_owner(self, name: str, rank: int, baseline: CommitRecord) -> None:
+        service = OwnerService(
+            name=name,
+            rank=rank,
+            side=self.side,
+            integration=self.integration,
+            control=self.control,
+            transport=self._transport,
+            store=self._store,
+            baseline=baseline,
+            limiter=self.limiter,
+            on_sent=self._on_sent,
+        )
+        self.owners[name] = service
+        await self._spawn(name, service.serve)
+
+    async def _start_receiver(self, name: str, held: CommitRecord | None) -> None:
+        service = ReceiverService(
+            name=name,
+            receiver=self.receivers[name],
+            integration=self.integration,
+            control=self.control,
+            transport=self._transport,
+            held=held,
+            queue=self.queue,
+            hooks=self.hooks.get(name, ReceiverHooks()),
+            limiter=self.limiter,
+            on_applied=self._on_applied,
+        )
+        self.receiver_services[name] = service
+        await self._spawn(name, service.serve)
+
+    async def kill(self, name: str) -> None:
+        """The endpoint's process dies now; returns once its pending writes have finished."""
+        proc = self._processes.get(name)
+        if proc is None or not proc.alive:
+            return
+        proc.alive = False
+        svc = self.receiver_services.get(name)
+        info = svc.core.attempt if svc is not None else self.owners[name].core.attempt
+        proc.scope.cancel()
+        await proc.exited.wait()
+        self._dead.add(name)
+        self._log.killed.append(name)
+        if info is not None:
+            # The supervisor confirms the process cannot resume the attempt (paper App. B.2).
+            await self.control.notify(ev.Retired(attempt=info.attempt, endpoint=name))
+
+    # -- supervisor ---------------------------------------------------------------------
+
+    def retired(self) -> Iterable[str]:
+        return tuple(self._dead)
+
+    async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:
+        """Restore ``receivers`` to ``record`` by dense refit (operator request or rejoin)."""
+        state = self.canonical(record)
+        for name in sorted(receivers):
+            svc = self.receiver_services.get(name)
+            if svc is not None and name not in self._dead:
+                await svc.dense_refit(state, record)
+
+    def canonical(self, record: CommitRecord) -> dict[str, torch.Tensor]:
+        """The canonical tensors of ``record``, exported from its shards.
+
+        ``record`` is the committed version, or the staged candidate's once it committed.
+        """
+        shards = self.versions.get(record, self.group.staged)
+        if shards is None:
+            raise ConfigError(f"no shards of version {record} are kept for a dense refit")
+        return self.group.export(shards)
+
+    async def _restart(self, name: str) -> None:
+        """Restart a killed endpoint at the committed version (paper App. B.2, joining)."""
+        record = (await self._store.read()).record
+        self._dead.discard(name)
+        self._log.restarted.append(name)
+        if name in self.receivers:
+            await self._start_receiver(name, None)
+            await self.receiver_services[name].dense_refit(self.canonical(record), record)
+        else:
+            rank = self.integration.owner_ids[name]
+            owner = Owner(rank, self.group.plan, self.versions[record], config=self.group.config)
+            staged = self.group.staged
+            if staged is not None:
+                owner.stage(staged)
+            self.group.owners[rank] = owner
+            await self._start_owner(name, rank, record)
+
+    async def _catch_up(self) -> None:
+        """Receivers that restored an older version than the one now committed (they missed
+        the attempt that committed it) restore the newer one before they join (App. B.2)."""
+        record = (await self._store.read()).record
+        for name, svc in sorted(self.receiver_services.items()):
+            core = svc.core
+            if name in self._dead or core.held == record:
+                continue
+            if core.phase in (ReceiverPhase.JOINING, ReceiverPhase.REFITTED):
+                await svc.dense_refit(self.canonical(record), record)
+
+    # -- fault triggers -------------------------------------------------------------------
+
+    def _on_applied(self, key: PayloadKey) -> None:
+        """Runs in the apply worker thread: hand the count to the event loop."""
+        anyio.from_thread.run_sync(self._count_applied, key)
+
+    def _count_applied(self, key: PayloadKey) -> None:
+        self._applied += 1
+        if self.progress is not None:
+            self.progress("apply", self._applied, -1)
+        if key.attempt != self._first_attempt:
+            return
+        self._applied_in_first += 1
+        f = self._faults
+        if self._applied_in_first == f.kill_after:
+            if f.kill_receiver is not None:
+                self._schedule(self._kill_and_restart, f.kill_receiver)
+            if f.failover and self._failover_due is not None:
+                self._failover_due.set()
+
+    def _on_sent(self, key: PayloadKey) -> None:
+        if self._first_attempt is None:
+            self._first_attempt = key.attempt
+        f = self._faults
+        if (
+            f.kill_owner is not None
+            and key.owner == f.kill_owner
+            and key.attempt == self._first_attempt
+            and key.payload_id + 1 == max(f.kill_after, 1)
+        ):
+            self._schedule(self._kill_and_restart, f.kill_owner)
+
+    def _schedule(self, fn: Callable[[str], Coroutine[Any, Any, None]], name: str) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, name)
+
+    async def _kill_and_restart(self, name: str) -> None:
+        await self.kill(name)
+        await self._restart(name)
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def members(self, committed: CommitRecord) -> tuple[str, ...]:
+        """Receivers that hold ``committed`` exactly now: the required receivers."""
+        out = []
+        for name, svc in self.receiver_services.items():
+            core = svc.core
+            if name not in self._dead and core.held == committed and not core.dirty:
+                out.append(name)
+        return tuple(sorted(out))
+
+    async def transition(self, faults: Faults | None = None) -> TransitionResult:
+        """Run one transition (the candidate must be staged) with a fresh coordinator."""
+        faults = faults or Faults()
+        state = await self._store.read()
+        committed = state.record
+        self._faults, self._log = faults, FaultLog()
+        self._transport.arm(faults, self._log)
+        self._store.arm(faults, self._log)
+        self._applied_in_first, self._first_attempt, self._applied = 0, None, 0
+        sent_before = (self._bytes_sent(), self._payloads_sent())
+        coordinators: list[CoordinatorService] = []
+
+        def coordinator() -> CoordinatorService:
+            c = CoordinatorService(
+                owners=self.owner_names,
+                receivers=self.members(committed),
+                store=self._store,
+                control=self.control,
+                transport=self._transport,
+                sync=self.sync,
+                timeouts=self.timeouts,
+                supervisor=self,
+            )
+            coordinators.append(c)
+            return c
+
+        ended: cmd.TransitionEnded
+        if faults.failover:
+            ended = await self._with_failover(coordinator, faults)
+        else:
+            ended = await coordinator().run()
+        for name in sorted(self._dead):
+            await self._restart(name)
+        await self._catch_up()
+        attempts = tuple(
+            AttemptSummary(
+                attempt=c.info.attempt,
+                mode=c.info.mode,
+                receivers=tuple(sorted(c.info.receivers)),
+                coordinator=c.info.coordinator,
+            )
+            for co in coordinators
+            for c in co.commands
+            if isinstance(c, cmd.RegisterAttempt)
+        )
+        first_attempt = attempts[0].attempt if attempts else -1
+        stats = self.side.stats(first_attempt)
+        for a in attempts:
+            self.side.release(a.attempt)
+        return TransitionResult(
+            outcome=ended.outcome,
+            record=ended.record,
+            attempts=attempts,
+            stats=stats,
+            payload_bytes=self._bytes_sent() - sent_before[0],
+            num_payloads=self._payloads_sent() - sent_before[1],
+            faults=self._log,
+            reason=ended.reason,
+        )
+
+    async def _with_failover(
+        self, coordinator: Callable[[], CoordinatorService], faults: Faults
+    ) -> cmd.TransitionEnded:
+        """Replace the coordinator once the trigger fires; the old one dies or keeps running."""
+        due = self._failover_due = anyio.Event()
+        first = coordinator()
+        old_scope = anyio.CancelScope()
+        results: dict[str, cmd.TransitionEnded] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run_old() -> None:
+                    with old_scope:
+                        results["old"] = await first.run()
+                    if not due.is_set():  # it ended before the trigger: no failover
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(run_old)
+                await due.wait()
+                if not faults.old_keeps_running:
+                    old_scope.cancel()  # the old coordinator dies
+                self._log.failovers += 1
+                results["new"] = await coordinator().run(take_over=True)
+                if faults.old_keeps_running:
+                    with anyio.move_on_after(self.timeouts.stop_s):
+                        while "old" not in results:
+                            await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+        finally:
+            self._failover_due = None
+        if "old" in results and "new" in results:
+            self._log.replaced_outcome = results["old"].outcome.value
+        return results.get("new") or results["old"]
+
+    def _bytes_sent(self) -> int:
+        return int(getattr(self.transport, "bytes_sent", 0))
+
+    def _payloads_sent(self) -> int:
+        return int(getattr(self.transport, "payloads_sent", 0))

@@ -1,0 +1,226 @@
+"""The owner engine: runs :class:`~dcr.protocol.owner.OwnerCore` on anyio.
+
+Construction (change detection, projection, packing, zstd) runs in worker threads, one bucket
+at a time, while the previous payload is being sent (paper §7.2: bucket ``l+1`` is built while
+payload ``l`` is sent).  Baseline updates run in a worker thread too.  The core decides what
+happens; this module only does it and reports back.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Container, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.control.base import ControlChannel, ReadCommitRecord
+from dcr.adapters.transport.base import Transport
+from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.owner import Bucket, BuildStats
+from dcr.engine.setup import Integration, default_limiter
+from dcr.errors import DcrError, TransportError
+from dcr.protocol import commands as cmd
+from dcr.protocol import events as ev
+from dcr.protocol.owner import OwnerCore
+from dcr.protocol.types import CommitRecord, Mode, PayloadKey
+from dcr.wire.payload import PayloadHeader, encode_payload
+
+__all__ = ["OwnerService", "TrainingSide", "open_owner"]
+
+
+class TrainingSide:
+    """The in-process training side shared by the owner engines of one trainer process.
+
+    Each attempt's construction starts once for all owners (the residual change flags are
+    all-reduced there); each owner engine then pulls its own buckets.  ``xor_allowed`` is what
+    mixed mode may XOR-encode (the integration setup's ``xor_names``).
+    """
+
+    def __init__(self, group: LocalTrainingGroup, xor_allowed: Container[str]) -> None:
+        self.group = group
+        self.xor_allowed = xor_allowed
+        self._lock = threading.Lock()
+        self._streams: dict[int, dict[int, tuple[Iterator[Bucket], BuildStats]]] = {}
+        self._modes: dict[int, Mode] = {}
+
+    def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
+        """The bucket iterator of owner ``rank`` for ``attempt`` (started on first use)."""
+        with self._lock:
+            if attempt not in self._streams:
+                self._streams[attempt] = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
+                self._modes[attempt] = mode
+            return self._streams[attempt][rank][0]
+
+    def add_time(self, attempt: int, rank: int, stage: str, seconds: float) -> None:
+        with self._lock:
+            streams = self._streams.get(attempt)
+            if streams is not None:
+                streams[rank][1].add_time(stage, seconds)
+
+    def stats(self, attempt: int) -> BuildStats:
+        """Construction counters of ``attempt`` summed over owners."""
+        total = BuildStats()
+        with self._lock:
+            for _, st in self._streams.get(attempt, {}).values():
+                total.merge(st)
+        return total
+
+    def release(self, attempt: int) -> None:
+        with self._lock:
+            self._streams.pop(attempt, None)
+
+    def commit(self, rank: int) -> None:
+        """Owner ``rank`` writes its staged candidate into its trackers (idempotent)."""
+        self.group.owners[rank].commit()
+
+
+@dataclass(slots=True)
+class OwnerService:
+    """One owner endpoint: the protocol core plus the work it asks for."""
+
+    name: str
+    rank: int
+    side: TrainingSide
+    integration: Integration
+    control: ControlChannel
+    transport: Transport
+    store: CommitStore
+    baseline: CommitRecord
+    limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
+    on_sent: Callable[[PayloadKey], None] | None = None
+    """Called after each payload the transport accepted (fault injection, progress)."""
+    core: OwnerCore = field(init=False)
+    _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    _stopped: set[int] = field(default_factory=set)
+    _events: MemoryObjectSendStream[object] | None = None
+
+    def __post_init__(self) -> None:
+        self.core = OwnerCore(self.name, baseline=self.baseline)
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve control calls until cancelled."""
+        inbox = self.control.endpoint_inbox(self.name)
+        send, recv = anyio.create_memory_object_stream[object](math.inf)
+        self._events = send
+        try:
+            with send, recv:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._forward, inbox, send)
+                    task_status.started()
+                    async for message in recv:
+                        await self._handle(message, tg)
+        finally:
+            self.control.close_endpoint(self.name)
+
+    @staticmethod
+    async def _forward(inbox: AsyncIterator[object], send: MemoryObjectSendStream[object]) -> None:
+        async for message in inbox:
+            await send.send(message)
+
+    async def _local(self, event: object) -> None:
+        assert self._events is not None
+        await self._events.send(event)
+
+    async def _handle(self, message: object, tg: TaskGroup) -> None:
+        if isinstance(message, ReadCommitRecord):
+            message = ev.CommitRecordRead(record=(await self.store.read()).record)
+        for c in self.core.handle(message):  # type: ignore[arg-type]
+            await self._execute(c, tg)
+
+    async def _execute(self, c: cmd.OwnerCommand, tg: TaskGroup) -> None:
+        match c:
+            case cmd.Notify(event=event):
+                await self.control.notify(event)
+            case cmd.BuildBucket(attempt=tau, payload_id=pid, mode=mode):
+                tg.start_soon(self._build, tau, pid, mode)
+            case cmd.SendPayload(attempt=tau, payload_id=pid):
+                tg.start_soon(self._send, tau, pid)
+            case cmd.StopStreaming(attempt=tau):
+                self._stopped.add(tau)
+            case cmd.UpdateBaseline(record=record):
+                tg.start_soon(self._update_baseline, record)
+            case cmd.Release(attempt=tau):
+                self._stopped.add(tau)
+                for key in [k for k in self._payloads if k[0] == tau]:
+                    del self._payloads[key]
+
+    def _encode_next(self, attempt: int, payload_id: int, mode: Mode) -> tuple[bytes, bool]:
+        bucket = next(self.side.stream(attempt, mode, self.rank), None)
+        if bucket is None:
+            raise DcrError(
+                f"owner {self.name} has no bucket {payload_id}", attempt=attempt, check="encode"
+            )
+        header = PayloadHeader(
+            attempt=attempt,
+            owner=self.integration.owner_ids[self.name],
+            payload_id=payload_id,
+            final=bucket.final,
+        )
+        t0 = time.perf_counter()
+        data = encode_payload(
+            header,
+            bucket.items,
+            level=self.integration.zstd_level,
+            layout=self.integration.value_layout,
+        )
+        self.side.add_time(attempt, self.rank, "encode", time.perf_counter() - t0)
+        return data, bucket.final
+
+    async def _build(self, attempt: int, payload_id: int, mode: Mode) -> None:
+        failure = None
+        final = False
+        if attempt in self._stopped:
+            return
+        try:
+            data, final = await anyio.to_thread.run_sync(
+                self._encode_next, attempt, payload_id, mode, limiter=self.limiter
+            )
+            self._payloads[(attempt, payload_id)] = data
+        except DcrError as exc:
+            failure = f"encode: {exc}"
+        await self._local(
+            ev.BucketBuilt(attempt=attempt, payload_id=payload_id, final=final, failure=failure)
+        )
+
+    async def _send(self, attempt: int, payload_id: int) -> None:
+        data = self._payloads.get((attempt, payload_id))
+        failure = None
+        key = PayloadKey(attempt=attempt, owner=self.name, payload_id=payload_id)
+        if data is None:
+            failure = "released"
+        else:
+            try:
+                await self.transport.send(key, data)
+            except TransportError as exc:
+                failure = f"transport: {exc}"
+        await self._local(ev.PayloadSent(attempt=attempt, payload_id=payload_id, failure=failure))
+        if failure is None and self.on_sent is not None:
+            self.on_sent(key)
+
+    async def _update_baseline(self, record: CommitRecord) -> None:
+        failure = None
+        try:
+            await anyio.to_thread.run_sync(self.side.commit, self.rank, limiter=self.limiter)
+        except DcrError as exc:
+            failure = str(exc)
+        await self._local(ev.BaselineWritten(record=record, failure=failure))
+
+
+@asynccontextmanager
+async def open_owner(service: OwnerService) -> AsyncIterator[OwnerService]:
+    """Serve ``service`` for the duration of the block (in a task group of its own)."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(service.serve)
+        try:
+            yield service
+        finally:
+            tg.cancel_scope.cancel()

@@ -1,0 +1,82 @@
+"""What every engine process shares: the fixed integration setup and small helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import anyio
+
+from dcr.delta.records import TensorSpec
+from dcr.errors import ConfigError
+from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
+from dcr.wire.payload import DecodeLimits, ValueLayout
+
+__all__ = ["Integration", "attempt_from_json", "attempt_to_json", "default_limiter"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Integration:
+    """The integration setup ``M`` (paper App. A.1, fixed during a transition).
+
+    ``catalog``: canonical names, shapes, dtypes.  ``xor_names``: tensors owners may
+    XOR-encode in mixed mode (every receiver's loader path preserves their bits; receivers
+    reject a prepare when it is not so for them).  ``owner_ids``: owner name -> the owner id
+    carried in payload headers.
+    """
+
+    catalog: Mapping[str, TensorSpec]
+    xor_names: frozenset[str]
+    owner_ids: Mapping[str, int]
+    zstd_level: int = 1
+    value_layout: ValueLayout = ValueLayout.BYTEPLANE
+    limits: DecodeLimits = field(default_factory=DecodeLimits)
+
+    def __post_init__(self) -> None:
+        unknown = self.xor_names - set(self.catalog)
+        if unknown:
+            raise ConfigError(f"xor_names outside the catalog: {sorted(unknown)[:5]}")
+        if len(set(self.owner_ids.values())) != len(self.owner_ids):
+            raise ConfigError("owner ids must be distinct")
+
+
+def attempt_to_json(info: AttemptInfo) -> str:
+    """Serialize what prepare bound, so that a coordinator taking over can resume it."""
+    return json.dumps(
+        {
+            "attempt": info.attempt,
+            "candidate": info.candidate,
+            "base": [info.base.version, info.base.candidate],
+            "mode": info.mode.value,
+            "sync": info.sync,
+            "coordinator": info.coordinator,
+            "owners": list(info.owners),
+            "receivers": sorted(info.receivers),
+        },
+        sort_keys=True,
+    )
+
+
+def attempt_from_json(text: str) -> AttemptInfo:
+    """Inverse of :func:`attempt_to_json`; raises :class:`ConfigError` on malformed input."""
+    try:
+        d = json.loads(text)
+        return AttemptInfo(
+            attempt=int(d["attempt"]),
+            candidate=str(d["candidate"]),
+            base=CommitRecord(version=int(d["base"][0]), candidate=str(d["base"][1])),
+            mode=Mode(d["mode"]),
+            sync=bool(d["sync"]),
+            coordinator=int(d["coordinator"]),
+            owners=tuple(str(o) for o in d["owners"]),
+            receivers=frozenset(str(r) for r in d["receivers"]),
+        )
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"malformed attempt record: {exc}") from exc
+
+
+def default_limiter() -> anyio.CapacityLimiter:
+    """Worker threads for CPU-heavy engine work (diff, encode, zstd, decode, apply)."""
+    return anyio.CapacityLimiter(max(2, os.cpu_count() or 1))
