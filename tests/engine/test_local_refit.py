@@ -106,7 +106,7 @@ def test_fault_recovers_bit_exactly(name):
             else:
                 assert [a.mode for a in report.attempts] == [Mode.MIXED]
             w = new
-        assert refit.cluster.members((refit._committed)) == ("r0", "r1", "r2")
+        assert refit.cluster.members(refit._committed) == ("r0", "r1", "r2")
 
 
 def test_killed_receiver_rejoins_by_dense_refit_and_holds_every_later_version():
