@@ -42,7 +42,7 @@ from dcr.engine.receiver import ReceiverHooks
 from dcr.engine.setup import Integration
 from dcr.errors import ConfigError, DcrError
 from dcr.protocol.receiver import QueueConfig
-from dcr.protocol.types import Timeouts, TransitionOutcome
+from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
 from dcr.wire.payload import (
     DecodeLimits,
     PayloadHeader,
@@ -254,6 +254,12 @@ class LocalRefit(_Base):
     async def _read_record(self) -> Any:
         return (await self.store.read()).record
 
+    @property
+    def record(self) -> CommitRecord:
+        """The commit record ``(version, candidate id)`` the commit store holds now."""
+        record: CommitRecord = self._portal.call(self._read_record)
+        return record
+
     @asynccontextmanager
     async def _serve(self) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
@@ -283,18 +289,21 @@ class LocalRefit(_Base):
         self,
         update: Any,
         *,
+        mode: Mode | str | None = None,
         faults: Faults | None = None,
         progress: Callable[[str, int, int], None] | None = None,
     ) -> RefitReport:
         """Run the transition to the version in ``update`` and commit it.
 
         ``update`` is what the source turns into candidate shards (a canonical state dict for
-        :class:`~dcr.StateDictSource`).  ``faults`` injects failures into the first attempt.
+        :class:`~dcr.StateDictSource`).  ``mode="overwrite"`` sends absolute values only for
+        this refit.  ``faults`` injects failures into the first attempt.
         ``progress(stage, done, total)`` is called as stages advance.  Raises
         :class:`TransitionFailed` when the transition ends without a commit.
         """
         if self._closed:
             raise ConfigError("this LocalRefit is closed")
+        first = Mode.OVERWRITE if self.mode is Mode.OVERWRITE else _mode(mode or self.mode)
         t0 = time.perf_counter()
         if progress:
             progress("source", 0, 1)
@@ -308,7 +317,7 @@ class LocalRefit(_Base):
             progress("transition", 0, 1)
         self.cluster.progress = progress
         try:
-            result: TransitionResult = self._portal.call(self.cluster.transition, faults)
+            result: TransitionResult = self._portal.call(self.cluster.transition, faults, first)
         finally:
             self.cluster.progress = None
         t2 = time.perf_counter()
@@ -332,10 +341,11 @@ class LocalRefit(_Base):
             "apply": sum(a[1] for a in after) - sum(b[1] for b in before),
         }
         modes = {a.mode for a in result.attempts}
+        overwrite_only = Mode.OVERWRITE in modes or not self.cluster.side.xor_allowed
         return self._report(
             result.stats,
             seconds,
-            mode=Mode.OVERWRITE if Mode.OVERWRITE in modes or not self.xor_allowed else self.mode,
+            mode=Mode.OVERWRITE if overwrite_only else self.mode,
             payload_bytes=result.payload_bytes,
             num_payloads=result.num_payloads,
             attempts=result.attempts,

@@ -232,6 +232,28 @@ class LocalCluster:
             self.group.owners[rank] = owner
             await self._start_owner(name, rank, record)
 
+    async def _settle(self) -> None:
+        """Wait (bounded by the stop timeout) until every live receiver has taken the commit
+        notification: it holds the committed record with its gate open, or it is joining and
+        is restored below.  The next transition's required receivers are read from here."""
+        record = (await self._store.read()).record
+
+        def settled() -> bool:
+            for name, svc in self.receiver_services.items():
+                core = svc.core
+                if name in self._dead or core.phase in (
+                    ReceiverPhase.JOINING,
+                    ReceiverPhase.REFITTED,
+                ):
+                    continue
+                if core.held != record or core.dirty or not core.gate_open:
+                    return False
+            return True
+
+        with anyio.move_on_after(self.timeouts.stop_s):
+            while not settled():
+                await anyio.sleep(0.005)
+
     async def _catch_up(self) -> None:
         """Receivers that restored an older version than the one now committed (they missed
         the attempt that committed it) restore the newer one before they join (App. B.2)."""
@@ -294,8 +316,11 @@ class LocalCluster:
                 out.append(name)
         return tuple(sorted(out))
 
-    async def transition(self, faults: Faults | None = None) -> TransitionResult:
-        """Run one transition (the candidate must be staged) with a fresh coordinator."""
+    async def transition(
+        self, faults: Faults | None = None, mode: Mode = Mode.MIXED
+    ) -> TransitionResult:
+        """Run one transition (the candidate must be staged) with a fresh coordinator whose
+        first attempt uses ``mode``."""
         faults = faults or Faults()
         state = await self._store.read()
         committed = state.record
@@ -316,6 +341,7 @@ class LocalCluster:
                 sync=self.sync,
                 timeouts=self.timeouts,
                 supervisor=self,
+                mode=mode,
             )
             coordinators.append(c)
             return c
@@ -327,6 +353,7 @@ class LocalCluster:
             ended = await coordinator().run()
         for name in sorted(self._dead):
             await self._restart(name)
+        await self._settle()
         await self._catch_up()
         attempts = tuple(
             AttemptSummary(

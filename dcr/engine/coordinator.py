@@ -25,7 +25,7 @@ from dcr.errors import CommitConflict, CommitStoreError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
-from dcr.protocol.types import CommitRecord, CounterIds, Stage, Timeouts
+from dcr.protocol.types import CommitRecord, CounterIds, Mode, Stage, Timeouts
 
 __all__ = ["CoordinatorService", "Supervisor", "open_coordinator"]
 
@@ -70,6 +70,8 @@ class CoordinatorService:
     sync: bool = True
     timeouts: Timeouts = field(default_factory=Timeouts)
     require_post_apply: bool = False
+    mode: Mode = Mode.MIXED
+    """Mode of the first attempt (``OVERWRITE`` sends absolute values only)."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
     retry_s: float = 0.2
     epoch_check_s: float = 1.0
@@ -100,6 +102,7 @@ class CoordinatorService:
                 sync=self.sync,
                 timeouts=self.timeouts,
                 require_post_apply=self.require_post_apply,
+                mode=self.mode,
             ),
             CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
         )
@@ -263,6 +266,7 @@ async def open_coordinator(
     sync: bool = True,
     timeouts: Timeouts | None = None,
     supervisor: Supervisor | None = None,
+    mode: Mode = Mode.MIXED,
 ) -> AsyncIterator[CoordinatorService]:
     """A coordinator for one transition: ``result = await coord.run()`` inside the block."""
     yield CoordinatorService(
@@ -274,4 +278,5 @@ async def open_coordinator(
         sync=sync,
         timeouts=timeouts or Timeouts(),
         supervisor=supervisor or _NoSupervisor(),
+        mode=mode,
     )

@@ -71,6 +71,8 @@ class CoordinatorConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     require_post_apply: bool = False
     """Fail an attempt whose ACKs do not report post-apply checks."""
+    mode: Mode = Mode.MIXED
+    """Mode of the first attempt; retries after admission always use overwrite mode."""
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -119,7 +121,7 @@ class CoordinatorCore:
         self.config = config
         self._ids = ids
         self._record = config.base
-        self._mode = Mode.MIXED
+        self._mode = config.mode
         self._admitted = False
         self._members: set[str] = set(config.receivers)
         self._joiners: dict[str, CommitRecord] = {}
