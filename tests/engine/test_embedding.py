@@ -1,0 +1,220 @@
+"""The engine embedded in a plain asyncio program, the way a trainer or a vLLM worker hosts it:
+``open_owner`` / ``open_receiver`` / ``open_coordinator`` inside ``asyncio.run``, a SQLite
+commit store on disk, and an operator abort that keeps the gate closed until a dense refit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import torch
+
+from dcr.adapters.commit import SqliteCommitStore
+from dcr.adapters.control import MemoryControl
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.sources import StateDictSource
+from dcr.adapters.transport import MemoryTransport
+from dcr.apply.receiver import Receiver, xor_allowed_across
+from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.layout import TrainLayout
+from dcr.delta.owner import BuildConfig
+from dcr.engine import (
+    Integration,
+    OwnerService,
+    ReceiverHooks,
+    ReceiverService,
+    TrainingSide,
+    open_coordinator,
+    open_owner,
+    open_receiver,
+)
+from dcr.protocol.types import CommitRecord, Mode, Timeouts, TransitionOutcome
+from dcr.testing.compare import module_bit_mismatches
+from dcr.testing.models import random_state_dict, tiny_config
+from dcr.testing.updates import perturb
+
+FAMILY = "qwen3"
+SERVING = (1, 2)
+TIMEOUTS = Timeouts(prepare_s=5, arrival_s=2, gate_s=10, flush_s=10, commit_s=2, stop_s=10)
+
+
+@dataclass
+class Gate:
+    """Request-gate hooks that record what the engine asked of the serving runtime."""
+
+    calls: list[str] = field(default_factory=list)
+
+    def hooks(self, name: str) -> ReceiverHooks:
+        async def close() -> None:
+            self.calls.append(f"{name}:close")
+
+        async def invalidate() -> None:
+            self.calls.append(f"{name}:invalidate")
+
+        async def open_() -> None:
+            self.calls.append(f"{name}:open")
+
+        return ReceiverHooks(close_gate=close, invalidate_kv_cache=invalidate, open_gate=open_)
+
+
+@dataclass
+class Supervisor:
+    """Restores receivers by a dense load of the committed canonical state."""
+
+    services: dict[str, ReceiverService]
+    committed: dict[CommitRecord, Mapping[str, torch.Tensor]]
+    refits: list[str] = field(default_factory=list)
+
+    def retired(self) -> Iterable[str]:
+        return ()
+
+    async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:
+        for name in sorted(receivers):
+            self.refits.append(name)
+            await self.services[name].dense_refit(self.committed[record], record)
+
+
+def _ranks(cfg: dict, state: Mapping[str, torch.Tensor]) -> list[ShardedReferenceLoader]:
+    return [
+        ShardedReferenceLoader.dense(cfg, FAMILY, state, tp_size=tp, tp_rank=r)
+        for tp in SERVING
+        for r in range(tp)
+    ]
+
+
+def _assert_hold(ranks: list[ShardedReferenceLoader], cfg: dict, state: Mapping) -> None:
+    for i, (got, want) in enumerate(zip(ranks, _ranks(cfg, state), strict=True)):
+        assert module_bit_mismatches(got.module, want.module) == [], f"rank {i}"
+
+
+async def _fleet(tmp_path: Path) -> None:
+    cfg = tiny_config(FAMILY)
+    v0 = random_state_dict(cfg, FAMILY, seed=3)
+    source = StateDictSource(v0, layout=TrainLayout(tp=2, dp=2), family=FAMILY, config=cfg)
+    group = LocalTrainingGroup(
+        source.plan, source.base_shards(), config=BuildConfig(chunk_bytes=4096, bucket_bytes=8192)
+    )
+    ranks = _ranks(cfg, v0)
+    receivers = {f"r{i}": Receiver(loader, source.catalog) for i, loader in enumerate(ranks)}
+    for r in receivers.values():
+        r.prewarm()
+    integration = Integration(
+        catalog=source.catalog,
+        xor_names=xor_allowed_across(receivers.values()),
+        owner_ids={f"o{rank}": rank for rank in range(source.plan.layout.world_size)},
+    )
+    store = SqliteCommitStore(tmp_path / "commit.db")
+    base = (await store.read()).record
+    control, transport = MemoryControl(), MemoryTransport()
+    side = TrainingSide(group, integration.xor_names)
+    gate = Gate()
+    services = {
+        name: ReceiverService(
+            name=name,
+            receiver=r,
+            integration=integration,
+            control=control,
+            transport=transport,
+            held=base,
+            hooks=gate.hooks(name),
+        )
+        for name, r in receivers.items()
+    }
+    supervisor = Supervisor(services, {base: v0})
+
+    async def transition(
+        update: Mapping[str, torch.Tensor], *, abort_after_first_apply: bool = False
+    ) -> tuple[TransitionOutcome, CommitRecord]:
+        group.stage(source.candidate_shards(update))
+        async with open_coordinator(
+            owners=integration.owner_ids,
+            receivers=sorted(services),
+            store=store,
+            control=control,
+            transport=transport,
+            timeouts=TIMEOUTS,
+            supervisor=supervisor,
+        ) as coordinator:
+            if abort_after_first_apply:
+                portal_loop = asyncio.get_running_loop()
+
+                def abort_once(key: object) -> None:
+                    # Runs in the apply worker thread, after a payload landed in place.
+                    services["r0"].on_applied = None
+                    fut = asyncio.run_coroutine_threadsafe(
+                        coordinator.abort("operator"), portal_loop
+                    )
+                    fut.result(timeout=10)
+
+                services["r0"].on_applied = abort_once
+            ended = await coordinator.run()
+        if ended.outcome is TransitionOutcome.COMMITTED:
+            supervisor.committed[ended.record] = update
+        else:
+            group.discard()
+        return ended.outcome, ended.record
+
+    async with AsyncExitStack() as stack:
+        for rank in range(source.plan.layout.world_size):
+            owner = OwnerService(
+                name=f"o{rank}",
+                rank=rank,
+                side=side,
+                integration=integration,
+                control=control,
+                transport=transport,
+                store=store,
+                baseline=base,
+            )
+            await stack.enter_async_context(open_owner(owner))
+        for svc in services.values():
+            await stack.enter_async_context(open_receiver(svc))
+
+        # 1. An operator abort after writes landed: no commit, the dirty receivers are
+        #    restored by dense refit, and only then does the gate reopen.
+        v1 = perturb(v0, rate=0.05, seed=1)
+        outcome, record = await transition(v1, abort_after_first_apply=True)
+        assert outcome is TransitionOutcome.ABORTED
+        assert record == base and (await store.read()).record == base
+        assert "r0" in supervisor.refits
+        _assert_hold(ranks, cfg, v0)
+        assert gate.calls.index("r0:close") < gate.calls.index("r0:open")
+        with anyio.fail_after(5):
+            while not all(s.gate_open for s in services.values()):
+                await anyio.sleep(0.01)
+
+        # 2. The next transition commits from the unchanged baseline, bit-exact.
+        gate.calls.clear()
+        outcome, record = await transition(v1)
+        assert outcome is TransitionOutcome.COMMITTED
+        assert record.version == 1 and (await store.read()).record == record
+        _assert_hold(ranks, cfg, v1)
+        for name in services:
+            calls = [c.split(":")[1] for c in gate.calls if c.startswith(f"{name}:")]
+            # KV caches are invalidated before the gate reopens (paper App. B.2).
+            assert calls == ["close", "invalidate", "open"], (name, calls)
+
+        # 3. And once more in overwrite mode (absolute values only).
+        v2 = perturb(v1, rate=0.01, seed=2)
+        group.stage(source.candidate_shards(v2))
+        async with open_coordinator(
+            owners=integration.owner_ids,
+            receivers=sorted(services),
+            store=store,
+            control=control,
+            transport=transport,
+            timeouts=TIMEOUTS,
+            supervisor=supervisor,
+            mode=Mode.OVERWRITE,
+        ) as coordinator:
+            ended = await coordinator.run()
+        assert ended.outcome is TransitionOutcome.COMMITTED and ended.record.version == 2
+        _assert_hold(ranks, cfg, v2)
+
+
+def test_embedded_in_plain_asyncio(tmp_path: Path) -> None:
+    asyncio.run(_fleet(tmp_path))  # the caller's own event loop: no anyio.run anywhere
