@@ -189,8 +189,9 @@ def run_demo(
             if fault:
                 f = report.faults
                 retry = report.attempts[-1]
+                n = len(report.attempts)
                 console.print(
-                    f"  → {len(report.attempts)} attempts ({' → '.join(row['attempts'])}); "
+                    f"  → {n} attempt{'s' if n != 1 else ''} ({' → '.join(row['attempts'])}); "
                     f"killed {f.get('killed') or '-'}, restarted by dense refit "
                     f"{f.get('restarted') or '-'}; last attempt required {list(retry.receivers)}"
                 )
