@@ -239,16 +239,12 @@ class LocalCluster:
         record = (await self._store.read()).record
 
         def settled() -> bool:
-            for name, svc in self.receiver_services.items():
-                core = svc.core
-                if name in self._dead or core.phase in (
-                    ReceiverPhase.JOINING,
-                    ReceiverPhase.REFITTED,
-                ):
-                    continue
-                if core.held != record or core.dirty or not core.gate_open:
-                    return False
-            return True
+            return all(
+                self._holds(name, record) and svc.core.gate_open
+                for name, svc in self.receiver_services.items()
+                if name not in self._dead
+                and svc.core.phase not in (ReceiverPhase.JOINING, ReceiverPhase.REFITTED)
+            )
 
         with anyio.move_on_after(self.timeouts.stop_s):
             while not settled():
@@ -309,12 +305,12 @@ class LocalCluster:
 
     def members(self, committed: CommitRecord) -> tuple[str, ...]:
         """Receivers that hold ``committed`` exactly now: the required receivers."""
-        out = []
-        for name, svc in self.receiver_services.items():
-            core = svc.core
-            if name not in self._dead and core.held == committed and not core.dirty:
-                out.append(name)
-        return tuple(sorted(out))
+        return tuple(sorted(n for n in self.receiver_services if self._holds(n, committed)))
+
+    def _holds(self, name: str, record: CommitRecord) -> bool:
+        """Receiver ``name`` is alive and its storage holds exactly ``record``."""
+        core = self.receiver_services[name].core
+        return name not in self._dead and core.held == record and not core.dirty
 
     async def transition(
         self, faults: Faults | None = None, mode: Mode = Mode.MIXED

@@ -61,11 +61,7 @@ class RefitMachine(RuleBasedStateMachine):
         super().__init__()
         self.cfg = tiny_config("qwen3_moe")
         self.state = random_state_dict(self.cfg, "qwen3_moe", seed=0)
-        self.ranks = [
-            ShardedReferenceLoader.dense(self.cfg, "qwen3_moe", self.state, tp_size=tp, tp_rank=r)
-            for tp in SERVING
-            for r in range(tp)
-        ]
+        self.ranks = self._dense_ranks()
         source = StateDictSource(
             self.state,
             layout=TrainLayout(tp=2, ep=2, dp=2),
@@ -84,6 +80,14 @@ class RefitMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.refit.close()
 
+    def _dense_ranks(self) -> list[ShardedReferenceLoader]:
+        """Every serving rank freshly loaded from the committed version."""
+        return [
+            ShardedReferenceLoader.dense(self.cfg, "qwen3_moe", self.state, tp_size=tp, tp_rank=r)
+            for tp in SERVING
+            for r in range(tp)
+        ]
+
     def _step(self, rate: float, seed: int, special: bool, faults: Faults, mode: Mode) -> None:
         new = perturb(self.state, rate=rate, seed=seed)
         if special:
@@ -94,6 +98,8 @@ class RefitMachine(RuleBasedStateMachine):
         assert report.version == self.commits
         assert report.attempts and report.attempts[0].mode is mode
         assert all(a.mode is Mode.OVERWRITE for a in report.attempts[1:])
+        if mode is Mode.OVERWRITE:
+            assert report.xor_entries == 0 and report.mode is Mode.OVERWRITE
         self.state = new
 
     @rule(
@@ -118,12 +124,7 @@ class RefitMachine(RuleBasedStateMachine):
 
     @invariant()
     def receivers_hold_exactly_the_committed_version(self) -> None:
-        fresh = [
-            ShardedReferenceLoader.dense(self.cfg, "qwen3_moe", self.state, tp_size=tp, tp_rank=r)
-            for tp in SERVING
-            for r in range(tp)
-        ]
-        for i, (a, b) in enumerate(zip(self.ranks, fresh, strict=True)):
+        for i, (a, b) in enumerate(zip(self.ranks, self._dense_ranks(), strict=True)):
             assert module_bit_mismatches(a.module, b.module) == [], f"rank {i}"
 
     @invariant()

@@ -32,6 +32,7 @@ from dcr.engine import (
     open_owner,
     open_receiver,
 )
+from dcr.protocol import commands as cmd
 from dcr.protocol.types import CommitRecord, Mode, Timeouts, TransitionOutcome
 from dcr.testing.compare import module_bit_mismatches
 from dcr.testing.models import random_state_dict, tiny_config
@@ -76,6 +77,16 @@ class Supervisor:
         for name in sorted(receivers):
             self.refits.append(name)
             await self.services[name].dense_refit(self.committed[record], record)
+
+
+@dataclass
+class Ended:
+    """How one transition ended, as the embedding program sees it."""
+
+    outcome: TransitionOutcome
+    record: CommitRecord
+    modes: list[Mode]  # mode of each attempt the coordinator registered
+    xor_entries: int  # XOR entries the owners built for the first attempt
 
 
 def _ranks(cfg: dict, state: Mapping[str, torch.Tensor]) -> list[ShardedReferenceLoader]:
@@ -127,8 +138,11 @@ async def _fleet(tmp_path: Path) -> None:
     supervisor = Supervisor(services, {base: v0})
 
     async def transition(
-        update: Mapping[str, torch.Tensor], *, abort_after_first_apply: bool = False
-    ) -> tuple[TransitionOutcome, CommitRecord]:
+        update: Mapping[str, torch.Tensor],
+        *,
+        mode: Mode = Mode.MIXED,
+        abort_after_first_apply: bool = False,
+    ) -> Ended:
         group.stage(source.candidate_shards(update))
         async with open_coordinator(
             owners=integration.owner_ids,
@@ -138,16 +152,15 @@ async def _fleet(tmp_path: Path) -> None:
             transport=transport,
             timeouts=TIMEOUTS,
             supervisor=supervisor,
+            mode=mode,
         ) as coordinator:
             if abort_after_first_apply:
-                portal_loop = asyncio.get_running_loop()
+                loop = asyncio.get_running_loop()
 
                 def abort_once(key: object) -> None:
                     # Runs in the apply worker thread, after a payload landed in place.
                     services["r0"].on_applied = None
-                    fut = asyncio.run_coroutine_threadsafe(
-                        coordinator.abort("operator"), portal_loop
-                    )
+                    fut = asyncio.run_coroutine_threadsafe(coordinator.abort("operator"), loop)
                     fut.result(timeout=10)
 
                 services["r0"].on_applied = abort_once
@@ -156,7 +169,13 @@ async def _fleet(tmp_path: Path) -> None:
             supervisor.committed[ended.record] = update
         else:
             group.discard()
-        return ended.outcome, ended.record
+        attempts = [c.info for c in coordinator.commands if isinstance(c, cmd.RegisterAttempt)]
+        return Ended(
+            outcome=ended.outcome,
+            record=ended.record,
+            modes=[a.mode for a in attempts],
+            xor_entries=side.stats(attempts[0].attempt).xor_entries,
+        )
 
     async with AsyncExitStack() as stack:
         for rank in range(source.plan.layout.world_size):
@@ -177,9 +196,9 @@ async def _fleet(tmp_path: Path) -> None:
         # 1. An operator abort after writes landed: no commit, the dirty receivers are
         #    restored by dense refit, and only then does the gate reopen.
         v1 = perturb(v0, rate=0.05, seed=1)
-        outcome, record = await transition(v1, abort_after_first_apply=True)
-        assert outcome is TransitionOutcome.ABORTED
-        assert record == base and (await store.read()).record == base
+        ended = await transition(v1, abort_after_first_apply=True)
+        assert ended.outcome is TransitionOutcome.ABORTED
+        assert ended.record == base and (await store.read()).record == base
         assert "r0" in supervisor.refits
         _assert_hold(ranks, cfg, v0)
         assert gate.calls.index("r0:close") < gate.calls.index("r0:open")
@@ -189,9 +208,10 @@ async def _fleet(tmp_path: Path) -> None:
 
         # 2. The next transition commits from the unchanged baseline, bit-exact.
         gate.calls.clear()
-        outcome, record = await transition(v1)
-        assert outcome is TransitionOutcome.COMMITTED
-        assert record.version == 1 and (await store.read()).record == record
+        ended = await transition(v1)
+        assert ended.outcome is TransitionOutcome.COMMITTED and ended.modes == [Mode.MIXED]
+        assert ended.xor_entries > 0
+        assert ended.record.version == 1 and (await store.read()).record == ended.record
         _assert_hold(ranks, cfg, v1)
         for name in services:
             calls = [c.split(":")[1] for c in gate.calls if c.startswith(f"{name}:")]
@@ -200,19 +220,9 @@ async def _fleet(tmp_path: Path) -> None:
 
         # 3. And once more in overwrite mode (absolute values only).
         v2 = perturb(v1, rate=0.01, seed=2)
-        group.stage(source.candidate_shards(v2))
-        async with open_coordinator(
-            owners=integration.owner_ids,
-            receivers=sorted(services),
-            store=store,
-            control=control,
-            transport=transport,
-            timeouts=TIMEOUTS,
-            supervisor=supervisor,
-            mode=Mode.OVERWRITE,
-        ) as coordinator:
-            ended = await coordinator.run()
+        ended = await transition(v2, mode=Mode.OVERWRITE)
         assert ended.outcome is TransitionOutcome.COMMITTED and ended.record.version == 2
+        assert ended.modes == [Mode.OVERWRITE] and ended.xor_entries == 0
         _assert_hold(ranks, cfg, v2)
 
 

@@ -22,6 +22,8 @@ class CountingMachine(RefitMachine):
 
 
 def run(examples: int, steps: int) -> None:
+    STEPS.clear()
+    SEEN.clear()
     run_state_machine_as_test(
         CountingMachine,
         settings=settings(
@@ -31,20 +33,15 @@ def run(examples: int, steps: int) -> None:
             suppress_health_check=list(HealthCheck),
         ),
     )
+    print(f"\nrefit machine: {sum(STEPS)} transitions in {len(STEPS)} runs; rules {SEEN}")
 
 
 def test_refits_under_faults_stay_bit_exact():
-    STEPS.clear()
-    SEEN.clear()
     run(examples=8, steps=6)
     assert sum(STEPS) >= 8
-    print(f"\nrefit machine: {sum(STEPS)} transitions in {len(STEPS)} runs; rules {SEEN}")
 
 
 @pytest.mark.heavy
 def test_refits_under_faults_stay_bit_exact_long():
-    STEPS.clear()
-    SEEN.clear()
     run(examples=40, steps=10)
     assert set(SEEN) >= {"clean", *FAULT_RULES} - {"everything-at-once"}
-    print(f"\nrefit machine: {sum(STEPS)} transitions in {len(STEPS)} runs; rules {SEEN}")
