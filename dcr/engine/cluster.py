@@ -412,7 +412,7 @@ class LocalCluster:
         return results.get("new") or results["old"]
 
     def _bytes_sent(self) -> int:
-        return int(getattr(self.transport, "bytes_sent", 0))
+        return self.transport.stats().cross_bytes
 
     def _payloads_sent(self) -> int:
-        return int(getattr(self.transport, "payloads_sent", 0))
+        return self.transport.stats().payloads

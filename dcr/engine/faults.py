@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from dcr.adapters.commit.base import CommitState, CommitStore, Transaction
-from dcr.adapters.transport.base import Delivery, Transport
+from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.errors import ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord, PayloadKey
 from dcr.wire.payload import ValueLayout, decode_payload, encode_payload
@@ -126,9 +126,11 @@ class FaultyTransport(Transport):
             self._target = attempt
         return self._armed and attempt == self._target
 
-    async def send(self, key: PayloadKey, data: bytes) -> None:
+    async def send(
+        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
+    ) -> None:
         if not self._faulty(key.attempt):
-            await self.inner.send(key, data)
+            await self.inner.send(key, data, to=to)
             return
         f, log = self.faults, self.log
         if len(log.dropped) < f.drop:
@@ -170,6 +172,12 @@ class FaultyTransport(Transport):
 
     def unsubscribe(self, receiver: str) -> None:
         self.inner.unsubscribe(receiver)
+
+    async def taken(self, receiver: str, key: PayloadKey) -> None:
+        await self.inner.taken(receiver, key)
+
+    def stats(self) -> TransportStats:
+        return self.inner.stats()
 
 
 def _final(data: bytes) -> bool:

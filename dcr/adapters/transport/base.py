@@ -1,11 +1,16 @@
 """The transport interface (paper App. C, Fig. C.1: ``send``, ``stop_and_wait``, ``cleanup``).
 
 Owners hand payloads to :meth:`Transport.send` under their key ``(attempt, owner, payload id)``;
-every subscribed receiver eventually gets each payload as a :class:`Delivery`.  Keys come from
-the transport's own metadata (an object key, a relay envelope), not from the payload bytes, so a
-receiver can name a payload whose bytes are damaged.  ``stop_and_wait(attempt)`` stops delivery
-of the attempt and returns once nothing of it is in flight; ``cleanup(attempt)`` releases what
-the transport still holds of it.  A new transport is one subclass of :class:`Transport`.
+every subscribed receiver (or every receiver named in ``to``) eventually gets each payload as a
+:class:`Delivery`.  Keys come from the transport's own metadata (an object key, a relay
+envelope), not from the payload bytes, so a receiver can name a payload whose bytes are damaged.
+
+A receiver confirms each delivery it took into its staging queue with :meth:`Transport.taken`
+(the *queueing ACK* of paper App. C); transports that bound what is in flight use these ACKs
+for credit, so a slow receiver slows owners down instead of growing memory.
+``stop_and_wait(attempt)`` stops delivery of the attempt and returns once nothing of it is in
+flight; ``cleanup(attempt)`` releases what the transport still holds of it.  A new transport
+is one subclass of :class:`Transport`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["Delivery", "Transport"]
+__all__ = ["Delivery", "Transport", "TransportStats"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,6 +30,22 @@ class Delivery:
 
     key: PayloadKey
     data: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportStats:
+    """Payload traffic as this transport object saw it (paper §8.7 definitions).
+
+    ``cross_bytes`` (V_cross) counts payload bytes that crossed the training -> rollout
+    boundary, every copy included (a payload re-sent after a fault counts twice);
+    ``payload_bytes`` (V_payload) counts each distinct payload ``(attempt, owner, id)`` once.
+    For a fault-free attempt the two are equal.
+    """
+
+    payloads: int = 0
+    """Distinct payloads accepted."""
+    payload_bytes: int = 0
+    cross_bytes: int = 0
 
 
 class Transport(ABC):
@@ -38,11 +59,14 @@ class Transport(ABC):
     arrival_grace_s: float = 30.0
 
     @abstractmethod
-    async def send(self, key: PayloadKey, data: bytes) -> None:
+    async def send(
+        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
+    ) -> None:
         """Accept a payload for delivery; raises :class:`~dcr.errors.TransportError`.
 
-        Payloads of an attempt that :meth:`stop_and_wait` stopped are refused
-        (``retryable=False``).
+        ``to`` limits delivery to the named receivers (a dense refit of one joining receiver);
+        ``None`` delivers to every subscribed receiver.  Payloads of an attempt that
+        :meth:`stop_and_wait` stopped are refused (``retryable=False``).
         """
 
     @abstractmethod
@@ -60,6 +84,16 @@ class Transport(ABC):
     @abstractmethod
     def unsubscribe(self, receiver: str) -> None:
         """End ``receiver``'s subscription (its process is gone)."""
+
+    async def taken(self, receiver: str, key: PayloadKey) -> None:  # noqa: B027 - optional
+        """Queueing ACK: ``receiver`` took ``key`` into its staging queue (or discarded it).
+
+        Transports without credit ignore it.
+        """
+
+    def stats(self) -> TransportStats:
+        """Traffic counters (zero where the transport object cannot see them)."""
+        return TransportStats()
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release connections and background tasks."""

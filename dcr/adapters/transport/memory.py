@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dcr.adapters.transport.base import Delivery, Transport
+from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.errors import TransportError
 from dcr.protocol.types import PayloadKey
 
@@ -19,8 +19,7 @@ class MemoryTransport(Transport):
     """Each subscribed receiver gets every payload sent after it subscribed.
 
     Like object storage, the transport never blocks a sender: payloads wait in the receivers'
-    queues until they read them (the receiver engine bounds what it decodes).  ``bytes_sent``
-    counts payload bytes accepted, once per payload.
+    queues until they read them (the receiver engine bounds what it decodes).
     """
 
     arrival_grace_s = 0.0
@@ -31,10 +30,12 @@ class MemoryTransport(Transport):
             str, tuple[MemoryObjectSendStream[Delivery], MemoryObjectReceiveStream[Delivery]]
         ] = {}
         self._stopped: set[int] = set()
-        self.bytes_sent = 0
-        self.payloads_sent = 0
+        self._seen: set[PayloadKey] = set()
+        self._stats = TransportStats()
 
-    async def send(self, key: PayloadKey, data: bytes) -> None:
+    async def send(
+        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
+    ) -> None:
         if key.attempt in self._stopped:
             raise TransportError(
                 "the attempt was stopped; payload refused",
@@ -42,9 +43,17 @@ class MemoryTransport(Transport):
                 attempt=key.attempt,
                 check="stopped",
             )
-        self.bytes_sent += len(data)
-        self.payloads_sent += 1
-        for send, _ in list(self._queues.values()):
+        s = self._stats
+        new = key not in self._seen
+        self._seen.add(key)
+        self._stats = TransportStats(
+            payloads=s.payloads + new,
+            payload_bytes=s.payload_bytes + (len(data) if new else 0),
+            cross_bytes=s.cross_bytes + len(data),
+        )
+        for name, (send, _) in list(self._queues.items()):
+            if to is not None and name not in to:
+                continue
             try:
                 send.send_nowait(Delivery(key=key, data=data))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -56,6 +65,7 @@ class MemoryTransport(Transport):
 
     async def cleanup(self, attempt: int) -> None:
         self._stopped.add(attempt)
+        self._seen = {k for k in self._seen if k.attempt != attempt}
 
     def subscribe(self, receiver: str) -> AsyncIterator[Delivery]:
         if receiver in self._queues:
@@ -71,3 +81,6 @@ class MemoryTransport(Transport):
         if pair is not None:
             pair[0].close()
             pair[1].close()
+
+    def stats(self) -> TransportStats:
+        return self._stats
