@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     from dcr.delta.records import Item as Item
     from dcr.delta.records import Mode as Mode
     from dcr.delta.records import TensorSpec as TensorSpec
-    from dcr.engine.faults import Faults as Faults
     from dcr.errors import DcrError as DcrError
     from dcr.local import LocalRefit as LocalRefit
     from dcr.local import RefitConfig as RefitConfig
     from dcr.local import RefitReport as RefitReport
     from dcr.local import TransitionFailed as TransitionFailed
+    from dcr.testing.faults import Faults as Faults
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ _EXPORTS = {
     "BuildConfig": "dcr.delta.owner",
     "DcrError": "dcr.errors",
     "Encoding": "dcr.delta.records",
-    "Faults": "dcr.engine.faults",
+    "Faults": "dcr.testing.faults",
     "Item": "dcr.delta.records",
     "LocalRefit": "dcr.local",
     "Loader": "dcr.apply.loader",

@@ -17,6 +17,7 @@ payloads, a lost commit reply, and a coordinator failover.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -29,9 +30,9 @@ from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedRefere
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
-from dcr.engine.faults import Faults
 from dcr.local import LocalRefit, RefitConfig, RefitReport
 from dcr.testing.compare import module_bit_mismatches
+from dcr.testing.faults import Faults
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
 from dcr.testing.updates import perturb
 
@@ -42,7 +43,7 @@ SERVING_TP = (1, 2)
 FAULT_PLAN: tuple[tuple[str, Faults], ...] = (
     (
         "receiver r1 (TP=2, rank 0) killed after applying 2 payloads",
-        Faults(kill_receiver="r1", kill_after=2),
+        Faults(kill_receiver="r1", kill_receiver_after=2),
     ),
     (
         "payloads lost, corrupted, duplicated and reordered",
@@ -52,7 +53,10 @@ FAULT_PLAN: tuple[tuple[str, Faults], ...] = (
         "the commit reply is lost (outcome unknown until read_commit)",
         Faults(lose_commit_reply=True),
     ),
-    ("the coordinator dies mid-attempt; a new one takes over", Faults(failover=True, kill_after=3)),
+    (
+        "the coordinator dies mid-attempt; a new one takes over",
+        Faults(failover=True, failover_after=3),
+    ),
 )
 """What ``--faults`` injects into refits 2, 3, ... (cycling)."""
 
@@ -94,7 +98,7 @@ def _row(report: RefitReport, exact: bool, fault: str) -> dict[str, Any]:
         "version": report.version,
         "attempts": [a.mode.value for a in report.attempts],
         "fault": fault,
-        "faults": dict(report.faults),
+        "faults": dataclasses.asdict(report.faults),
         "changed_elements": report.changed_elements,
         "payload_bytes": report.payload_bytes,
         "num_payloads": report.num_payloads,
@@ -187,7 +191,7 @@ def run_demo(
                 "[green]✓" if not bad else f"[red]✗ ({len(bad)})",
             )
             if fault:
-                f = report.faults
+                f = dataclasses.asdict(report.faults)
                 retry = report.attempts[-1]
                 n = len(report.attempts)
                 console.print(

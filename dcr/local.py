@@ -7,7 +7,7 @@ transition, talking over in-memory adapters (control channel, transport) and a c
 ``v -> v+1``: construction -> payload bytes -> strict decode -> in-place apply through each
 receiver's native loader -> completion ACKs -> compare-and-set commit -> in-place baseline
 update, with overwrite retries when something fails (see ``docs/protocol.md``).  Faults can be
-injected (:class:`~dcr.engine.faults.Faults`) to watch recovery.
+injected (:class:`~dcr.testing.faults.Faults`) to watch recovery.
 
 :class:`DataPlane` is the data plane alone (no protocol, no retries): build payloads, apply
 them, commit -- for experiments and tests that need to hold the pieces in their hands.
@@ -36,13 +36,13 @@ from dcr.apply.receiver import ApplyConfig, Receiver, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats
 from dcr.delta.records import Mode, TensorSpec
-from dcr.engine.cluster import AttemptSummary, LocalCluster, TransitionResult
-from dcr.engine.faults import Faults
 from dcr.engine.receiver import ReceiverHooks
 from dcr.engine.setup import Integration
 from dcr.errors import ConfigError, DcrError
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
+from dcr.testing.cluster import AttemptSummary, LocalCluster, TransitionResult
+from dcr.testing.faults import FaultReport, Faults
 from dcr.wire.payload import (
     DecodeLimits,
     PayloadHeader,
@@ -114,8 +114,11 @@ class RefitReport:
     encode), ``decode``, ``apply`` (plus ``owner_*`` sub-stages)."""
     attempts: tuple[AttemptSummary, ...] = ()
     """The attempts of the transition: the first in mixed mode, retries in overwrite mode."""
-    faults: Mapping[str, object] = field(default_factory=dict)
+    faults: FaultReport = field(default_factory=FaultReport)
     """What injected faults did (dropped payloads, killed endpoints, ...)."""
+    committed_by: int | None = None
+    """Epoch of the coordinator whose compare-and-set committed this version (a replaced
+    coordinator that kept running may have committed it first)."""
 
     @property
     def bytes_per_changed_element(self) -> float:
@@ -349,7 +352,8 @@ class LocalRefit(_Base):
             payload_bytes=result.payload_bytes,
             num_payloads=result.num_payloads,
             attempts=result.attempts,
-            faults=result.faults.summary(),
+            faults=result.faults.report(),
+            committed_by=result.committed_by,
         )
 
 

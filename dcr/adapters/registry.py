@@ -70,5 +70,7 @@ for _kind, _name, _target, _install in (
     ("loader", "torch", "dcr.adapters.loaders.torch_module:TorchModuleLoader", None),
     ("loader", "reference", "dcr.adapters.loaders.reference:ShardedReferenceLoader", None),
     ("loader", "vllm", "dcr.adapters.loaders.vllm:VllmLoader", "pip install 'dcr[vllm]'"),
+    ("transport", "memory", "dcr.adapters.transport.memory:MemoryTransport", None),
+    ("transport", "relay", "dcr.adapters.transport.relay:RelayTransport", "pip install 'dcr[zmq]'"),
 ):
     register(_kind, _name, _target, install=_install)

@@ -1,14 +1,23 @@
-"""The training side of one process: every owner of a plan plus residual coordination.
+"""The training side as the owner engine sees it: a :class:`TrainingGroup` of owners.
 
-On a real cluster each owner is its own rank and the residual steps use the trainer's process
-group: change flags are all-reduced (OR) and converted parts gathered on the residual owner.
-:class:`LocalTrainingGroup` runs all owners of a plan in one process and performs those two
-collective steps in memory, which is what tests, demos, benchmarks and single-node trainers
-need.
+A training group hosts one or more owner ranks of a :class:`~dcr.delta.layout.TrainingPlan`
+and runs the two residual steps that span ranks (paper §4.3, App. A.1): change flags are
+OR-reduced over owners and converted parts are gathered on each residual tensor's residual
+owner.  :class:`LocalTrainingGroup` hosts every owner of a plan in one process and does those
+steps in memory (tests, demos, benchmarks, single-node trainers);
+:class:`~dcr.delta.dist.DistTrainingGroup` hosts one rank per trainer process and does them
+through ``torch.distributed``.
+
+What a group does per transition: :meth:`~TrainingGroup.stage` the candidate shards,
+:meth:`~TrainingGroup.build` each attempt's buckets (any number of attempts, from the same
+candidate and baseline), then :meth:`~TrainingGroup.commit` or
+:meth:`~TrainingGroup.discard`.  :meth:`~TrainingGroup.build_dense` restores a joining
+receiver from the committed baseline at any time.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Container, Iterator, Mapping
 from functools import partial
 
@@ -18,16 +27,124 @@ from dcr.delta.layout import TrainingPlan
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats, Owner, ResidualJob
 from dcr.delta.records import Mode, TensorSpec
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
-from dcr.errors import ConfigError
+from dcr.errors import ConfigError, DcrError
 
-__all__ = ["LocalTrainingGroup"]
+__all__ = ["BucketStreams", "LocalTrainingGroup", "TrainingGroup"]
+
+BucketStreams = dict[int, tuple[Iterator[Bucket], BuildStats]]
+"""Per hosted owner rank: a lazy bucket iterator and the stats it fills while it runs."""
 
 
-class LocalTrainingGroup:
+class TrainingGroup(ABC):
+    """Owner ranks of ``plan`` hosted in this process, plus the residual steps across ranks.
+
+    :meth:`stage` may be collective (every process of the trainer calls it, in the same order,
+    like an optimizer step); :meth:`build`, :meth:`build_dense`, :meth:`commit` and
+    :meth:`discard` are local to this process, so the lazy bucket iterators never enter a
+    collective and each owner engine may drive them on its own schedule.
+    """
+
+    def __init__(self, plan: TrainingPlan, config: BuildConfig | None) -> None:
+        self.plan = plan
+        self.config = config or BuildConfig()
+        self.owners: dict[int, Owner] = {}
+        self._candidate: Mapping[str, torch.Tensor] | None = None
+        # Per hosted rank: the residual jobs of the staged candidate (its required tensors).
+        self._jobs: dict[int, list[ResidualJob]] = {}
+
+    @property
+    def catalog(self) -> Mapping[str, TensorSpec]:
+        return self.plan.catalog
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Owner ranks hosted in this process, ascending."""
+        return tuple(sorted(self.owners))
+
+    @property
+    def staged(self) -> Mapping[str, torch.Tensor] | None:
+        """The candidate shards of the next version held by this process, if staged."""
+        return self._candidate
+
+    @property
+    def failure(self) -> DcrError | None:
+        """Why the group is broken (a collective failed), or ``None`` while it is healthy."""
+        return None
+
+    def check(self) -> None:
+        """Raise :attr:`failure` if the group is broken."""
+        failure = self.failure
+        if failure is not None:
+            raise failure
+
+    def owner(self, rank: int) -> Owner:
+        """The hosted owner of ``rank``; :class:`ConfigError` if this process does not host it."""
+        owner = self.owners.get(rank)
+        if owner is None:
+            raise ConfigError(f"owner rank {rank} is not hosted here (hosted: {self.ranks})")
+        return owner
+
+    @abstractmethod
+    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
+        """Hand the hosted owners their candidate shards of the next version.
+
+        ``candidate`` holds (at least) the shards this process holds.
+        """
+
+    @abstractmethod
+    def build(self, *, mode: Mode, xor_allowed: Container[str]) -> BucketStreams:
+        """Per hosted owner: the buckets of one attempt for the staged candidate.
+
+        ``xor_allowed`` names the canonical tensors mixed mode may XOR-encode.  Every owner's
+        iterator ends with exactly one ``final`` bucket.
+        """
+
+    def build_dense(self) -> BucketStreams:
+        """Per hosted owner: every element it is responsible for at the committed version.
+
+        For a receiver that starts, restarts or fell behind (see :meth:`Owner.build_dense`);
+        the union over all owners of the plan is the whole committed checkpoint.
+        """
+        self.check()
+        out: BucketStreams = {}
+        for rank in self.ranks:
+            stats = BuildStats()
+            out[rank] = (self.owners[rank].build_dense(stats=stats), stats)
+        return out
+
+    def commit(self, rank: int | None = None) -> None:
+        """Move trackers and residual baseline to the staged candidate, in place.
+
+        ``rank`` commits one hosted owner (the owner engine calls it per rank once the commit
+        record names the new version); ``None`` commits every hosted owner and releases the
+        candidate.  Repeatable, like :meth:`Owner.commit`.
+        """
+        if rank is not None:
+            self.owner(rank).commit(residual=self._jobs.get(rank, ()))
+            return
+        for r, owner in self.owners.items():
+            owner.commit(residual=self._jobs.get(r, ()))
+        self._unstage()
+
+    def discard(self) -> None:
+        """Drop the staged candidate (transition aborted); the baseline is unchanged."""
+        for owner in self.owners.values():
+            owner.discard()
+        self._unstage()
+
+    def _unstage(self) -> None:
+        self._candidate = None
+        self._jobs = {}
+
+
+class LocalTrainingGroup(TrainingGroup):
     """All owners of ``plan`` in this process, initialised at the committed shards ``base``.
 
-    ``full_conversion=True`` additionally keeps a canonical baseline of every tensor so that
-    :meth:`build` can run the full-conversion mode (F) used by benchmarks.
+    The residual steps run in memory: :meth:`stage` takes the union of the owners' change
+    flags, and each required tensor's parts are converted when its residual owner's iterator
+    reaches it.  ``full_conversion=True`` additionally
+    keeps a canonical baseline of every tensor so that :meth:`build` can run the
+    full-conversion mode (F) used by benchmarks.
     """
 
     def __init__(
@@ -38,26 +155,36 @@ class LocalTrainingGroup:
         config: BuildConfig | None = None,
         full_conversion: bool = False,
     ) -> None:
+        super().__init__(plan, config)
         plan.check_shards(base)
-        self.plan = plan
-        self.config = config or BuildConfig()
-        ranks = range(plan.layout.world_size)
-        self.owners: dict[int, Owner] = {r: Owner(r, plan, base, config=self.config) for r in ranks}
         self.full_conversion = full_conversion
-        self._candidate: Mapping[str, torch.Tensor] | None = None
-        for task in plan.residual:
-            self.owners[plan.residual_owner(task.name)].set_residual_baseline(
-                task.name, self._convert(task, base)
-            )
-        if full_conversion:
-            for name in plan.catalog:
-                self.owners[plan.residual_owner(name)].set_residual_baseline(
-                    name, self._export(name, base)
-                )
+        self.owners = {r: self._fresh_owner(r, base) for r in range(plan.layout.world_size)}
 
-    @property
-    def catalog(self) -> Mapping[str, TensorSpec]:
-        return self.plan.catalog
+    def _fresh_owner(self, rank: int, base: Mapping[str, torch.Tensor]) -> Owner:
+        """Owner ``rank`` at the committed shards ``base``, with its residual baseline."""
+        owner = Owner(rank, self.plan, base, config=self.config)
+        for task in self.plan.residual:
+            if self.plan.residual_owner(task.name) == rank:
+                owner.set_residual_baseline(task.name, self._convert(task, base))
+        if self.full_conversion:
+            for name in self.plan.catalog:
+                if self.plan.residual_owner(name) == rank:
+                    owner.set_residual_baseline(name, self._canonical(name, base))
+        return owner
+
+    def restart(self, rank: int, committed: Mapping[str, torch.Tensor]) -> Owner:
+        """Replace owner ``rank`` by a fresh one, as when its process restarts.
+
+        Trackers and residual baseline come from the ``committed`` shards (paper App. B.2: a
+        restarted endpoint resumes at the committed version); the staged candidate, if any,
+        is handed to it so it can join the running transition.
+        """
+        self.plan.check_shards(committed)
+        owner = self._fresh_owner(rank, committed)
+        if self._candidate is not None:
+            owner.stage(self._candidate)
+        self.owners[rank] = owner
+        return owner
 
     def _convert(self, task: ResidualTask, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Convert the parts of ``task`` on their owners; assemble it on its residual owner."""
@@ -84,60 +211,60 @@ class LocalTrainingGroup:
                     canon.copy_(local)
         return out
 
-    @property
-    def staged(self) -> Mapping[str, torch.Tensor] | None:
-        """The candidate shards of the next version, if staged."""
-        return self._candidate
+    def _canonical(self, name: str, shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One canonical tensor of a version: residual conversion or full conversion."""
+        for task in self.plan.residual:
+            if task.name == name:
+                return self._convert(task, shards)
+        return self._export(name, shards)
 
     def export(self, shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Canonical tensors of a version given its shards (full conversion of every tensor).
 
         Used to restore a receiver by dense refit from the training side's own baseline.
         """
-        residual = {task.name: task for task in self.plan.residual}
-        return {
-            name: self._convert(residual[name], shards)
-            if name in residual
-            else self._export(name, shards)
-            for name in self.plan.catalog
-        }
+        return {name: self._canonical(name, shards) for name in self.plan.catalog}
 
     def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
-        """Hand every owner its candidate shards for the next version."""
+        """Hand every owner its candidate shards; select the required residual tensors.
+
+        The flag OR-reduce is cheap (only residual inputs are compared) and its result holds
+        for every attempt of the transition, so each residual owner knows its jobs up front.
+        """
         self.plan.check_shards(candidate)
         for owner in self.owners.values():
             owner.stage(candidate)
         self._candidate = candidate
+        flagged = frozenset().union(*(o.flags() for o in self.owners.values()))
+        jobs: dict[int, list[ResidualJob]] = {r: [] for r in self.owners}
+        for task in required_tensors(self.plan.residual, flagged):
+            jobs[self.plan.residual_owner(task.name)].append(
+                ResidualJob(spec=task.spec, candidate=partial(self._convert, task, candidate))
+            )
+        self._jobs = jobs
 
     def build(
         self, *, mode: Mode, xor_allowed: Container[str], full_conversion: bool = False
-    ) -> dict[int, tuple[Iterator[Bucket], BuildStats]]:
+    ) -> BucketStreams:
         """Per owner: a lazy bucket iterator and the stats it fills while it runs.
 
-        Runs the residual flag all-reduce first (it is cheap: only residual inputs are
-        compared), so each residual owner knows the required tensor set before it starts.
         ``full_conversion`` runs mode F: no projection, every canonical tensor is exported
         and compared with the canonical baseline, overwrite records only.
         """
         cand = self._candidate
         if cand is None:
             raise ConfigError("stage() a candidate before build()")
-        jobs: dict[int, list[ResidualJob]] = {r: [] for r in self.owners}
+        jobs = self._jobs
         if full_conversion:
             if not self.full_conversion:
                 raise ConfigError("full conversion needs LocalTrainingGroup(full_conversion=True)")
+            jobs = {r: [] for r in self.owners}
             for name, spec in self.plan.catalog.items():
                 jobs[self.plan.residual_owner(name)].append(
-                    ResidualJob(spec=spec, candidate=partial(self._export, name, cand))
+                    ResidualJob(spec=spec, candidate=partial(self._canonical, name, cand))
                 )
             mode = Mode.OVERWRITE
-        else:
-            flagged = frozenset().union(*(o.flags() for o in self.owners.values()))
-            for task in required_tensors(self.plan.residual, flagged):
-                jobs[self.plan.residual_owner(task.name)].append(
-                    ResidualJob(spec=task.spec, candidate=partial(self._convert, task, cand))
-                )
-        out = {}
+        out: BucketStreams = {}
         for rank, owner in self.owners.items():
             stats = BuildStats()
             it = owner.build(
@@ -149,14 +276,3 @@ class LocalTrainingGroup:
             )
             out[rank] = (it, stats)
         return out
-
-    def commit(self) -> None:
-        """Every owner updates its trackers and residual baseline in place."""
-        for owner in self.owners.values():
-            owner.commit()
-        self._candidate = None
-
-    def discard(self) -> None:
-        for owner in self.owners.values():
-            owner.discard()
-        self._candidate = None

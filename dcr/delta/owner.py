@@ -5,13 +5,14 @@ projects the changed elements into canonical coordinates, and packs the records 
 of items (paper §4, §7.2, Fig. 8): whole tensors are grouped into chunks for comparison, an
 unchanged chunk contributes nothing, and a bucket closes once the chunks that emitted records
 reach the bucket target.  Trackers and the residual baseline change only in :meth:`commit`,
-after the commit record names the new version.
+after the commit record names the new version.  :meth:`Owner.build_dense` packs every element
+of the committed version the same way, to restore a joining receiver over the transport.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ from dcr.errors import ConfigError, DcrError, LayoutError
 __all__ = ["BuildConfig", "BuildStats", "Bucket", "Owner", "ResidualJob"]
 
 MiB = 1 << 20
+
+_DENSE_BLOCK = 1 << 20
+"""Source elements projected at once by a dense build: bounds its index temporaries."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -192,6 +196,10 @@ class Owner:
         # Changed indices per shard from the last *complete* build of the staged candidate;
         # lets commit update trackers at O(changed) instead of copying every shard.
         self._changed: dict[str, Index] | None = None
+        # Bumped when a commit starts moving the baseline; a dense build that sees it move
+        # fails instead of mixing two versions.
+        self._epoch = 0
+        self._committed = False
 
     # ------------------------------------------------------------------ version state
 
@@ -213,20 +221,28 @@ class Owner:
         self._candidate = held
         self._residual_candidate = {}
         self._changed = None
+        self._committed = False
 
     def set_residual_baseline(self, name: str, tensor: torch.Tensor) -> None:
         """Install the committed canonical tensor of a residual task this rank owns."""
         self.residual_baseline[name] = tensor.detach().to("cpu", copy=True).contiguous()
 
-    def commit(self) -> None:
+    def commit(self, *, residual: Sequence[ResidualJob] = ()) -> None:
         """Update trackers and residual baseline in place to the staged candidate.
 
         Repeatable: it writes absolute values of the fixed candidate, so an owner that reads
         the commit record again after a coordinator failover may call it again (App. B.2).
         After a complete build only the changed elements are written; otherwise every shard
-        is copied.
+        is copied.  ``residual`` are the transition's residual jobs of this owner: those no
+        build has reached are converted here, so the residual baseline always moves with the
+        trackers (App. A.1: ``R_u^g = W_u^{v+1}`` for every required tensor).
         """
         cand = self._require_candidate()
+        for job in residual:
+            if job.spec.name not in self._residual_candidate:
+                self._residual_candidate[job.spec.name] = job.candidate()
+        if not self._committed:
+            self._epoch += 1
         changed = self._changed
         for key, tracker in self.trackers.items():
             dst, src = bits(tracker).reshape(-1), bits(cand[key]).reshape(-1)
@@ -237,12 +253,14 @@ class Owner:
                 np.copyto(dst, src)
         for name, t in self._residual_candidate.items():
             np.copyto(bits(self.residual_baseline[name]), bits(t))
+        self._committed = True
 
     def discard(self) -> None:
         """Drop the staged candidate (transition aborted); the baseline is unchanged."""
         self._candidate = None
         self._residual_candidate = {}
         self._changed = None
+        self._committed = False
 
     def _require_candidate(self) -> dict[str, torch.Tensor]:
         if self._candidate is None:
@@ -301,21 +319,37 @@ class Owner:
         stats = stats if stats is not None else BuildStats()
         packer = _Packer(self.plan.catalog)
         self._changed = None
+        records = self._delta_records(cand, packer, stats, mode, xor_allowed, residual, project)
+        return self._buckets(records, packer, stats)
+
+    def build_dense(self, *, stats: BuildStats | None = None) -> Iterator[Bucket]:
+        """Every canonical element this owner is responsible for, at the committed version.
+
+        Restores a receiver that starts, restarts or fell behind over the transport (paper
+        App. A.1 "Version alignment"): each owned affine shard's tracker is projected whole
+        (the baseline ``B^v`` reconstructs ``W^v``) and each residual tensor whose baseline
+        this rank holds is sent whole, all as overwrite records with sorted indices, so
+        contiguous projections travel as runs.  Bucketing follows :meth:`build`.  A staged
+        candidate is ignored; a commit while the iterator runs makes it raise
+        :class:`DcrError` (``check="dense-stale"``) rather than mix two versions.
+        """
+        stats = stats if stats is not None else BuildStats()
+        packer = _Packer(self.plan.catalog)
+        return self._buckets(self._dense_records(packer, stats), packer, stats)
+
+    def _delta_records(
+        self,
+        cand: Mapping[str, torch.Tensor],
+        packer: _Packer,
+        stats: BuildStats,
+        mode: Mode,
+        xor_allowed: Container[str],
+        residual: Sequence[ResidualJob],
+        project: bool,
+    ) -> Iterator[int]:
+        """Add the changed set to ``packer``; yield the input bytes of each emitting chunk."""
         changed: dict[str, Index] = {}
         mixed = mode is Mode.MIXED
-        pending: Bucket | None = None
-        input_bytes = 0
-
-        def flush() -> Bucket | None:
-            nonlocal input_bytes
-            if not packer:
-                return None
-            t0 = time.perf_counter()
-            b = Bucket(items=packer.items(stats), input_bytes=input_bytes)
-            stats.add_time("pack", time.perf_counter() - t0)
-            input_bytes = 0
-            return b
-
         for chunk in self.chunks() if project else []:
             chunk_bytes = 0
             emitted = False
@@ -343,11 +377,7 @@ class Owner:
                 stats.add_time("project", time.perf_counter() - t1)
             stats.source_bytes += chunk_bytes
             if emitted:
-                input_bytes += chunk_bytes
-                if input_bytes >= self.config.bucket_bytes:
-                    if pending is not None:
-                        yield pending
-                    pending = flush()
+                yield chunk_bytes
         for job in residual:
             t0 = time.perf_counter()
             converted = job.candidate()
@@ -366,11 +396,85 @@ class Owner:
             if idx.size:
                 stats.residual_changed += int(idx.size)
                 packer.add(job.spec.name, Encoding.OVERWRITE, idx, new[idx])
-                input_bytes += job.spec.nbytes
-                if input_bytes >= self.config.bucket_bytes:
-                    if pending is not None:
-                        yield pending
-                    pending = flush()
+                yield job.spec.nbytes
+        if project:
+            self._changed = changed
+
+    def _dense_records(self, packer: _Packer, stats: BuildStats) -> Iterator[int]:
+        """Add every committed element to ``packer``; yield the input bytes of each chunk."""
+        epoch = self._epoch
+
+        def check_epoch() -> None:
+            if self._epoch != epoch:
+                raise DcrError(
+                    f"owner {self.rank}: the committed version moved during a dense build",
+                    check="dense-stale",
+                )
+
+        for chunk in self.chunks():
+            chunk_bytes = 0
+            emitted = False
+            t0 = time.perf_counter()
+            for s in chunk:
+                assert s.mapping is not None
+                chunk_bytes += s.nbytes
+                flat = bits(self.trackers[s.key]).reshape(-1)
+                # Mappings are monotone per destination, so blocks in order keep every
+                # destination's indices sorted (no argsort when the packer concatenates).
+                for start in range(0, flat.shape[0], _DENSE_BLOCK):
+                    stop = min(start + _DENSE_BLOCK, flat.shape[0])
+                    local = np.arange(start, stop, dtype=np.int64)
+                    for d in s.mapping.project(local):
+                        values = (
+                            flat[start:stop].copy() if d.select is None else flat[local[d.select]]
+                        )
+                        packer.add(d.name, Encoding.OVERWRITE, d.indices, values)
+                        emitted = True
+            check_epoch()
+            stats.add_time("project", time.perf_counter() - t0)
+            stats.source_bytes += chunk_bytes
+            if emitted:
+                yield chunk_bytes
+        for task in self.plan.residual:
+            base = self.residual_baseline.get(task.name)
+            if base is None:
+                continue
+            flat = bits(base).reshape(-1)
+            packer.add(
+                task.name, Encoding.OVERWRITE, np.arange(flat.shape[0], dtype=np.int64), flat.copy()
+            )
+            check_epoch()
+            stats.source_bytes += task.spec.nbytes
+            yield task.spec.nbytes
+
+    def _buckets(
+        self, records: Iterable[int], packer: _Packer, stats: BuildStats
+    ) -> Iterator[Bucket]:
+        """Close a bucket once record-emitting chunks reach ``bucket_bytes`` (paper §7.2).
+
+        ``records`` fills ``packer`` and yields the input bytes of each chunk that emitted
+        records.  One complete bucket is held back so that the last one can be marked final;
+        an owner that emitted nothing yields one empty final bucket.
+        """
+        input_bytes = 0
+        pending: Bucket | None = None
+
+        def flush() -> Bucket | None:
+            nonlocal input_bytes
+            if not packer:
+                return None
+            t0 = time.perf_counter()
+            b = Bucket(items=packer.items(stats), input_bytes=input_bytes)
+            stats.add_time("pack", time.perf_counter() - t0)
+            input_bytes = 0
+            return b
+
+        for nbytes in records:
+            input_bytes += nbytes
+            if input_bytes >= self.config.bucket_bytes:
+                if pending is not None:
+                    yield pending
+                pending = flush()
         last = flush()
         if pending is not None and last is not None:
             yield pending
@@ -380,6 +484,4 @@ class Owner:
         if pending is None:
             pending = Bucket(items=[], input_bytes=0)
         pending.final = True
-        if project:
-            self._changed = changed
         yield pending

@@ -9,6 +9,8 @@ the coordinator's inbox on the control channel, one event at a time.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,16 +18,18 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
 
 from dcr.adapters.commit.base import CommitStore
-from dcr.adapters.control.base import ControlChannel, ReadCommitRecord
+from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
 from dcr.engine.setup import attempt_from_json, attempt_to_json
-from dcr.errors import CommitConflict, CommitStoreError
+from dcr.errors import CommitConflict, CommitStoreError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
-from dcr.protocol.types import CommitRecord, CounterIds, Mode, Stage, Timeouts
+from dcr.protocol.types import AttemptInfo, CommitRecord, CounterIds, Mode, Stage, Timeouts
 
 __all__ = ["CoordinatorService", "Supervisor", "open_coordinator"]
 
@@ -55,11 +59,13 @@ class _NoSupervisor:
 
 @dataclass(slots=True)
 class CoordinatorService:
-    """One coordinator process for one transition.
+    """One coordinator run per transition.
 
     ``owners`` and ``receivers`` name the endpoints (``receivers``: those holding the
     committed version now).  Store operations that fail with a retryable error are retried
-    every ``retry_s`` seconds (the paper assumes an available control plane).
+    every ``retry_s`` seconds (the paper assumes an available control plane).  ``link`` is the
+    process's coordinator link (one is opened for the run when it is ``None``); ``lease_s``
+    keeps a lease in the commit store that standbys wait out before they take over.
     """
 
     owners: tuple[str, ...]
@@ -73,15 +79,20 @@ class CoordinatorService:
     mode: Mode = Mode.MIXED
     """Mode of the first attempt (``OVERWRITE`` sends absolute values only)."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
+    link: CoordinatorLink | None = None
+    lease_s: float | None = None
     retry_s: float = 0.2
     epoch_check_s: float = 1.0
-    """How often the coordinator checks that the store still names its epoch; a replaced
-    coordinator learns of the conflict this way even while it waits for nothing else."""
+    """How often the coordinator checks that the store still names its epoch (and renews its
+    lease); a replaced coordinator learns of the conflict this way even while it waits for
+    nothing else."""
     epoch: int = 0
     core: CoordinatorCore | None = None
     commands: list[cmd.CoordinatorCommand] = field(default_factory=list)
     """Every command executed, in order (for reports and tests)."""
     _deadlines: dict[int, float] = field(default_factory=dict)
+    _events: MemoryObjectSendStream[ev.CoordinatorEvent] | None = None
+    _abort: str | None = None
 
     async def run(self, *, take_over: bool = False) -> cmd.TransitionEnded:
         """Drive the transition to its end and return this coordinator's outcome.
@@ -89,13 +100,29 @@ class CoordinatorService:
         ``take_over``: this coordinator replaces one that may have admitted an attempt; it
         resumes from the attempt the store has registered (paper App. B.2, failover).
         """
-        self.epoch = await self._store_op(self.store.claim)
-        state = await self._store_op(self.store.read)
-        old = attempt_from_json(state.info) if take_over and state.info else None
-        base = old.base if old is not None else state.record
+        link = self.link or await self.control.coordinator()
+        try:
+            self.epoch = await self._store_op(
+                self.store.claim, address=link.address, lease_s=self.lease_s
+            )
+            state = await self._store_op(self.store.read)
+            old = attempt_from_json(state.info) if take_over and state.info else None
+            return await self._run(link, state.record, old, take_over)
+        finally:
+            if self.link is None:
+                with anyio.CancelScope(shield=True):
+                    await link.aclose()
+
+    async def _run(
+        self,
+        link: CoordinatorLink,
+        record: CommitRecord,
+        old: AttemptInfo | None,
+        take_over: bool,
+    ) -> cmd.TransitionEnded:
         self.core = CoordinatorCore(
             CoordinatorConfig(
-                base=base,
+                base=old.base if old is not None else record,
                 owners=self.owners,
                 receivers=self.receivers,
                 epoch=self.epoch,
@@ -106,25 +133,44 @@ class CoordinatorService:
             ),
             CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
         )
-        inbox = self.control.coordinator_inbox(self.epoch)
+        send, recv = anyio.create_memory_object_stream[ev.CoordinatorEvent](math.inf)
+        self._events = send
         first: ev.CoordinatorEvent = ev.TakeOver(old=old) if take_over else ev.StartTransition()
-        try:
+        with send, recv:
+            if self._abort is not None:
+                # An abort asked for before the run claimed its epoch is not lost.
+                send.send_nowait(ev.OperatorAbort(reason=self._abort))
             async with anyio.create_task_group() as tg:
+                tg.start_soon(self._forward, link.replies(), send)
                 tg.start_soon(self._watch_epoch)
-                ended = await self._loop(first, inbox, tg)
+                ended = await self._loop(first, recv, link, tg)
                 tg.cancel_scope.cancel()
-            return ended
-        finally:
-            self.control.close_coordinator(self.epoch)
+        self._events = None
+        return ended
 
     async def abort(self, reason: str) -> None:
-        """The operator aborts the transition (delivered like any other event)."""
-        await self.control.post(self.epoch, ev.OperatorAbort(reason=reason))
+        """The operator aborts the transition (delivered like any other event, also when the
+        run has not started yet)."""
+        self._abort = reason
+        if self._events is not None:
+            await self._post(ev.OperatorAbort(reason=reason))
+
+    async def report(self, reply: msg.Reply) -> None:
+        """A supervisor's report for this coordinator (``Retired``: a process is gone)."""
+        await self._post(reply)
+
+    @staticmethod
+    async def _forward(
+        replies: AsyncIterator[msg.Reply], send: MemoryObjectSendStream[ev.CoordinatorEvent]
+    ) -> None:
+        async for reply in replies:
+            await send.send(reply)
 
     async def _loop(
         self,
         first: ev.CoordinatorEvent,
         inbox: AsyncIterator[ev.CoordinatorEvent],
+        link: CoordinatorLink,
         tg: TaskGroup,
     ) -> cmd.TransitionEnded:
         assert self.core is not None
@@ -134,11 +180,13 @@ class CoordinatorService:
                 self.commands.append(c)
                 if isinstance(c, cmd.TransitionEnded):
                     return c
-                await self._execute(c, tg)
+                await self._execute(c, link, tg)
             event = await inbox.__anext__()
 
     async def _post(self, event: ev.CoordinatorEvent) -> None:
-        await self.control.post(self.epoch, event)
+        if self._events is not None:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                await self._events.send(event)
 
     async def _store_op(self, fn: Callable[..., Awaitable[T]], **kwargs: Any) -> T:
         """Call a store operation, retrying retryable errors (the control plane is assumed
@@ -151,33 +199,15 @@ class CoordinatorService:
                     raise
                 await anyio.sleep(self.retry_s)
 
-    async def _calls(self, endpoints: Iterable[str], message: object) -> None:
-        for name in endpoints:
-            await self.control.call(name, message)
-
-    async def _execute(self, c: cmd.CoordinatorCommand, tg: TaskGroup) -> None:
+    async def _execute(
+        self, c: cmd.CoordinatorCommand, link: CoordinatorLink, tg: TaskGroup
+    ) -> None:
         match c:
+            case cmd.Call(to=to, message=message):
+                for name in to:
+                    await link.call(name, message, epoch=self.epoch)
             case cmd.RegisterAttempt(info=info):
                 tg.start_soon(self._register, info.attempt, info.base, attempt_to_json(info))
-            case cmd.Prepare(info=info):
-                await self._calls(
-                    (*info.owners, *sorted(info.receivers)), ev.PrepareRequested(info=info)
-                )
-            case cmd.StartStreaming(attempt=tau, owners=owners):
-                await self._calls(owners, ev.StreamingRequested(attempt=tau))
-            case cmd.WaitForRequests(attempt=tau, epoch=epoch, receivers=receivers):
-                await self._calls(
-                    sorted(receivers), ev.WaitForRequestsRequested(attempt=tau, epoch=epoch)
-                )
-            case cmd.OpenApply(attempt=tau, epoch=epoch, receivers=receivers):
-                await self._calls(
-                    sorted(receivers), ev.OpenApplyRequested(attempt=tau, epoch=epoch)
-                )
-            case cmd.Flush(attempt=tau, owners=owners, receivers=receivers, expected=expected):
-                await self._calls(
-                    (*owners, *sorted(receivers)),
-                    ev.FlushRequested(attempt=tau, expected=expected),
-                )
             case cmd.CompareAndSet():
                 deadline = self.store.clock() + c.deadline_s
                 self._deadlines[c.attempt] = deadline
@@ -185,40 +215,39 @@ class CoordinatorService:
                 tg.start_soon(self._timer, c.attempt, Stage.COMMIT, c.deadline_s)
             case cmd.ReadCommit(attempt=tau):
                 tg.start_soon(self._read_commit, tau)
-            case cmd.MarkObsolete(attempt=tau, epoch=epoch, owners=owners, receivers=receivers):
+            case cmd.RecordObsolete(attempt=tau):
                 tg.start_soon(self._mark_obsolete, tau)
-                await self._calls(
-                    (*owners, *sorted(receivers)),
-                    ev.MarkObsoleteRequested(attempt=tau, epoch=epoch),
-                )
-            case cmd.StopAndWait(attempt=tau, epoch=epoch, owners=owners, receivers=receivers):
-                await self.transport.stop_and_wait(tau)
-                endpoints = (*owners, *sorted(receivers))
-                await self._calls(endpoints, ev.StopAndWaitRequested(attempt=tau, epoch=epoch))
+            case cmd.StopDelivery(attempt=tau):
+                tg.start_soon(self._transport_op, self.transport.stop_and_wait, tau)
+            case cmd.ReleaseDelivery(attempt=tau):
+                tg.start_soon(self._transport_op, self.transport.cleanup, tau)
+            case cmd.CheckRetired(attempt=tau, endpoints=endpoints):
                 dead = set(self.supervisor.retired())
                 for name in endpoints:
                     if name in dead:
-                        await self._post(ev.Retired(attempt=tau, endpoint=name))
-            case cmd.Cleanup(attempt=tau, owners=owners, receivers=receivers):
-                await self.transport.cleanup(tau)
-                await self._calls((*owners, *sorted(receivers)), ev.CleanupRequested(attempt=tau))
-            case cmd.RequestBaselineUpdate(owners=owners):
-                await self._calls(owners, ReadCommitRecord())
-            case cmd.ReopenGate(attempt=tau, epoch=epoch, record=record, receivers=receivers):
-                await self._calls(
-                    sorted(receivers),
-                    ev.ReopenGateRequested(attempt=tau, epoch=epoch, record=record),
-                )
+                        await self._post(msg.Retired(attempt=tau, endpoint=name))
             case cmd.RequestDenseRefit(record=record, receivers=receivers):
                 tg.start_soon(self.supervisor.dense_refit, record, receivers)
             case cmd.ArmDeadline(attempt=tau, stage=stage, seconds=seconds):
                 tg.start_soon(self._timer, tau, stage, seconds)
 
+    async def _transport_op(self, fn: Callable[[int], Awaitable[None]], attempt: int) -> None:
+        """``stop_and_wait`` / ``cleanup``: bounded by the stop timeout; a transport that
+        cannot answer does not hold the protocol (receivers ignore stale payloads anyway)."""
+        with anyio.move_on_after(self.timeouts.stop_s):
+            with contextlib.suppress(TransportError):
+                await fn(attempt)
+
     async def _watch_epoch(self) -> None:
         while True:
             await anyio.sleep(self.epoch_check_s)
             try:
+                if self.lease_s is not None:
+                    await self.store.renew(epoch=self.epoch, lease_s=self.lease_s)
                 state = await self.store.read()
+            except CommitConflict:
+                await self._post(ev.Conflict(attempt=None))
+                return
             except CommitStoreError:
                 continue
             if state.epoch != self.epoch:

@@ -1,9 +1,9 @@
 """The owner engine: runs :class:`~dcr.protocol.owner.OwnerCore` on anyio.
 
 Construction (change detection, projection, packing, zstd) runs in worker threads, one bucket
-at a time, while the previous payload is being sent (paper §7.2: bucket ``l+1`` is built while
-payload ``l`` is sent).  Baseline updates run in a worker thread too.  The core decides what
-happens; this module only does it and reports back.
+at a time, while earlier payloads are being sent (paper §7.2: bucket ``l+1`` is built while
+payload ``l`` is sent).  Baseline updates and dense refits of joining receivers run in worker
+threads too.  The core decides what happens; this module only does it and reports back.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Container, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,14 +21,15 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
 from dcr.adapters.commit.base import CommitStore
-from dcr.adapters.control.base import ControlChannel, ReadCommitRecord
+from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Transport
-from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket, BuildStats
 from dcr.engine.setup import Integration, default_limiter
 from dcr.errors import DcrError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
 from dcr.wire.payload import PayloadHeader, encode_payload
@@ -36,27 +38,32 @@ __all__ = ["OwnerService", "TrainingSide", "open_owner"]
 
 
 class TrainingSide:
-    """The in-process training side shared by the owner engines of one trainer process.
+    """The training side shared by the owner engines of one trainer process.
 
-    Each attempt's construction starts once for all owners (the residual change flags are
-    all-reduced there); each owner engine then pulls its own buckets.  ``xor_allowed`` is what
-    mixed mode may XOR-encode (the integration setup's ``xor_names``).
+    Each attempt's construction starts once for all owners hosted here; each owner engine
+    then pulls its own buckets.  The collective steps (residual change flags OR-reduced,
+    residual tensors gathered, across processes for a distributed group) already ran when the
+    trainer staged the candidate, so construction never waits on another process.
+    ``xor_allowed`` is what mixed mode may XOR-encode (the integration setup's ``xor_names``).
     """
 
-    def __init__(self, group: LocalTrainingGroup, xor_allowed: Container[str]) -> None:
+    def __init__(self, group: TrainingGroup, xor_allowed: Container[str]) -> None:
         self.group = group
         self.xor_allowed = xor_allowed
         self._lock = threading.Lock()
         self._streams: dict[int, dict[int, tuple[Iterator[Bucket], BuildStats]]] = {}
-        self._modes: dict[int, Mode] = {}
 
     def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
         """The bucket iterator of owner ``rank`` for ``attempt`` (started on first use)."""
         with self._lock:
             if attempt not in self._streams:
                 self._streams[attempt] = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
-                self._modes[attempt] = mode
             return self._streams[attempt][rank][0]
+
+    def dense(self, rank: int) -> Iterator[Bucket]:
+        """Every element owner ``rank`` is responsible for at its committed baseline."""
+        with self._lock:
+            return self.group.build_dense()[rank][0]
 
     def add_time(self, attempt: int, rank: int, stage: str, seconds: float) -> None:
         with self._lock:
@@ -78,12 +85,17 @@ class TrainingSide:
 
     def commit(self, rank: int) -> None:
         """Owner ``rank`` writes its staged candidate into its trackers (idempotent)."""
-        self.group.owners[rank].commit()
+        self.group.commit(rank)
 
 
 @dataclass(slots=True)
 class OwnerService:
-    """One owner endpoint: the protocol core plus the work it asks for."""
+    """One owner endpoint: the protocol core plus the work it asks for.
+
+    ``sends_in_flight`` bounds the payloads handed to the transport and not yet accepted (a
+    transport that confirms delivery, like the relay tree, needs several to keep its links
+    busy).  ``incarnation`` distinguishes this process from earlier ones of the same name.
+    """
 
     name: str
     rank: int
@@ -94,36 +106,63 @@ class OwnerService:
     store: CommitStore
     baseline: CommitRecord
     limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
+    sends_in_flight: int = 1
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     on_sent: Callable[[PayloadKey], None] | None = None
     """Called after each payload the transport accepted (fault injection, progress)."""
     core: OwnerCore = field(init=False)
+    link: EndpointLink | None = None
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
     _stopped: set[int] = field(default_factory=set)
     _events: MemoryObjectSendStream[object] | None = None
+    _staged: bool = False
 
     def __post_init__(self) -> None:
-        self.core = OwnerCore(self.name, baseline=self.baseline)
+        self.core = OwnerCore(
+            self.name, baseline=self.baseline, sends_in_flight=self.sends_in_flight
+        )
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve control calls until cancelled."""
-        inbox = self.control.endpoint_inbox(self.name)
+        link = self.link = await self.control.endpoint(self.name)
         send, recv = anyio.create_memory_object_stream[object](math.inf)
         self._events = send
         try:
             with send, recv:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._forward, inbox, send)
+                    tg.start_soon(self._forward, link.calls(), send)
+                    await self._report_status()
                     task_status.started()
                     async for message in recv:
                         await self._handle(message, tg)
         finally:
-            self.control.close_endpoint(self.name)
+            with anyio.CancelScope(shield=True):
+                await link.aclose()
+
+    async def staged(self, candidate: bool = True) -> None:
+        """The trainer staged (or dropped) the next version: tell the coordinators."""
+        self._staged = candidate
+        await self._report_status()
+
+    async def _report_status(self) -> None:
+        if self.link is not None:
+            await self.link.set_status(
+                msg.EndpointStatus(
+                    endpoint=self.name,
+                    role="owner",
+                    incarnation=self.incarnation,
+                    record=self.core.baseline,
+                    candidate=self._staged,
+                )
+            )
 
     @staticmethod
-    async def _forward(inbox: AsyncIterator[object], send: MemoryObjectSendStream[object]) -> None:
-        async for message in inbox:
+    async def _forward(
+        calls: AsyncIterator[msg.Call], send: MemoryObjectSendStream[object]
+    ) -> None:
+        async for message in calls:
             await send.send(message)
 
     async def _local(self, event: object) -> None:
@@ -131,27 +170,47 @@ class OwnerService:
         await self._events.send(event)
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
-        if isinstance(message, ReadCommitRecord):
-            message = ev.CommitRecordRead(record=(await self.store.read()).record)
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
 
     async def _execute(self, c: cmd.OwnerCommand, tg: TaskGroup) -> None:
         match c:
-            case cmd.Notify(event=event):
-                await self.control.notify(event)
+            case cmd.Notify(message=message):
+                assert self.link is not None
+                await self.link.notify(message)
+                if isinstance(message, msg.BaselineUpdated):
+                    self._staged = False
+                    await self._report_status()
             case cmd.BuildBucket(attempt=tau, payload_id=pid, mode=mode):
                 tg.start_soon(self._build, tau, pid, mode)
             case cmd.SendPayload(attempt=tau, payload_id=pid):
                 tg.start_soon(self._send, tau, pid)
             case cmd.StopStreaming(attempt=tau):
                 self._stopped.add(tau)
+            case cmd.FetchRecord():
+                tg.start_soon(self._fetch_record)
             case cmd.UpdateBaseline(record=record):
                 tg.start_soon(self._update_baseline, record)
+            case cmd.SendDense(job=job, to=to):
+                tg.start_soon(self._send_dense, job, to)
             case cmd.Release(attempt=tau):
                 self._stopped.add(tau)
                 for key in [k for k in self._payloads if k[0] == tau]:
                     del self._payloads[key]
+
+    def _encode(self, attempt: int, payload_id: int, bucket: Bucket) -> bytes:
+        header = PayloadHeader(
+            attempt=attempt,
+            owner=self.integration.owner_ids[self.name],
+            payload_id=payload_id,
+            final=bucket.final,
+        )
+        return encode_payload(
+            header,
+            bucket.items,
+            level=self.integration.zstd_level,
+            layout=self.integration.value_layout,
+        )
 
     def _encode_next(self, attempt: int, payload_id: int, mode: Mode) -> tuple[bytes, bool]:
         bucket = next(self.side.stream(attempt, mode, self.rank), None)
@@ -159,19 +218,8 @@ class OwnerService:
             raise DcrError(
                 f"owner {self.name} has no bucket {payload_id}", attempt=attempt, check="encode"
             )
-        header = PayloadHeader(
-            attempt=attempt,
-            owner=self.integration.owner_ids[self.name],
-            payload_id=payload_id,
-            final=bucket.final,
-        )
         t0 = time.perf_counter()
-        data = encode_payload(
-            header,
-            bucket.items,
-            level=self.integration.zstd_level,
-            layout=self.integration.value_layout,
-        )
+        data = self._encode(attempt, payload_id, bucket)
         self.side.add_time(attempt, self.rank, "encode", time.perf_counter() - t0)
         return data, bucket.final
 
@@ -206,6 +254,9 @@ class OwnerService:
         if failure is None and self.on_sent is not None:
             self.on_sent(key)
 
+    async def _fetch_record(self) -> None:
+        await self._local(ev.CommitRecordRead(record=(await self.store.read()).record))
+
     async def _update_baseline(self, record: CommitRecord) -> None:
         failure = None
         try:
@@ -213,6 +264,30 @@ class OwnerService:
         except DcrError as exc:
             failure = str(exc)
         await self._local(ev.BaselineWritten(record=record, failure=failure))
+
+    async def _send_dense(self, job: int, to: frozenset[str]) -> None:
+        """Build and send one payload at a time (bounded memory), every element overwrite."""
+        sent = 0
+        failure = None
+        try:
+            buckets = await anyio.to_thread.run_sync(self.side.dense, self.rank)
+            while True:
+                pid = sent
+                data = await anyio.to_thread.run_sync(
+                    self._encode_dense, buckets, job, pid, limiter=self.limiter
+                )
+                if data is None:
+                    break
+                key = PayloadKey(attempt=job, owner=self.name, payload_id=pid)
+                await self.transport.send(key, data, to=to)
+                sent += 1
+        except (DcrError, TransportError) as exc:
+            failure = str(exc)
+        await self._local(ev.DenseSent(job=job, payloads=sent, failure=failure))
+
+    def _encode_dense(self, buckets: Iterator[Bucket], job: int, pid: int) -> bytes | None:
+        bucket = next(buckets, None)
+        return None if bucket is None else self._encode(job, pid, bucket)
 
 
 @asynccontextmanager

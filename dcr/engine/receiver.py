@@ -1,11 +1,10 @@
 """The receiver engine: runs :class:`~dcr.protocol.receiver.ReceiverCore` on anyio.
 
-Payloads arrive from the transport; the engine runs the reception checks on their bytes
-(key against header, digest, schema, names, shapes, dtypes, loader classification -- a full
-strict decode) and reports ``PayloadArrived``; the core decides whether to stage, decode,
-apply or discard.  Decoding and applying through the native loader run in worker threads.  When
-the core's bounded queue is full it pauses ingestion: arrivals wait, unread, except the one
-payload the declared order needs next.  Request-gate and KV-cache actions go to
+The engine executes; the core decides.  Each payload the transport hands over is numbered
+and reported to the core, which asks for its reception checks (key against header, digest,
+schema, names, shapes, dtypes, loader classification -- a full strict decode) or keeps it
+parked while its bounded queue back-pressures ingestion.  Decoding and applying through the
+native loader run in worker threads.  Request-gate and KV-cache actions go to
 :class:`ReceiverHooks`, which an inference engine implements.
 """
 
@@ -14,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections import OrderedDict
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,13 +23,14 @@ import torch
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Delivery, Transport
 from dcr.apply.receiver import Receiver
 from dcr.engine.setup import Integration, default_limiter
 from dcr.errors import DcrError, PayloadRejected
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.receiver import QueueConfig, ReceiverCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
 from dcr.wire.payload import Payload, decode_payload
@@ -73,27 +73,33 @@ class ReceiverService:
     queue: QueueConfig = field(default_factory=QueueConfig)
     hooks: ReceiverHooks = field(default_factory=ReceiverHooks)
     limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
+    incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     on_applied: Callable[[PayloadKey], None] | None = None
-    """Called after each payload applied in place (fault injection, progress)."""
+    """Called (in a worker thread) after each payload applied in place (faults, progress)."""
     core: ReceiverCore = field(init=False)
     gate_open: bool = field(init=False)
+    link: EndpointLink | None = None
     applied_payloads: int = 0
     decode_seconds: float = 0.0
     apply_seconds: float = 0.0
     _owner_names: dict[int, str] = field(default_factory=dict)
+    _deliveries: dict[int, Delivery] = field(default_factory=dict)
+    """Bytes of deliveries the core has not staged or discarded yet, by delivery number."""
+    _unacked: set[int] = field(default_factory=set)
+    _checked: dict[int, Payload] = field(default_factory=dict)
     _bytes: dict[PayloadKey, bytes] = field(default_factory=dict)
     _decoded: dict[PayloadKey, Payload] = field(default_factory=dict)
-    _parked: OrderedDict[PayloadKey, Delivery] = field(default_factory=OrderedDict)
-    _paused: bool = False
-    _want: PayloadKey | None = None
     _events: MemoryObjectSendStream[object] | None = None
-    _sync: dict[int, bool] = field(default_factory=dict)
-    _arrived: set[PayloadKey] = field(default_factory=set)
-    _accepted: set[PayloadKey] = field(default_factory=set)
-    """Keys whose first copy passed the reception checks (its bytes are the ones kept)."""
+    _count: int = 0
 
     def __post_init__(self) -> None:
-        self.core = ReceiverCore(self.name, held=self.held, queue=self.queue)
+        self.core = ReceiverCore(
+            self.name,
+            held=self.held,
+            queue=self.queue,
+            arrival_grace_s=self.transport.arrival_grace_s,
+            window=self.transport.receiver_window,
+        )
         self.gate_open = self.held is not None
         self._owner_names = {i: n for n, i in self.integration.owner_ids.items()}
 
@@ -101,33 +107,47 @@ class ReceiverService:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Serve control calls and payloads until cancelled."""
-        inbox = self.control.endpoint_inbox(self.name)
+        link = self.link = await self.control.endpoint(self.name)
         deliveries = self.transport.subscribe(self.name)
         send, recv = anyio.create_memory_object_stream[object](math.inf)
         self._events = send
         try:
             with send, recv:
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._forward, inbox)
+                    tg.start_soon(self._forward, link.calls())
                     tg.start_soon(self._ingest, deliveries)
+                    await self._report_status()
                     task_status.started()
                     async for message in recv:
                         await self._handle(message, tg)
         finally:
-            self.control.close_endpoint(self.name)
-            self.transport.unsubscribe(self.name)
+            with anyio.CancelScope(shield=True):
+                self.transport.unsubscribe(self.name)
+                await link.aclose()
 
     async def dense_refit(
         self, state_dict: Mapping[str, torch.Tensor], record: CommitRecord
     ) -> None:
-        """Restore ``record`` by a dense load through the native loader, then report ready."""
+        """Restore ``record`` by a local dense load through the native loader (a supervisor
+        that holds the canonical tensors); over a fleet the owners send a dense refit."""
         await anyio.to_thread.run_sync(self.receiver.dense_load, state_dict, limiter=self.limiter)
         await self._local(ev.DenseRefitDone(record=record))
 
+    async def _report_status(self) -> None:
+        if self.link is not None:
+            await self.link.set_status(
+                msg.EndpointStatus(
+                    endpoint=self.name,
+                    role="receiver",
+                    incarnation=self.incarnation,
+                    record=None if self.core.dirty else self.core.held,
+                )
+            )
+
     # -- plumbing ---------------------------------------------------------------------------
 
-    async def _forward(self, inbox: AsyncIterator[object]) -> None:
-        async for message in inbox:
+    async def _forward(self, calls: AsyncIterator[msg.Call]) -> None:
+        async for message in calls:
             await self._local(message)
 
     async def _local(self, event: object) -> None:
@@ -135,35 +155,21 @@ class ReceiverService:
         await self._events.send(event)
 
     async def _ingest(self, deliveries: AsyncIterator[Delivery]) -> None:
-        """Move arrivals into the event stream unless the queue back-pressures ingestion."""
+        """Number each delivery and report it; the core decides when to read it."""
         async for d in deliveries:
-            self._arrived.add(d.key)
-            if self._paused and d.key != self._want:
-                self._parked[d.key] = d
-            else:
-                await self._local(d)
-
-    async def _release_parked(self) -> None:
-        if not self._paused:
-            while self._parked:
-                await self._local(self._parked.popitem(last=False)[1])
-        elif self._want is not None and self._want in self._parked:
-            await self._local(self._parked.pop(self._want))
+            self._count += 1
+            self._deliveries[self._count] = d
+            self._unacked.add(self._count)
+            await self._local(ev.PayloadReceived(delivery=self._count, key=d.key))
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
-        if isinstance(message, Delivery):
-            event: object = await self._check(message)
-        elif isinstance(message, ev.PrepareRequested):
-            event = ev.PrepareRequested(info=message.info, rejection=self._prepare_check(message))
-            self._sync[message.info.attempt] = message.info.sync
-        else:
-            event = message
-            if isinstance(message, ev.FlushRequested):
-                tg.start_soon(self._arrival_check, message.attempt, message.expected)
+        event = message
+        if isinstance(message, msg.Prepare):
+            event = ev.PrepareChecked(info=message.info, rejection=self._prepare_check(message))
         for c in self.core.handle(event):  # type: ignore[arg-type]
             await self._execute(c, tg)
 
-    def _prepare_check(self, message: ev.PrepareRequested) -> str | None:
+    def _prepare_check(self, message: msg.Prepare) -> str | None:
         """The engine's metadata and loader-classification check at prepare (a *reject*)."""
         if not self.receiver.paths:
             return "prewarm"
@@ -177,13 +183,15 @@ class ReceiverService:
             return "classification"
         return None
 
-    async def _check(self, d: Delivery) -> ev.PayloadArrived:
+    async def _check(self, delivery: int) -> None:
         """Reception checks on the bytes (paper App. B.1) -> ``PayloadArrived``."""
+        d = self._deliveries.get(delivery)
+        if d is None:
+            return
         key = d.key
         digest = hashlib.blake2b(d.data, digest_size=16).digest()
         rejection: str | None = None
         final = False
-        payload: Payload | None = None
         try:
             payload = await anyio.to_thread.run_sync(self._decode, d.data, limiter=self.limiter)
             h = payload.header
@@ -194,44 +202,15 @@ class ReceiverService:
                 key.payload_id,
             ):
                 rejection = "schema"
+            else:
+                self._checked[delivery] = payload
         except PayloadRejected as exc:
             rejection = exc.check or "schema"
-        if rejection is None and payload is not None and key not in self._accepted:
-            # Only a key's first good copy is kept; the core deduplicates the others.
-            self._accepted.add(key)
-            self._bytes[key] = d.data
-            if self._sync.get(key.attempt, True):
-                self._decoded[key] = payload
-        return ev.PayloadArrived(
-            attempt=key.attempt,
-            owner=key.owner,
-            payload_id=key.payload_id,
-            digest=digest,
-            final=final,
-            rejection=rejection,
+        await self._local(
+            ev.PayloadArrived(
+                delivery=delivery, key=key, digest=digest, final=final, rejection=rejection
+            )
         )
-
-    async def _arrival_check(self, attempt: int, expected: tuple[tuple[str, int], ...]) -> None:
-        """Fail the attempt for payloads still missing once the transport's grace has passed."""
-        await anyio.sleep(self.transport.arrival_grace_s)
-        info = self.core.attempt
-        if info is None or info.attempt != attempt:
-            return
-        for owner, count in expected:
-            for pid in range(count):
-                key = PayloadKey(attempt=attempt, owner=owner, payload_id=pid)
-                if key not in self._arrived:
-                    await self._local(
-                        ev.PayloadArrived(
-                            attempt=attempt,
-                            owner=owner,
-                            payload_id=pid,
-                            digest=b"",
-                            final=False,
-                            rejection="missing",
-                        )
-                    )
-                    return
 
     def _decode(self, data: bytes) -> Payload:
         t0 = time.perf_counter()
@@ -245,29 +224,43 @@ class ReceiverService:
         finally:
             self.decode_seconds += time.perf_counter() - t0
 
+    async def _ack(self, delivery: int, key: PayloadKey) -> None:
+        if delivery in self._unacked:
+            self._unacked.discard(delivery)
+            await self.transport.taken(self.name, key)
+
     # -- commands ---------------------------------------------------------------------------
 
     async def _execute(self, c: cmd.ReceiverCommand, tg: TaskGroup) -> None:
         match c:
-            case cmd.Notify(event=event):
-                await self.control.notify(event)
-            case cmd.Discard(key=key, reason=reason):
-                if reason != "duplicate":  # a duplicate's bytes were never kept
-                    self._bytes.pop(key, None)
-                    self._decoded.pop(key, None)
-            case cmd.StagePayload(key=key):
-                if not self._sync.get(key.attempt, True):
-                    self._decoded.pop(key, None)  # asynchronous RL keeps compressed bytes only
+            case cmd.Notify(message=message):
+                assert self.link is not None
+                await self.link.notify(message)
+                if isinstance(message, msg.ReceiverReady):
+                    await self._report_status()
+            case cmd.CheckPayload(delivery=delivery):
+                d = self._deliveries.get(delivery)
+                if d is not None:
+                    await self._ack(delivery, d.key)
+                    tg.start_soon(self._check, delivery)
+            case cmd.Acknowledge(delivery=delivery):
+                d = self._deliveries.get(delivery)
+                if d is not None:
+                    await self._ack(delivery, d.key)
+            case cmd.Discard(delivery=delivery):
+                d = self._deliveries.pop(delivery, None)
+                self._checked.pop(delivery, None)
+                if d is not None:
+                    await self._ack(delivery, d.key)
+            case cmd.StagePayload(key=key, delivery=delivery, keep_decoded=keep):
+                self._bytes[key] = self._deliveries.pop(delivery).data
+                payload = self._checked.pop(delivery, None)
+                if payload is not None and keep:
+                    self._decoded[key] = payload
             case cmd.Decode(key=key):
                 tg.start_soon(self._decode_staged, key)
             case cmd.Apply(attempt=tau, keys=keys):
                 tg.start_soon(self._apply, tau, keys)
-            case cmd.PauseIngest(want=want):
-                self._paused, self._want = True, want
-                await self._release_parked()
-            case cmd.ResumeIngest():
-                self._paused, self._want = False, None
-                await self._release_parked()
             case cmd.CloseGate(attempt=tau):
                 tg.start_soon(self._close_gate, tau)
             case cmd.Synchronize(attempt=tau):
@@ -277,12 +270,21 @@ class ReceiverService:
             case cmd.OpenGate():
                 await self.hooks.open_gate()
                 self.gate_open = True
+                await self._report_status()
+            case cmd.ArmDeadline(attempt=tau, stage=stage, seconds=seconds):
+                tg.start_soon(self._timer, ev.DeadlineExpired(attempt=tau, stage=stage), seconds)
             case cmd.Release(attempt=tau):
                 for store in (self._bytes, self._decoded):
                     for key in [k for k in store if k.attempt == tau]:
                         del store[key]
-                self._arrived = {k for k in self._arrived if k.attempt != tau}
-                self._accepted = {k for k in self._accepted if k.attempt != tau}
+                for delivery in [n for n, d in self._deliveries.items() if d.key.attempt == tau]:
+                    d = self._deliveries.pop(delivery)
+                    self._checked.pop(delivery, None)
+                    await self._ack(delivery, d.key)
+
+    async def _timer(self, event: ev.DeadlineExpired, seconds: float) -> None:
+        await anyio.sleep(seconds)
+        await self._local(event)
 
     async def _decode_staged(self, key: PayloadKey) -> None:
         failure = None

@@ -2,57 +2,63 @@
 
 A core returns a list of commands for every event.  The engine executes them in list order
 (each command may start asynchronous work; the core never waits for it) and reports what
-happens as events.  Commands addressed to several endpoints (``owners``, ``receivers``) are
-control calls the engine fans out; every reply comes back as its own event.
+happens as events.  Control calls are :class:`Call` commands carrying one message of
+:mod:`dcr.protocol.messages`; endpoints answer with :class:`Notify`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcr.protocol.events import CoordinatorEvent
+from dcr.protocol import messages as msg
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode, PayloadKey, Stage, TransitionOutcome
 
 __all__ = [
+    "Acknowledge",
     "Apply",
     "ArmDeadline",
     "BuildBucket",
-    "Cleanup",
+    "Call",
+    "CheckPayload",
+    "CheckRetired",
     "CloseGate",
     "Command",
     "CompareAndSet",
     "CoordinatorCommand",
     "Decode",
     "Discard",
-    "Flush",
+    "FetchRecord",
     "InvalidateKvCache",
-    "MarkObsolete",
     "Notify",
-    "OpenApply",
     "OpenGate",
     "OwnerCommand",
-    "PauseIngest",
-    "Prepare",
     "ReadCommit",
     "ReceiverCommand",
+    "RecordObsolete",
     "RegisterAttempt",
     "Release",
-    "ReopenGate",
-    "RequestBaselineUpdate",
+    "ReleaseDelivery",
     "RequestDenseRefit",
-    "ResumeIngest",
+    "SendDense",
     "SendPayload",
     "StagePayload",
-    "StartStreaming",
-    "StopAndWait",
+    "StopDelivery",
     "StopStreaming",
     "Synchronize",
     "TransitionEnded",
     "UpdateBaseline",
-    "WaitForRequests",
 ]
 
 # --- coordinator ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Call:
+    """Control call: deliver ``message`` to each endpoint in ``to`` (replies come back as
+    events, one per endpoint)."""
+
+    to: tuple[str, ...]
+    message: msg.Call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,50 +67,6 @@ class RegisterAttempt:
     while the record still equals ``info.base``; otherwise answer ``Conflict``."""
 
     info: AttemptInfo
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Prepare:
-    """Control call to every owner and every receiver in ``info.receivers``."""
-
-    info: AttemptInfo
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StartStreaming:
-    """Control call: owners start building and sending buckets."""
-
-    attempt: int
-    owners: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WaitForRequests:
-    """Control call: receivers close the request gate and wait for in-flight requests."""
-
-    attempt: int
-    epoch: int
-    receivers: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OpenApply:
-    """Control call: receivers may apply the attempt's payloads."""
-
-    attempt: int
-    epoch: int
-    receivers: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Flush:
-    """Control call: owners close their sends; receivers check arrival, drain, sync and ACK."""
-
-    attempt: int
-    owners: tuple[str, ...]
-    receivers: frozenset[str]
-    expected: tuple[tuple[str, int], ...]
-    """``(owner, payload count)`` from every owner's declared sent list."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,55 +93,38 @@ class ReadCommit:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MarkObsolete:
-    """Control plane and endpoints: the attempt is obsolete (control plane answers first)."""
+class RecordObsolete:
+    """Control plane: refuse every later commit of ``attempt``; report ``ObsoleteMarked``."""
 
     attempt: int
-    epoch: int
-    owners: tuple[str, ...]
-    receivers: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StopAndWait:
-    """Control call: stop delivery and forwarding, wait for pending writes, acknowledge."""
+class StopDelivery:
+    """Transport: ``stop_and_wait(attempt)`` -- stop delivery, wait until nothing is in flight."""
 
     attempt: int
-    epoch: int
-    owners: tuple[str, ...]
-    receivers: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Cleanup:
-    """Transport and endpoints: release the attempt's payloads, manifest and records."""
+class ReleaseDelivery:
+    """Transport: ``cleanup(attempt)`` -- release the attempt's payloads and manifest."""
 
     attempt: int
-    owners: tuple[str, ...]
-    receivers: frozenset[str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RequestBaselineUpdate:
-    """Owners: read the commit record and update the baseline it names."""
-
-    record: CommitRecord
-    owners: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReopenGate:
-    """Control call: receivers invalidate KV caches, then reopen the gate at ``record``."""
+class CheckRetired:
+    """Supervisor: report ``Retired`` for each of ``endpoints`` whose process is confirmed gone
+    (so that ``stop_and_wait`` need not wait for it)."""
 
     attempt: int
-    epoch: int
-    record: CommitRecord
-    receivers: frozenset[str]
+    endpoints: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestDenseRefit:
-    """Operator: these receivers need a dense refit to ``record`` before the gate reopens."""
+    """Supervisor: these receivers need a dense refit to ``record`` before the gate reopens."""
 
     record: CommitRecord
     receivers: frozenset[str]
@@ -196,19 +141,24 @@ class ArmDeadline:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransitionEnded:
-    """This coordinator's part of the transition is over."""
+    """This coordinator's part of the transition is over.
+
+    ``committed_by`` is the epoch of the coordinator whose compare-and-set committed
+    ``record`` (this one, or a replaced one whose commit landed first), ``None`` when nothing
+    was committed.
+    """
 
     outcome: TransitionOutcome
     record: CommitRecord
     """The commit record as this coordinator last knew it."""
     attempt: int | None
     reason: str = ""
+    committed_by: int | None = None
 
 
 CoordinatorCommand = (
-    RegisterAttempt | Prepare | StartStreaming | WaitForRequests | OpenApply | Flush
-    | CompareAndSet | ReadCommit | MarkObsolete | StopAndWait | Cleanup | RequestBaselineUpdate
-    | ReopenGate | RequestDenseRefit | ArmDeadline | TransitionEnded
+    Call | RegisterAttempt | CompareAndSet | ReadCommit | RecordObsolete | StopDelivery
+    | ReleaseDelivery | CheckRetired | RequestDenseRefit | ArmDeadline | TransitionEnded
 )  # fmt: skip
 
 # --- endpoints -----------------------------------------------------------------------------
@@ -216,9 +166,9 @@ CoordinatorCommand = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Notify:
-    """Send ``event`` to the coordinator (a reply to a control call, or a report)."""
+    """Send ``message`` to the coordinator (a reply to a control call, or a report)."""
 
-    event: CoordinatorEvent
+    message: msg.Reply
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,22 +210,63 @@ class UpdateBaseline:
     record: CommitRecord
 
 
-OwnerCommand = Notify | Release | BuildBucket | SendPayload | StopStreaming | UpdateBaseline
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FetchRecord:
+    """Owner engine: read the commit record and report ``CommitRecordRead``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendDense:
+    """Owner engine: build every element it owns at its baseline ``record`` into payloads of
+    ``job`` (overwrite, run-coded) and send them to ``to``; report ``DenseSent``."""
+
+    job: int
+    record: CommitRecord
+    to: frozenset[str]
+
+
+OwnerCommand = (
+    Notify | Release | BuildBucket | SendPayload | StopStreaming | FetchRecord | UpdateBaseline
+    | SendDense
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckPayload:
+    """Receiver engine: acknowledge ``delivery`` to the transport (queueing ACK) and run the
+    reception checks on its bytes; report ``PayloadArrived``."""
+
+    delivery: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Acknowledge:
+    """Receiver engine: acknowledge a parked ``delivery`` to the transport without reading it,
+    so that the transport's credit window keeps room for the payload the declared order needs
+    next; its bytes stay in host memory until it is checked or discarded."""
+
+    delivery: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Discard:
-    """Receiver engine: drop these payload bytes (``reason``: obsolete, duplicate, ...)."""
+    """Receiver engine: drop the bytes of ``delivery`` (``reason``: obsolete, duplicate, ...);
+    acknowledge it to the transport if that did not happen yet."""
 
-    key: PayloadKey
+    delivery: int
     reason: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StagePayload:
-    """Receiver engine: keep the verified compressed bytes until ``Decode`` or ``Release``."""
+    """Receiver engine: keep the verified bytes of ``delivery`` as payload ``key`` until
+    ``Decode`` or ``Release``."""
 
     key: PayloadKey
+    delivery: int
+    keep_decoded: bool = False
+    """Synchronous RL: the decode done by the reception checks may be kept (the bounded queue
+    accounts for it); asynchronous RL keeps compressed bytes only while serving."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -291,25 +282,6 @@ class Apply:
 
     attempt: int
     keys: tuple[PayloadKey, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PauseIngest:
-    """Receiver engine: the queue is full; stop reading payloads except ``want``.
-
-    ``want`` is the next payload in declared order when it has not arrived yet: the queue
-    keeps a slot for it so that later payloads cannot block it (paper App. B.1).
-    """
-
-    attempt: int
-    want: PayloadKey | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ResumeIngest:
-    """Receiver engine: the queue has room again."""
-
-    attempt: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,8 +309,8 @@ class OpenGate:
 
 
 ReceiverCommand = (
-    Notify | Release | Discard | StagePayload | Decode | Apply | PauseIngest | ResumeIngest
-    | CloseGate | Synchronize | InvalidateKvCache | OpenGate
+    Notify | Release | CheckPayload | Acknowledge | Discard | StagePayload | Decode | Apply
+    | CloseGate | Synchronize | InvalidateKvCache | OpenGate | ArmDeadline
 )  # fmt: skip
 
 Command = CoordinatorCommand | OwnerCommand | ReceiverCommand

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from dcr.errors import ConfigError, LocalProtocolError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import AttemptPhase, TransitionPhase, Trigger
 from dcr.protocol.machine import StateMachine
 from dcr.protocol.types import (
@@ -35,14 +36,14 @@ _X = Trigger
 _RUNNING = frozenset({_A.PREPARING, _A.STREAMING, _A.GATING, _A.APPLYING, _A.FLUSHING})
 _AWAITING_OUTCOME = frozenset({_A.COMMITTING, _A.UNKNOWN, _A.RESOLVING, _A.COMMITTED})
 _AttemptEvent = (
-    ev.Registered | ev.PrepareAccepted | ev.PrepareRejected | ev.AttemptFailed | ev.SendsDone
-    | ev.Staged | ev.GateClosed | ev.Acked | ev.CommitReplied | ev.CommitRead
-    | ev.ObsoleteMarked | ev.Stopped | ev.Retired | ev.DeadlineExpired
+    ev.Registered | msg.PrepareAccepted | msg.PrepareRejected | msg.AttemptFailed
+    | msg.SendsDone | msg.Staged | msg.GateClosed | msg.Acked | ev.CommitReplied | ev.CommitRead
+    | ev.ObsoleteMarked | msg.Stopped | msg.Retired | ev.DeadlineExpired
 )  # fmt: skip
 _ATTEMPT_EVENTS = (
-    ev.Registered, ev.PrepareAccepted, ev.PrepareRejected, ev.AttemptFailed, ev.SendsDone,
-    ev.Staged, ev.GateClosed, ev.Acked, ev.CommitReplied, ev.CommitRead, ev.ObsoleteMarked,
-    ev.Stopped, ev.Retired, ev.DeadlineExpired,
+    ev.Registered, msg.PrepareAccepted, msg.PrepareRejected, msg.AttemptFailed, msg.SendsDone,
+    msg.Staged, msg.GateClosed, msg.Acked, ev.CommitReplied, ev.CommitRead, ev.ObsoleteMarked,
+    msg.Stopped, msg.Retired, ev.DeadlineExpired,
 )  # fmt: skip
 _NOT_A_MEMBER = frozenset({"joining", "version"})
 """Prepare failures after which a receiver must dense-refit and report ready to rejoin."""
@@ -100,6 +101,7 @@ class _Attempt:
     stopped: set[str] = field(default_factory=set)
     retired: set[str] = field(default_factory=set)
     commit_deadline_passed: bool = False
+    arrival_checked: bool = False
     joined: frozenset[str] = frozenset()
 
     @property
@@ -109,6 +111,11 @@ class _Attempt:
     @property
     def endpoints(self) -> frozenset[str]:
         return frozenset(self.info.owners) | self.info.receivers
+
+    @property
+    def everyone(self) -> tuple[str, ...]:
+        """Owners in their order, then receivers sorted: the order calls go out in."""
+        return (*self.info.owners, *sorted(self.info.receivers))
 
     def expected(self) -> tuple[tuple[str, int], ...]:
         return tuple((o, self.sends[o]) for o in self.info.owners)
@@ -216,9 +223,9 @@ class CoordinatorCore:
             case ev.Conflict(attempt=attempt):
                 if attempt is None or self._is_current(attempt):
                     self._stand_down(out, "the control plane raised conflict")
-            case ev.BaselineUpdated(owner=owner, record=record):
+            case msg.BaselineUpdated(owner=owner, record=record):
                 self._on_baseline_updated(owner, record, out)
-            case ev.ReceiverReady(receiver=receiver, record=record):
+            case msg.ReceiverReady(receiver=receiver, record=record):
                 self._on_receiver_ready(receiver, record, out)
             case _:
                 if isinstance(event, _ATTEMPT_EVENTS) and self._is_current(event.attempt):
@@ -232,34 +239,34 @@ class CoordinatorCore:
             case ev.Registered():
                 if a.phase is _A.PREPARING and not a.registered:
                     a.registered = True
-                    out.append(cmd.Prepare(info=a.info))
-            case ev.PrepareAccepted(endpoint=endpoint):
+                    out.append(cmd.Call(to=a.everyone, message=msg.Prepare(info=a.info)))
+            case msg.PrepareAccepted(endpoint=endpoint):
                 if endpoint in a.endpoints:
                     a.accepted.add(endpoint)
                     self._admit_if_prepared(out)
-            case ev.PrepareRejected(endpoint=endpoint, check=check, message=message):
+            case msg.PrepareRejected(endpoint=endpoint, check=check, message=message):
                 self._on_rejected(
                     endpoint, f"prepare rejected by {endpoint} ({check}) {message}", out
                 )
-            case ev.AttemptFailed(endpoint=endpoint, check=check, message=message):
+            case msg.AttemptFailed(endpoint=endpoint, check=check, message=message):
                 if check in _NOT_A_MEMBER and endpoint in a.info.receivers:
                     # Paper App. B.2, joining receivers: it joins again once it reports that
                     # a dense refit restored the committed record.
                     self._members.discard(endpoint)
                 self._fail(out, f"{endpoint} failed the attempt ({check}) {message}")
-            case ev.SendsDone(owner=owner, payload_count=count):
+            case msg.SendsDone(owner=owner, payload_count=count):
                 if owner in a.info.owners and a.phase in _RUNNING:
                     a.sends[owner] = count
                     self._advance(out)
-            case ev.Staged(receiver=receiver):
+            case msg.Staged(receiver=receiver):
                 if receiver in a.info.receivers and a.phase in _RUNNING:
                     a.staged[receiver] = event.counts
                     self._advance(out)
-            case ev.GateClosed(receiver=receiver):
+            case msg.GateClosed(receiver=receiver):
                 if receiver in a.info.receivers and a.phase is _A.GATING:
                     a.gated.add(receiver)
                     self._advance(out)
-            case ev.Acked():
+            case msg.Acked():
                 self._on_acked(event, out)
             case ev.CommitReplied(outcome=outcome):
                 self._on_commit_replied(outcome, out)
@@ -268,7 +275,8 @@ class CoordinatorCore:
             case ev.ObsoleteMarked():
                 if a.phase is _A.OBSOLETE:
                     self._fire(_X.STOP_AND_WAIT)
-                    out.append(self._stop_and_wait_command())
+                    out.append(cmd.StopDelivery(attempt=a.info.attempt))
+                    out.extend(self._stop_and_wait_commands())
                     out.append(
                         cmd.ArmDeadline(
                             attempt=a.info.attempt,
@@ -276,13 +284,13 @@ class CoordinatorCore:
                             seconds=self._timeout(Stage.STOP),
                         )
                     )
-            case ev.Stopped(endpoint=endpoint, dirty=dirty):
+            case msg.Stopped(endpoint=endpoint, dirty=dirty):
                 if endpoint in a.endpoints:
                     a.stopped.add(endpoint)
                     if dirty:
                         self._dirty.add(endpoint)
                     self._after_stopped(out)
-            case ev.Retired(endpoint=endpoint):
+            case msg.Retired(endpoint=endpoint):
                 self._on_retired(endpoint, out)
             case ev.DeadlineExpired(stage=stage):
                 self._on_deadline(stage, out)
@@ -331,7 +339,7 @@ class CoordinatorCore:
         if self.phase is _T.ADMITTING:
             self._transition.fire(_X.SEND)
             self._admitted = True
-        out.append(cmd.StartStreaming(attempt=a.info.attempt, owners=a.info.owners))
+        out.append(cmd.Call(to=a.info.owners, message=msg.StartStreaming(attempt=a.info.attempt)))
         if not a.info.sync:
             out.append(
                 cmd.ArmDeadline(
@@ -350,13 +358,30 @@ class CoordinatorCore:
         if a.phase is _A.STREAMING and not a.info.sync and self._arrival_mismatch():
             self._fail(out, f"arrival check failed: {self._arrival_mismatch()}")
             return
+        if (
+            a.phase is _A.STREAMING
+            and not a.info.sync
+            and not a.arrival_checked
+            and len(a.sends) == len(a.info.owners)
+        ):
+            # Every owner declared its sent list: receivers that still miss a payload fail
+            # the attempt after the transport's arrival grace instead of waiting for the
+            # arrival deadline (paper App. B.1, arrival check).
+            a.arrival_checked = True
+            out.append(
+                cmd.Call(
+                    to=tuple(sorted(a.info.receivers)),
+                    message=msg.CheckArrival(attempt=tau, expected=a.expected()),
+                )
+            )
         if a.phase is _A.STREAMING and self._attempt_machine_allows(_X.WAIT_FOR_REQUESTS):
             # Synchronous RL closes the gate when the attempt starts; asynchronous RL only
             # after every expected payload arrived (paper §7.2, App. B.1 streaming).
             self._fire(_X.WAIT_FOR_REQUESTS)
             out.append(
-                cmd.WaitForRequests(
-                    attempt=tau, epoch=self.config.epoch, receivers=a.info.receivers
+                cmd.Call(
+                    to=tuple(sorted(a.info.receivers)),
+                    message=msg.WaitForRequests(attempt=tau, epoch=self.config.epoch),
                 )
             )
             out.append(
@@ -365,7 +390,10 @@ class CoordinatorCore:
         if a.phase is _A.GATING and self._attempt_machine_allows(_X.OPEN_APPLY):
             self._fire(_X.OPEN_APPLY)
             out.append(
-                cmd.OpenApply(attempt=tau, epoch=self.config.epoch, receivers=a.info.receivers)
+                cmd.Call(
+                    to=tuple(sorted(a.info.receivers)),
+                    message=msg.OpenApply(attempt=tau, epoch=self.config.epoch),
+                )
             )
             # One deadline covers the rest of streaming, the arrival check and the drain.
             out.append(
@@ -374,17 +402,12 @@ class CoordinatorCore:
         if a.phase is _A.APPLYING and self._attempt_machine_allows(_X.FLUSH):
             self._fire(_X.FLUSH)
             out.append(
-                cmd.Flush(
-                    attempt=tau,
-                    owners=a.info.owners,
-                    receivers=a.info.receivers,
-                    expected=a.expected(),
-                )
+                cmd.Call(to=a.everyone, message=msg.Flush(attempt=tau, expected=a.expected()))
             )
         if a.phase is _A.FLUSHING and self._attempt_machine_allows(_X.COMMIT):
             self._commit(out)
 
-    def _on_acked(self, event: ev.Acked, out: list[cmd.CoordinatorCommand]) -> None:
+    def _on_acked(self, event: msg.Acked, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
         if event.receiver not in a.info.receivers or a.phase is not _A.FLUSHING:
@@ -421,7 +444,7 @@ class CoordinatorCore:
         if a.phase is not _A.COMMITTING:
             return
         if outcome is CommitOutcome.SUCCEEDED:
-            self._committed_by(a.info.target, out)
+            self._on_committed(a.info.target, out)
         elif outcome is CommitOutcome.FAILED:
             self._commit_failed(out)
         elif outcome is CommitOutcome.CONFLICT:
@@ -456,14 +479,14 @@ class CoordinatorCore:
                 self._stand_down(out, f"the commit record moved to {record}")
         elif a.phase is _A.RESOLVING:
             if record == a.info.target:
-                self._committed_by(record, out)
+                self._on_committed(record, out)
             elif record == a.info.base:
                 self._commit_failed(out)
             else:
                 self._record = record
                 self._stand_down(out, f"the commit record moved to {record}")
 
-    def _committed_by(self, record: CommitRecord, out: list[cmd.CoordinatorCommand]) -> None:
+    def _on_committed(self, record: CommitRecord, out: list[cmd.CoordinatorCommand]) -> None:
         self._fire(_X.COMMIT_SUCCEEDED)
         self._transition.fire(_X.COMMIT_SUCCEEDED)
         self._record = record
@@ -475,7 +498,7 @@ class CoordinatorCore:
         """Owners update trackers and residual baseline once they read ``(v+1, g)``."""
         self._committed = record
         self._reports.clear()
-        out.append(cmd.RequestBaselineUpdate(record=record, owners=self.config.owners))
+        out.append(cmd.Call(to=self.config.owners, message=msg.ReadRecord()))
 
     def _commit_failed(self, out: list[cmd.CoordinatorCommand]) -> None:
         self._fire(_X.COMMIT_FAILED)
@@ -503,15 +526,14 @@ class CoordinatorCore:
         assert a is not None and self._committed is not None
         self._fire(_X.CLEANUP)
         self._transition.fire(_X.CLEANUP)
-        out.append(self._cleanup_command())
+        out.extend(self._cleanup_commands())
         self._transition.fire(_X.REOPEN_GATE)
-        receivers = frozenset(a.info.receivers - a.retired)
         out.append(
-            cmd.ReopenGate(
-                attempt=a.info.attempt,
-                epoch=self.config.epoch,
-                record=self._committed,
-                receivers=receivers,
+            cmd.Call(
+                to=tuple(sorted(a.info.receivers - a.retired)),
+                message=msg.ReopenGate(
+                    attempt=a.info.attempt, epoch=self.config.epoch, record=self._committed
+                ),
             )
         )
         outcome = (
@@ -556,36 +578,44 @@ class CoordinatorCore:
         a = self._attempt
         assert a is not None
         self._fire(_X.MARK_OBSOLETE)
-        out.append(
-            cmd.MarkObsolete(
-                attempt=a.info.attempt,
-                epoch=self.config.epoch,
-                owners=a.info.owners,
-                receivers=a.info.receivers,
-            )
-        )
+        out.append(cmd.RecordObsolete(attempt=a.info.attempt))
+        out.append(self._mark_obsolete_call())
         out.append(
             cmd.ArmDeadline(
                 attempt=a.info.attempt, stage=Stage.STOP, seconds=self._timeout(Stage.STOP)
             )
         )
 
-    def _stop_and_wait_command(self) -> cmd.StopAndWait:
+    def _mark_obsolete_call(self) -> cmd.Call:
         a = self._attempt
         assert a is not None
-        return cmd.StopAndWait(
-            attempt=a.info.attempt,
-            epoch=self.config.epoch,
-            owners=a.info.owners,
-            receivers=a.info.receivers - a.stopped - a.retired,
+        return cmd.Call(
+            to=a.everyone, message=msg.MarkObsolete(attempt=a.info.attempt, epoch=self.config.epoch)
         )
 
-    def _cleanup_command(self) -> cmd.Cleanup:
+    def _stop_and_wait_commands(self) -> list[cmd.CoordinatorCommand]:
+        """Ask the endpoints that have not stopped yet; the supervisor retires dead ones."""
         a = self._attempt
         assert a is not None
-        return cmd.Cleanup(
-            attempt=a.info.attempt, owners=a.info.owners, receivers=a.info.receivers - a.retired
-        )
+        receivers = sorted(a.info.receivers - a.stopped - a.retired)
+        to = (*a.info.owners, *receivers)
+        return [
+            cmd.Call(
+                to=to, message=msg.StopAndWait(attempt=a.info.attempt, epoch=self.config.epoch)
+            ),
+            cmd.CheckRetired(attempt=a.info.attempt, endpoints=to),
+        ]
+
+    def _cleanup_commands(self) -> list[cmd.CoordinatorCommand]:
+        a = self._attempt
+        assert a is not None
+        return [
+            cmd.ReleaseDelivery(attempt=a.info.attempt),
+            cmd.Call(
+                to=(*a.info.owners, *sorted(a.info.receivers - a.retired)),
+                message=msg.Cleanup(attempt=a.info.attempt),
+            ),
+        ]
 
     def _on_retired(self, endpoint: str, out: list[cmd.CoordinatorCommand]) -> None:
         """An endpoint that cannot resume leaves the membership between attempts (App. B.2)."""
@@ -619,7 +649,7 @@ class CoordinatorCore:
         assert a is not None
         if a.phase is _A.STOPPING:
             self._fire(_X.CLEANUP)
-            out.append(self._cleanup_command())
+            out.extend(self._cleanup_commands())
         if self.phase is _T.REJECTING:
             self._transition.fire(_X.CLEANUP)
             self._end(TransitionOutcome.REJECTED, out)
@@ -648,16 +678,10 @@ class CoordinatorCore:
             # Stop-path calls are idempotent: ask again and keep waiting (a receiver that never
             # acknowledges needs the operator, paper App. B.2).
             if a.phase is _A.OBSOLETE:
-                out.append(
-                    cmd.MarkObsolete(
-                        attempt=a.info.attempt,
-                        epoch=self.config.epoch,
-                        owners=a.info.owners,
-                        receivers=a.info.receivers,
-                    )
-                )
+                out.append(cmd.RecordObsolete(attempt=a.info.attempt))
+                out.append(self._mark_obsolete_call())
             elif a.phase is _A.STOPPING and not self._stop_complete():
-                out.append(self._stop_and_wait_command())
+                out.extend(self._stop_and_wait_commands())
             else:
                 return
             out.append(
@@ -738,23 +762,29 @@ class CoordinatorCore:
         assert a is not None
         if self._members:
             out.append(
-                cmd.ReopenGate(
-                    attempt=a.info.attempt,
-                    epoch=self.config.epoch,
-                    record=self._record,
-                    receivers=frozenset(self._members),
+                cmd.Call(
+                    to=tuple(sorted(self._members)),
+                    message=msg.ReopenGate(
+                        attempt=a.info.attempt, epoch=self.config.epoch, record=self._record
+                    ),
                 )
             )
         self._end(TransitionOutcome.ABORTED, out)
 
     def _end(self, outcome: TransitionOutcome, out: list[cmd.CoordinatorCommand]) -> None:
         self._outcome = outcome
+        a = self._attempt
+        committed_by = None
+        if self._committed is not None and a is not None:
+            # Our own commit, or the replaced coordinator's that takeover found (App. B.2).
+            committed_by = a.info.coordinator
         out.append(
             cmd.TransitionEnded(
                 outcome=outcome,
                 record=self._record,
-                attempt=self._attempt.info.attempt if self._attempt else None,
+                attempt=a.info.attempt if a else None,
                 reason=self._reason,
+                committed_by=committed_by,
             )
         )
 

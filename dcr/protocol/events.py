@@ -1,24 +1,21 @@
-"""Events: what the engine feeds into the protocol cores.
+"""Local events: facts the engine feeds into the protocol cores besides control messages.
 
-Events are facts that already happened -- a reply arrived, a timer expired, a payload was
-decoded.  The engine delivers replies from endpoints to the coordinator as the events that
-the endpoints' :class:`~dcr.protocol.commands.Notify` commands carry.  Time only ever arrives
-as :class:`DeadlineExpired`; the cores never read a clock.
+A core's input is either a control message (:mod:`dcr.protocol.messages`: a call for an
+endpoint, a reply for a coordinator) or one of these local facts -- a control-plane answer, a
+timer that expired, a payload that arrived or was decoded, local work that finished.  Time only
+ever arrives as :class:`DeadlineExpired`; the cores never read a clock.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dcr.protocol import messages as msg
 from dcr.protocol.types import AttemptInfo, CommitOutcome, CommitRecord, PayloadKey, Stage
 
 __all__ = [
-    "Acked",
-    "AttemptFailed",
-    "BaselineUpdated",
     "BaselineWritten",
     "BucketBuilt",
-    "CleanupRequested",
     "CommitRead",
     "CommitRecordRead",
     "CommitReplied",
@@ -26,35 +23,22 @@ __all__ = [
     "CoordinatorEvent",
     "DeadlineExpired",
     "DenseRefitDone",
-    "FlushRequested",
-    "GateClosed",
-    "MarkObsoleteRequested",
+    "DenseSent",
     "ObsoleteMarked",
-    "OpenApplyRequested",
     "OperatorAbort",
     "OwnerEvent",
     "PayloadArrived",
     "PayloadDecoded",
+    "PayloadReceived",
     "PayloadSent",
     "PayloadsApplied",
-    "PrepareAccepted",
-    "PrepareRejected",
-    "PrepareRequested",
+    "PrepareChecked",
     "ReceiverEvent",
-    "ReceiverReady",
     "Registered",
-    "ReopenGateRequested",
     "RequestsDrained",
-    "Retired",
-    "SendsDone",
-    "Staged",
     "StartTransition",
-    "StopAndWaitRequested",
-    "Stopped",
-    "StreamingRequested",
     "Synchronized",
     "TakeOver",
-    "WaitForRequestsRequested",
 ]
 
 
@@ -85,81 +69,6 @@ class Registered:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrepareAccepted:
-    """An endpoint bound the attempt (its metadata and loader classification checks passed)."""
-
-    attempt: int
-    endpoint: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrepareRejected:
-    """An endpoint's prepare check failed (``reject`` in Algorithm B.2)."""
-
-    attempt: int
-    endpoint: str
-    check: str
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AttemptFailed:
-    """An endpoint reports that the attempt failed (a ``RemoteProtocolError``-class outcome).
-
-    ``check`` names what failed: ``digest``, ``conflicting-duplicate``, ``declared-order``,
-    ``apply``, ``encode``, ``transport``, ``post-apply``, ...
-    """
-
-    attempt: int
-    endpoint: str
-    check: str
-    message: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SendsDone:
-    """An owner sent its last payload; ``payload_count`` is its declared sent list ``0..n-1``."""
-
-    attempt: int
-    owner: str
-    payload_count: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Staged:
-    """Asynchronous RL: a receiver holds every payload up to each owner's final one.
-
-    ``counts`` lists ``(owner, payload count)`` in owner order; the coordinator compares it
-    with the owners' declared sent lists before it closes the gate (arrival check).
-    """
-
-    attempt: int
-    receiver: str
-    counts: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GateClosed:
-    """A receiver closed its request gate and its in-flight requests finished."""
-
-    attempt: int
-    receiver: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Acked:
-    """Completion ACK: the receiver drained its queue, synchronized and ran post-apply checks.
-
-    ``applied`` lists ``(owner, payload count)`` the receiver applied, in owner order.
-    """
-
-    attempt: int
-    receiver: str
-    applied: tuple[tuple[str, int], ...]
-    post_apply_checked: bool
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class CommitReplied:
     """The compare-and-set answered (``UNKNOWN`` when its reply was lost or the call failed)."""
 
@@ -180,43 +89,6 @@ class ObsoleteMarked:
     """The control plane recorded the attempt as obsolete; it refuses the attempt's commit."""
 
     attempt: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Stopped:
-    """An endpoint stopped the attempt and its pending writes finished.
-
-    ``dirty`` is a receiver's report that writes of some attempt landed since it last held
-    a committed record: after an abort it needs a dense refit before its gate reopens.
-    """
-
-    attempt: int
-    endpoint: str
-    dirty: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Retired:
-    """An endpoint's process and pending writes are confirmed unable to resume."""
-
-    attempt: int
-    endpoint: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BaselineUpdated:
-    """An owner finished the in-place baseline update named by ``record``."""
-
-    owner: str
-    record: CommitRecord
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReceiverReady:
-    """A receiver restored ``record`` by a dense refit and prewarm; it may join at prepare."""
-
-    receiver: str
-    record: CommitRecord
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,84 +114,23 @@ class OperatorAbort:
 
 
 CoordinatorEvent = (
-    StartTransition | TakeOver | Registered | PrepareAccepted | PrepareRejected | AttemptFailed
-    | SendsDone | Staged | GateClosed | Acked | CommitReplied | CommitRead | ObsoleteMarked
-    | Stopped | Retired | BaselineUpdated | ReceiverReady | DeadlineExpired | Conflict
-    | OperatorAbort
+    StartTransition | TakeOver | Registered | CommitReplied | CommitRead | ObsoleteMarked
+    | DeadlineExpired | Conflict | OperatorAbort | msg.Reply
 )  # fmt: skip
 
-# --- endpoints: control calls from the coordinator ------------------------------------------
+# --- endpoints: a prepare after the engine's own checks -----------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrepareRequested:
-    """prepare reached this endpoint; ``rejection`` is the failed metadata/loader check, if any."""
+class PrepareChecked:
+    """A :class:`~dcr.protocol.messages.Prepare` after the engine's metadata and loader
+    classification checks; ``rejection`` names the failed check, or is ``None``.
+
+    A bare ``Prepare`` is handled as ``PrepareChecked(info, rejection=None)``.
+    """
 
     info: AttemptInfo
     rejection: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StreamingRequested:
-    """Owners: start building and sending buckets for the attempt."""
-
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WaitForRequestsRequested:
-    """Receivers: close the request gate and wait for in-flight requests."""
-
-    attempt: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OpenApplyRequested:
-    """Receivers: the attempt's payloads may be applied."""
-
-    attempt: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FlushRequested:
-    """Owners close their sends; receivers check arrival against ``expected`` and drain."""
-
-    attempt: int
-    expected: tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MarkObsoleteRequested:
-    """Ignore the attempt's later payloads and ``open_apply``."""
-
-    attempt: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StopAndWaitRequested:
-    """Stop the attempt and report once its pending writes finished."""
-
-    attempt: int
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CleanupRequested:
-    """Release the attempt's payloads and records."""
-
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReopenGateRequested:
-    """Receivers: drop the KV cache and reopen the gate; ``record`` is the committed version."""
-
-    attempt: int
-    epoch: int
-    record: CommitRecord
 
 
 # --- owners: data plane and commit record -------------------------------------------------
@@ -346,6 +157,15 @@ class PayloadSent:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DenseSent:
+    """The engine sent (or failed to send) every payload of a dense-refit job."""
+
+    job: int
+    payloads: int
+    failure: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CommitRecordRead:
     """The owner read the commit record (after the coordinator asked it to)."""
 
@@ -361,8 +181,7 @@ class BaselineWritten:
 
 
 OwnerEvent = (
-    PrepareRequested | StreamingRequested | FlushRequested | MarkObsoleteRequested
-    | StopAndWaitRequested | CleanupRequested | BucketBuilt | PayloadSent | CommitRecordRead
+    msg.Call | PrepareChecked | BucketBuilt | PayloadSent | DenseSent | CommitRecordRead
     | BaselineWritten
 )  # fmt: skip
 
@@ -370,16 +189,28 @@ OwnerEvent = (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadReceived:
+    """The transport handed over a payload, unchecked; ``delivery`` numbers the copy.
+
+    The core decides whether to check it now or park it unread (while its bounded queue
+    back-pressures ingestion); a parked payload is not acknowledged to the transport, so the
+    owners slow down instead of the receiver's memory growing (paper App. B.1).
+    """
+
+    delivery: int
+    key: PayloadKey
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PayloadArrived:
-    """A payload arrived; the engine already ran the reception checks on its bytes.
+    """The engine ran the reception checks on a delivery's bytes.
 
     ``digest`` is the digest of the received compressed body; ``rejection`` names the failed
     check (digest, magic, schema, names, shapes, dtypes, classification) or is ``None``.
     """
 
-    attempt: int
-    owner: str
-    payload_id: int
+    delivery: int
+    key: PayloadKey
     digest: bytes
     final: bool
     rejection: str | None = None
@@ -412,21 +243,19 @@ class RequestsDrained:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Synchronized:
-    """Device work of the attempt finished (after the queue drained)."""
+    """Device work of the attempt (or dense-refit job) finished after the queue drained."""
 
     attempt: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DenseRefitDone:
-    """The engine restored ``record`` by a dense load through the native loader and prewarmed."""
+    """The engine restored ``record`` by a local dense load through the native loader."""
 
     record: CommitRecord
 
 
 ReceiverEvent = (
-    PrepareRequested | WaitForRequestsRequested | OpenApplyRequested | FlushRequested
-    | MarkObsoleteRequested | StopAndWaitRequested | CleanupRequested | ReopenGateRequested
-    | PayloadArrived | PayloadDecoded | PayloadsApplied | RequestsDrained | Synchronized
-    | DenseRefitDone
+    msg.Call | PrepareChecked | PayloadReceived | PayloadArrived | PayloadDecoded
+    | PayloadsApplied | RequestsDrained | Synchronized | DenseRefitDone | DeadlineExpired
 )  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from dcr.errors import ConfigError, RemoteProtocolError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import OwnerPhase, Trigger
 from dcr.protocol.machine import StateMachine
 from dcr.protocol.types import AttemptInfo, CommitRecord
@@ -63,6 +64,10 @@ class OwnerCore:
         refused (attempt ids increase, see :class:`~dcr.protocol.types.IdSource`)."""
         self.baseline_failure: str | None = None
         """Why the last baseline update failed (the operator must reinitialize the owner)."""
+        self._dense: set[int] = set()
+        """Dense-refit jobs whose payloads are being built from the baseline."""
+        self._updating: CommitRecord | None = None
+        """A baseline update asked for but not written yet (it waits for dense jobs)."""
         self._m = StateMachine(OwnerPhase, name=f"owner {name}")
 
     @property
@@ -86,9 +91,10 @@ class OwnerCore:
         """Apply one event; return the commands to execute, in order."""
         out: list[cmd.OwnerCommand] = []
         match event:
-            case ev.PrepareRequested(info=info, rejection=rejection):
+            case msg.Prepare(info=info) | ev.PrepareChecked(info=info):
+                rejection = event.rejection if isinstance(event, ev.PrepareChecked) else None
                 self._on_prepare(info, rejection, out)
-            case ev.StreamingRequested(attempt=tau):
+            case msg.StartStreaming(attempt=tau):
                 if self._is_active(tau) and self.phase is _O.PREPARED:
                     self._m.fire(_X.SEND)
                     self._pump(out)
@@ -96,26 +102,34 @@ class OwnerCore:
                 self._on_built(event, out)
             case ev.PayloadSent():
                 self._on_sent(event, out)
-            case ev.FlushRequested(attempt=tau):
+            case msg.Flush(attempt=tau):
                 s = self._stream
                 if self._is_active(tau) and self.phase is _O.SENDING and s is not None and s.done:
                     self._m.fire(_X.FLUSH)
-            case ev.MarkObsoleteRequested(attempt=tau, epoch=epoch):
+            case msg.MarkObsolete(attempt=tau, epoch=epoch):
                 self._see(tau, epoch)
                 if self._is_active(tau):
                     self._mark_obsolete(out)
-            case ev.StopAndWaitRequested(attempt=tau, epoch=epoch):
+            case msg.StopAndWait(attempt=tau, epoch=epoch):
                 self._see(tau, epoch)
                 self._on_stop(tau, out)
-            case ev.CleanupRequested(attempt=tau):
+            case msg.Cleanup(attempt=tau):
                 if self._is_active(tau) and self._m.can_fire(_X.CLEANUP):
                     self._m.fire(_X.CLEANUP)
                     self._stream = None
                     out.append(cmd.Release(attempt=tau))
+            case msg.ReadRecord():
+                out.append(cmd.FetchRecord())
             case ev.CommitRecordRead(record=record):
                 self._on_record(record, out)
             case ev.BaselineWritten(record=record, failure=failure):
                 self._on_baseline_written(record, failure, out)
+            case msg.DenseRefit():
+                self._on_dense_refit(event, out)
+            case ev.DenseSent(job=job, failure=failure):
+                self._on_dense_sent(job, failure, out)
+            case _:
+                pass  # calls meant for receivers
         return out
 
     # -- admission and streaming -----------------------------------------------------------
@@ -127,7 +141,9 @@ class OwnerCore:
             # A repeated call (the engine retries control calls): answer it again.
             if self.phase in _STREAMING:
                 out.append(
-                    cmd.Notify(event=ev.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+                    cmd.Notify(
+                        message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name)
+                    )
                 )
             return
         if self.phase is _O.UPDATED or (self.phase is _O.STOPPED and self._stop_pending is None):
@@ -140,7 +156,7 @@ class OwnerCore:
             # The engine's metadata check failed: reject.
             out.append(
                 cmd.Notify(
-                    event=ev.PrepareRejected(
+                    message=msg.PrepareRejected(
                         attempt=info.attempt, endpoint=self.name, check=rejection
                     )
                 )
@@ -159,7 +175,7 @@ class OwnerCore:
             # Not a failed check but a state that cannot take the attempt: a failure.
             out.append(
                 cmd.Notify(
-                    event=ev.AttemptFailed(
+                    message=msg.AttemptFailed(
                         attempt=info.attempt,
                         endpoint=self.name,
                         check=problem,
@@ -172,7 +188,9 @@ class OwnerCore:
         self._m.fire(_X.PREPARE)
         self._stream = _Stream(info=info)
         self._candidates.add(info.candidate)
-        out.append(cmd.Notify(event=ev.PrepareAccepted(attempt=info.attempt, endpoint=self.name)))
+        out.append(
+            cmd.Notify(message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+        )
 
     def _pump(self, out: list[cmd.OwnerCommand]) -> None:
         """Send built payloads and build the next bucket while the pipeline has room."""
@@ -222,7 +240,7 @@ class OwnerCore:
                 s.done = True
                 out.append(
                     cmd.Notify(
-                        event=ev.SendsDone(
+                        message=msg.SendsDone(
                             attempt=s.info.attempt, owner=self.name, payload_count=s.final + 1
                         )
                     )
@@ -239,7 +257,7 @@ class OwnerCore:
         out.append(cmd.StopStreaming(attempt=s.info.attempt))
         out.append(
             cmd.Notify(
-                event=ev.AttemptFailed(
+                message=msg.AttemptFailed(
                     attempt=s.info.attempt, endpoint=self.name, check=check, message=message
                 )
             )
@@ -270,12 +288,14 @@ class OwnerCore:
             if s is not None and s.busy:
                 self._stop_pending = tau
                 return
-        out.append(cmd.Notify(event=ev.Stopped(attempt=tau, endpoint=self.name)))
+        out.append(cmd.Notify(message=msg.Stopped(attempt=tau, endpoint=self.name)))
 
     def _reply_stopped_if_idle(self, out: list[cmd.OwnerCommand]) -> None:
         s = self._stream
         if self._stop_pending is not None and (s is None or not s.busy):
-            out.append(cmd.Notify(event=ev.Stopped(attempt=self._stop_pending, endpoint=self.name)))
+            out.append(
+                cmd.Notify(message=msg.Stopped(attempt=self._stop_pending, endpoint=self.name))
+            )
             self._stop_pending = None
 
     # -- baseline update (paper §6.3, App. B.2) --------------------------------------------
@@ -296,18 +316,62 @@ class OwnerCore:
         self._mark_obsolete(out)
         self._m.fire(_X.BASELINE_UPDATE)
         self.baseline_failure = None
-        out.append(cmd.UpdateBaseline(record=record))
+        self._updating = record
+        if not self._dense:
+            out.append(cmd.UpdateBaseline(record=record))
 
     def _on_baseline_written(
         self, record: CommitRecord, failure: str | None, out: list[cmd.OwnerCommand]
     ) -> None:
+        self._updating = None
         if failure is not None:
             self.baseline_failure = failure
             return
         self._baseline = record
         self._updated_to = record
         self._candidates.clear()
-        out.append(cmd.Notify(event=ev.BaselineUpdated(owner=self.name, record=record)))
+        out.append(cmd.Notify(message=msg.BaselineUpdated(owner=self.name, record=record)))
+
+    # -- dense refit of joining receivers (paper App. B.2) --------------------------------
+
+    def _on_dense_refit(self, call: msg.DenseRefit, out: list[cmd.OwnerCommand]) -> None:
+        """Send every owned element at the committed baseline to the joining receivers.
+
+        Refused while the baseline is being updated: the payloads would mix two versions.
+        """
+        if self.name not in call.owners or call.job in self._dense:
+            return
+        problem = None
+        if call.record != self._baseline:
+            problem = f"owner {self.name} holds {self._baseline}, not {call.record}"
+        elif self._updating is not None:
+            problem = f"owner {self.name} is updating its baseline to {self._updating}"
+        if problem is not None:
+            out.append(
+                cmd.Notify(
+                    message=msg.AttemptFailed(
+                        attempt=call.job, endpoint=self.name, check="version", message=problem
+                    )
+                )
+            )
+            return
+        self._dense.add(call.job)
+        out.append(cmd.SendDense(job=call.job, record=call.record, to=call.receivers))
+
+    def _on_dense_sent(self, job: int, failure: str | None, out: list[cmd.OwnerCommand]) -> None:
+        if job not in self._dense:
+            return
+        self._dense.discard(job)
+        if failure is not None:
+            out.append(
+                cmd.Notify(
+                    message=msg.AttemptFailed(
+                        attempt=job, endpoint=self.name, check="dense", message=failure
+                    )
+                )
+            )
+        if not self._dense and self._updating is not None:
+            out.append(cmd.UpdateBaseline(record=self._updating))
 
     def _is_active(self, tau: int) -> bool:
         return self._stream is not None and self._stream.info.attempt == tau

@@ -1,9 +1,18 @@
 """The receiver core: ingestion, deduplication, the bounded queue and declared-order application.
 
-The core never touches bytes or tensors.  The engine runs the reception checks on each
-payload's bytes and reports the result as :class:`~dcr.protocol.events.PayloadArrived`; the
-core decides what happens to the payload (stage, decode, apply, discard) and when the
-receiver may acknowledge, stop or reopen its request gate (paper App. B.1, B.2).
+The core never touches bytes or tensors; it decides.  The engine reports each payload the
+transport hands over (:class:`~dcr.protocol.events.PayloadReceived`); the core either asks
+for its reception checks (:class:`~dcr.protocol.commands.CheckPayload`, which also sends the
+transport's queueing ACK) or keeps it parked, unread and unacknowledged, while its bounded
+queue back-pressures ingestion -- except the one payload the declared order needs next.
+Checked payloads come back as ``PayloadArrived``; the core then stages, decodes, applies or
+discards them, runs the arrival check of flush with a deadline of its own, and decides when
+the receiver may acknowledge, stop or reopen its request gate (paper App. B.1, B.2).
+
+A receiver that starts, restarts or falls behind restores the committed version by a dense
+refit: a :class:`~dcr.protocol.messages.DenseRefit` job whose payloads (every element,
+overwrite) go through the same ingestion and apply path, after which it reports
+``ReceiverReady`` and joins at the next prepare.
 
 Storage safety rules that protect G1 even against a faulty coordinator:
 
@@ -17,15 +26,16 @@ Storage safety rules that protect G1 even against a faulty coordinator:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dcr.errors import ConfigError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import ReceiverPhase, Trigger
 from dcr.protocol.machine import StateMachine
-from dcr.protocol.types import AttemptInfo, CommitRecord, Mode, PayloadKey
+from dcr.protocol.types import AttemptInfo, CommitRecord, Mode, PayloadKey, Stage
 
 __all__ = ["QueueConfig", "ReceiverCore"]
 
@@ -54,10 +64,15 @@ class QueueConfig:
 
 @dataclass(slots=True)
 class _Ingest:
-    """Per-attempt ingestion state, keyed by ``(owner, payload id)``."""
+    """Per-attempt (or per dense-refit job) ingestion state, keyed by ``(owner, payload id)``."""
 
     info: AttemptInfo
+    dense: bool = False
     seen: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    received: set[PayloadKey] = field(default_factory=set)
+    """Keys of every delivery the transport handed over, checked or not (arrival check)."""
+    checking: set[int] = field(default_factory=set)
+    """Deliveries whose reception checks are running."""
     highest: int = -1
     """Highest payload id seen or declared; nothing beyond it can be applied yet."""
     finals: dict[str, int] = field(default_factory=dict)
@@ -70,12 +85,14 @@ class _Ingest:
     all_checked: bool = True
     apply_open: bool = False
     expected: dict[str, int] | None = None
+    arrival_armed: bool = False
     staged_reported: bool = False
     synchronizing: bool = False
     paused: bool = False
     want: PayloadKey | None = None
     """While paused: the one payload ingestion still lets through."""
     stop_pending: bool = False
+    failed: bool = False
 
     waiting: list[tuple[int, PayloadKey]] = field(default_factory=list)
     """Synchronous RL: staged payloads by declared position (a heap), for decoding."""
@@ -83,6 +100,10 @@ class _Ingest:
 
     def __post_init__(self) -> None:
         self.rank = {o: i for i, o in enumerate(self.info.owners)}
+
+    @property
+    def attempt(self) -> int:
+        return self.info.attempt
 
     def position(self, key: PayloadKey) -> int:
         """Index of ``key`` in the declared order ``(payload id, owner)`` (App. B.1)."""
@@ -116,6 +137,10 @@ class _Ingest:
     def used(self) -> int:
         return len(self.decoding) + len(self.decoded)
 
+    def full(self, capacity: int) -> bool:
+        """Payloads being checked, staged and decoded fill the bounded queue."""
+        return len(self.checking) + len(self.staged) + self.used >= capacity
+
     def complete(self) -> bool:
         """Every owner's final payload is known and every payload up to it was applied."""
         owners = self.info.owners
@@ -138,15 +163,47 @@ class _Ingest:
             return None
         return tuple((o, self.finals[o] + 1) for o in owners)
 
+    def missing(self) -> list[PayloadKey]:
+        """Declared payloads (``expected``) the transport never handed over."""
+        if self.expected is None:
+            return []
+        return [
+            key
+            for o in self.info.owners
+            for pid in range(self.expected.get(o, 0))
+            if (key := PayloadKey(attempt=self.info.attempt, owner=o, payload_id=pid))
+            not in self.received
+        ]
+
 
 class ReceiverCore:
-    """One rollout rank's protocol state; :meth:`handle` takes an event and returns commands."""
+    """One rollout rank's protocol state; :meth:`handle` takes an event and returns commands.
+
+    ``arrival_grace_s`` is the transport's promise: how long a payload may still take to
+    arrive after its owner's ``send`` returned.  The arrival check of flush waits that long
+    for missing payloads, then fails the attempt (paper App. B.1).  ``window`` is the
+    transport's credit: how many deliveries it hands over without acknowledgement.  Parked
+    deliveries leave one of them free, so the payload the declared order needs next can
+    always get through; beyond that they are acknowledged unread and held in host memory.
+    """
 
     def __init__(
-        self, name: str, *, held: CommitRecord | None, queue: QueueConfig | None = None
+        self,
+        name: str,
+        *,
+        held: CommitRecord | None,
+        queue: QueueConfig | None = None,
+        arrival_grace_s: float = 0.0,
+        window: int | None = None,
     ) -> None:
+        if arrival_grace_s < 0:
+            raise ConfigError(f"arrival_grace_s must be >= 0, got {arrival_grace_s}")
+        if window is not None and window < 1:
+            raise ConfigError(f"window must be >= 1, got {window}")
+        self.window = window
         self.name = name
         self.queue = queue or QueueConfig()
+        self.arrival_grace_s = arrival_grace_s
         self._held = held
         self._dirty = False
         self._acked: CommitRecord | None = None
@@ -156,7 +213,12 @@ class ReceiverCore:
         """Highest attempt id seen; a prepare that arrives after its attempt was stopped is
         refused (attempt ids increase, see :class:`~dcr.protocol.types.IdSource`)."""
         self._ingest: _Ingest | None = None
-        self._failed = False
+        self._dense: _Ingest | None = None
+        """The dense-refit job in progress (its ``info.base`` is the record it restores)."""
+        self._parked: dict[int, PayloadKey] = {}
+        """Deliveries held unread while the queue back-pressures ingestion, in arrival order."""
+        self._unacked: list[int] = []
+        """Parked deliveries not yet acknowledged to the transport, oldest first."""
         self._m = StateMachine(
             ReceiverPhase,
             name=f"receiver {name}",
@@ -189,6 +251,11 @@ class ReceiverCore:
         return self._ingest.info if self._ingest else None
 
     @property
+    def dense_job(self) -> int | None:
+        """The dense-refit job in progress, if any."""
+        return self._dense.attempt if self._dense else None
+
+    @property
     def applied(self) -> tuple[tuple[str, int], ...]:
         return self._ingest.counts() if self._ingest else ()
 
@@ -197,55 +264,80 @@ class ReceiverCore:
         """False while the bounded queue back-pressures ingestion."""
         return not (self._ingest and self._ingest.paused)
 
+    @property
+    def parked(self) -> int:
+        """Deliveries held unread (and unacknowledged) by back-pressure."""
+        return len(self._parked)
+
     # -- events ----------------------------------------------------------------------------
 
     def handle(self, event: ev.ReceiverEvent) -> list[cmd.ReceiverCommand]:
         """Apply one event; return the commands to execute, in order."""
         out: list[cmd.ReceiverCommand] = []
         match event:
-            case ev.PrepareRequested(info=info, rejection=rejection):
+            case msg.Prepare(info=info):
+                self._on_prepare(info, None, out)
+            case ev.PrepareChecked(info=info, rejection=rejection):
                 self._on_prepare(info, rejection, out)
+            case ev.PayloadReceived(delivery=delivery, key=key):
+                self._on_received(delivery, key, out)
             case ev.PayloadArrived():
                 self._on_arrived(event, out)
             case ev.PayloadDecoded(key=key, failure=failure):
                 self._on_decoded(key, failure, out)
             case ev.PayloadsApplied():
                 self._on_applied(event, out)
-            case ev.WaitForRequestsRequested(attempt=tau, epoch=epoch):
+            case msg.WaitForRequests(attempt=tau, epoch=epoch):
                 if self._current(tau, epoch) and self.phase is _R.PREPARED:
                     self._m.fire(_X.WAIT_FOR_REQUESTS)
                     self._gate_open = False
                     out.append(cmd.CloseGate(attempt=tau))
             case ev.RequestsDrained(attempt=tau):
                 if self._current(tau, self._epoch) and self.phase in (_R.GATED, _R.APPLYING):
-                    out.append(cmd.Notify(event=ev.GateClosed(attempt=tau, receiver=self.name)))
-            case ev.OpenApplyRequested(attempt=tau, epoch=epoch):
+                    out.append(cmd.Notify(message=msg.GateClosed(attempt=tau, receiver=self.name)))
+            case msg.OpenApply(attempt=tau, epoch=epoch):
                 if self._current(tau, epoch) and self.phase is _R.GATED:
                     self._m.fire(_X.OPEN_APPLY)
                     assert self._ingest is not None
                     self._ingest.apply_open = True
-                    self._pump(out)
-            case ev.FlushRequested(attempt=tau, expected=expected):
+                    self._pump(self._ingest, out)
+            case msg.CheckArrival(attempt=tau, expected=expected):
+                s = self._ingest
+                if (
+                    self._current(tau, self._epoch)
+                    and s is not None
+                    and not s.info.sync
+                    and self.phase in _RUNNING
+                    and self._declare(s, dict(expected), out)
+                ):
+                    self._pump(s, out)
+            case msg.Flush(attempt=tau, expected=expected):
                 if self._current(tau, self._epoch) and self.phase is _R.APPLYING:
                     self._on_flush(dict(expected), out)
             case ev.Synchronized(attempt=tau):
                 self._on_synchronized(tau, out)
-            case ev.MarkObsoleteRequested(attempt=tau, epoch=epoch):
+            case ev.DeadlineExpired(attempt=tau, stage=Stage.ARRIVAL):
+                self._on_arrival_deadline(tau, out)
+            case msg.MarkObsolete(attempt=tau, epoch=epoch):
                 self._see_epoch(epoch)
                 self._latest = max(self._latest, tau)
                 if self._is_active(tau):
                     self._mark_obsolete()
-            case ev.StopAndWaitRequested(attempt=tau, epoch=epoch):
+            case msg.StopAndWait(attempt=tau, epoch=epoch):
                 self._see_epoch(epoch)
                 self._latest = max(self._latest, tau)
                 self._on_stop(tau, out)
-            case ev.CleanupRequested(attempt=tau):
+            case msg.Cleanup(attempt=tau):
                 if self._is_active(tau) and self._m.can_fire(_X.CLEANUP):
                     self._cleanup(out)
-            case ev.ReopenGateRequested(attempt=tau, epoch=epoch, record=record):
+            case msg.ReopenGate(attempt=tau, epoch=epoch, record=record):
                 self._on_reopen(tau, epoch, record, out)
+            case msg.DenseRefit():
+                self._on_dense_call(event, out)
             case ev.DenseRefitDone(record=record):
-                self._on_dense_refit(record, out)
+                self._restored(record, out)
+            case _:
+                pass  # calls meant for owners
         return out
 
     # -- admission -------------------------------------------------------------------------
@@ -258,7 +350,9 @@ class ReceiverCore:
             # A repeated call (the engine retries control calls): answer it again.
             if self.phase in _RUNNING:
                 out.append(
-                    cmd.Notify(event=ev.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+                    cmd.Notify(
+                        message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name)
+                    )
                 )
             return
         if (
@@ -273,7 +367,7 @@ class ReceiverCore:
             # The engine's metadata or loader-classification check failed: reject.
             out.append(
                 cmd.Notify(
-                    event=ev.PrepareRejected(
+                    message=msg.PrepareRejected(
                         attempt=info.attempt, endpoint=self.name, check=rejection
                     )
                 )
@@ -285,7 +379,7 @@ class ReceiverCore:
             check, message = problem
             out.append(
                 cmd.Notify(
-                    event=ev.AttemptFailed(
+                    message=msg.AttemptFailed(
                         attempt=info.attempt, endpoint=self.name, check=check, message=message
                     )
                 )
@@ -295,8 +389,10 @@ class ReceiverCore:
         self._latest = info.attempt
         self._m.fire(_X.PREPARE)
         self._ingest = _Ingest(info=info)
-        self._failed = False
-        out.append(cmd.Notify(event=ev.PrepareAccepted(attempt=info.attempt, endpoint=self.name)))
+        self._discard_parked(lambda key: key.attempt != info.attempt, "obsolete", out)
+        out.append(
+            cmd.Notify(message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+        )
 
     def _prepare_problem(self, info: AttemptInfo) -> tuple[str, str] | None:
         if info.coordinator < self._epoch:
@@ -305,6 +401,8 @@ class ReceiverCore:
             return "stale", f"attempt {info.attempt} was stopped before its prepare arrived"
         if self.phase is _R.JOINING:
             return "joining", "no committed version: a dense refit must come first"
+        if self._dense is not None:
+            return "joining", f"dense refit {self._dense.attempt} is still running"
         if not self._m.can_fire(_X.PREPARE):
             return "busy", f"receiver is {self.phase.value}"
         if info.base != self._held:
@@ -314,78 +412,132 @@ class ReceiverCore:
             return "mode", "storage may hold a partial write; mixed mode refused"
         return None
 
-    # -- ingestion (reception checks and deduplication, App. B.1) --------------------------
+    # -- ingestion (back-pressure, reception checks, deduplication; App. B.1) --------------
+
+    def _stream_of(self, attempt: int) -> _Ingest | None:
+        """The ingestion a payload of ``attempt`` belongs to: the dense job or the attempt."""
+        if self._dense is not None and self._dense.attempt == attempt:
+            return self._dense
+        s = self._ingest
+        if s is not None and s.attempt == attempt and self.phase in _RUNNING and not s.failed:
+            return s
+        return None
+
+    def _on_received(self, delivery: int, key: PayloadKey, out: list[cmd.ReceiverCommand]) -> None:
+        s = self._stream_of(key.attempt)
+        if s is None:
+            out.append(cmd.Discard(delivery=delivery, reason="not the active attempt"))
+            return
+        s.received.add(key)
+        if s.paused and key != s.want:
+            self._park(delivery, key, out)
+            return
+        s.checking.add(delivery)
+        out.append(cmd.CheckPayload(delivery=delivery))
+        self._pump(s, out)
 
     def _on_arrived(self, e: ev.PayloadArrived, out: list[cmd.ReceiverCommand]) -> None:
-        key = PayloadKey(attempt=e.attempt, owner=e.owner, payload_id=e.payload_id)
-        s = self._ingest
-        if s is None or not self._is_active(e.attempt) or self.phase not in _RUNNING:
-            out.append(cmd.Discard(key=key, reason="not the active attempt"))
+        key = e.key
+        s = self._stream_of(key.attempt)
+        if s is None or e.delivery not in s.checking:
+            out.append(cmd.Discard(delivery=e.delivery, reason="not the active attempt"))
             return
-        if e.owner not in s.info.owners:
-            self._fail("schema", f"payload from unknown owner {e.owner!r}", out, discard=key)
+        s.checking.discard(e.delivery)
+        if key.owner not in s.info.owners:
+            self._fail(s, "schema", f"payload from unknown owner {key.owner!r}", out)
+            out.append(cmd.Discard(delivery=e.delivery, reason="schema"))
             return
         if e.rejection is not None:
-            self._fail(
-                e.rejection,
-                f"payload {e.owner}/{e.payload_id} failed {e.rejection}",
-                out,
-                discard=key,
-            )
+            message = f"payload {key.owner}/{key.payload_id} failed {e.rejection}"
+            self._fail(s, e.rejection, message, out)
+            out.append(cmd.Discard(delivery=e.delivery, reason=e.rejection))
             return
-        previous = s.seen.get((e.owner, e.payload_id))
+        previous = s.seen.get((key.owner, key.payload_id))
         if previous is not None:
-            if previous == e.digest:
-                out.append(cmd.Discard(key=key, reason="duplicate"))
-            else:
-                self._fail(
-                    "conflicting-duplicate",
-                    f"payload {e.owner}/{e.payload_id} arrived twice with different bytes",
-                    out,
-                    discard=key,
-                )
+            if previous != e.digest:
+                message = f"payload {key.owner}/{key.payload_id} arrived twice with other bytes"
+                self._fail(s, "conflicting-duplicate", message, out)
+            out.append(cmd.Discard(delivery=e.delivery, reason="duplicate"))
+            self._pump(s, out)
             return
-        problem = self._order_problem(s, e)
+        problem = self._order_problem(s, key, e.final)
         if problem is not None:
-            self._fail("declared-order", problem, out, discard=key)
+            self._fail(s, "declared-order", problem, out)
+            out.append(cmd.Discard(delivery=e.delivery, reason="declared-order"))
             return
-        s.seen[(e.owner, e.payload_id)] = e.digest
-        s.highest = max(s.highest, e.payload_id)
+        s.seen[(key.owner, key.payload_id)] = e.digest
+        s.highest = max(s.highest, key.payload_id)
         if e.final:
-            s.finals[e.owner] = e.payload_id
-        self._m.fire(_X.INGEST)
+            s.finals[key.owner] = key.payload_id
+        if not s.dense:
+            self._m.fire(_X.INGEST)
         s.staged.add(key)
         if s.info.sync:
             heapq.heappush(s.waiting, (s.position(key), key))
-        out.append(cmd.StagePayload(key=key))
-        self._pump(out)
+        out.append(cmd.StagePayload(key=key, delivery=e.delivery, keep_decoded=s.info.sync))
+        self._pump(s, out)
 
     @staticmethod
-    def _order_problem(s: _Ingest, e: ev.PayloadArrived) -> str | None:
-        final = s.finals.get(e.owner)
-        if final is not None and e.payload_id > final:
-            return f"payload {e.owner}/{e.payload_id} follows final payload {final}"
-        if e.final and any(o == e.owner and pid > e.payload_id for o, pid in s.seen):
-            return f"final payload {e.owner}/{e.payload_id} precedes a later one"
-        if s.expected is not None and e.payload_id >= s.expected.get(e.owner, 0):
-            return f"payload {e.owner}/{e.payload_id} was not declared by its owner"
+    def _order_problem(s: _Ingest, key: PayloadKey, final: bool) -> str | None:
+        last = s.finals.get(key.owner)
+        if last is not None and key.payload_id > last:
+            return f"payload {key.owner}/{key.payload_id} follows final payload {last}"
+        if final and any(o == key.owner and pid > key.payload_id for o, pid in s.seen):
+            return f"final payload {key.owner}/{key.payload_id} precedes a later one"
+        if s.expected is not None and key.payload_id >= s.expected.get(key.owner, 0):
+            return f"payload {key.owner}/{key.payload_id} was not declared by its owner"
         return None
+
+    def _park(self, delivery: int, key: PayloadKey, out: list[cmd.ReceiverCommand]) -> None:
+        """Hold a delivery unread and unacknowledged: the owners slow down (App. B.1)."""
+        self._parked[delivery] = key
+        self._unacked.append(delivery)
+        if self.window is not None and len(self._unacked) >= self.window:
+            # Keep one credit for the payload the declared order needs next.
+            out.append(cmd.Acknowledge(delivery=self._unacked.pop(0)))
+
+    def _unpark(self, delivery: int) -> None:
+        del self._parked[delivery]
+        if delivery in self._unacked:
+            self._unacked.remove(delivery)
+
+    def _release_parked(self, s: _Ingest, out: list[cmd.ReceiverCommand]) -> None:
+        """Let parked deliveries of ``s`` through: the wanted one while paused, otherwise as
+        many as the queue has room for, in arrival order."""
+        for delivery, key in list(self._parked.items()):
+            if key.attempt != s.attempt:
+                continue
+            if s.paused and key != s.want:
+                continue
+            if not s.paused and s.full(self.queue.capacity):
+                break
+            self._unpark(delivery)
+            s.checking.add(delivery)
+            out.append(cmd.CheckPayload(delivery=delivery))
+
+    def _discard_parked(
+        self, drop: Callable[[PayloadKey], bool], reason: str, out: list[cmd.ReceiverCommand]
+    ) -> None:
+        for delivery, key in list(self._parked.items()):
+            if drop(key):
+                self._unpark(delivery)
+                out.append(cmd.Discard(delivery=delivery, reason=reason))
 
     # -- the bounded queue and declared-order application ----------------------------------
 
-    def _pump(self, out: list[cmd.ReceiverCommand]) -> None:
+    def _pump(self, s: _Ingest, out: list[cmd.ReceiverCommand]) -> None:
         """Decode into free queue slots, apply the next group, report arrival and drain."""
-        s = self._ingest
-        if s is None or self._failed or self.phase not in _RUNNING:
+        if s.failed or (not s.dense and (s is not self._ingest or self.phase not in _RUNNING)):
             return
-        tau = s.info.attempt
+        tau = s.attempt
+        capacity = self.queue.capacity
         nxt = s.next_key()
         if s.info.sync:
             # Decode on arrival; one slot stays reserved for the next payload in declared
             # order so that later payloads cannot fill the queue first (App. B.1).
-            if nxt is not None and nxt in s.staged and s.used < self.queue.capacity:
+            if nxt is not None and nxt in s.staged and s.used < capacity:
                 self._decode(s, nxt, out)
-            while s.waiting and s.used < self.queue.capacity - 1:
+            while s.waiting and s.used < capacity - 1:
                 _, key = heapq.heappop(s.waiting)
                 if key in s.staged:
                     self._decode(s, key, out)
@@ -393,7 +545,7 @@ class ReceiverCore:
             # Asynchronous RL: staged payloads are decoded in declared order after open_apply.
             for _, key in s.order():
                 present = key in s.staged or key in s.decoding or key in s.decoded
-                if s.used >= self.queue.capacity or not present:
+                if s.used >= capacity or not present:
                     break
                 if key in s.staged:
                     self._decode(s, key, out)
@@ -406,29 +558,38 @@ class ReceiverCore:
             if group:
                 s.applying = tuple(group)
                 self._dirty = True
-                self._m.fire(_X.APPLY)
+                if not s.dense:
+                    self._m.fire(_X.APPLY)
                 out.append(cmd.Apply(attempt=tau, keys=s.applying))
-        if not s.info.sync and not s.staged_reported and (counts := s.arrived()) is not None:
+        if (
+            not s.info.sync
+            and not s.dense
+            and not s.staged_reported
+            and (counts := s.arrived()) is not None
+        ):
             s.staged_reported = True
-            out.append(cmd.Notify(event=ev.Staged(attempt=tau, receiver=self.name, counts=counts)))
+            out.append(
+                cmd.Notify(message=msg.Staged(attempt=tau, receiver=self.name, counts=counts))
+            )
         if s.info.sync:
-            full = len(s.staged) + s.used >= self.queue.capacity
-            if full:
-                missing = nxt is not None and all(
-                    nxt not in held for held in (s.staged, s.decoding, s.decoded, s.applying)
-                )
-                want = nxt if missing else None
-                # Re-announce when the payload the declared order needs next has changed:
-                # ingestion must let exactly that one through, or nothing can move.
-                if not s.paused or want != s.want:
-                    s.paused, s.want = True, want
-                    out.append(cmd.PauseIngest(attempt=tau, want=want))
-            elif s.paused:
-                s.paused, s.want = False, None
-                out.append(cmd.ResumeIngest(attempt=tau))
-        if self.phase is _R.FLUSHING and not s.synchronizing and s.complete():
+            self._backpressure(s, nxt, out)
+        finishing = s.dense or self.phase is _R.FLUSHING
+        if finishing and not s.synchronizing and s.complete():
             s.synchronizing = True
             out.append(cmd.Synchronize(attempt=tau))
+
+    def _backpressure(
+        self, s: _Ingest, nxt: PayloadKey | None, out: list[cmd.ReceiverCommand]
+    ) -> None:
+        """Pause ingestion while the queue is full, letting only the next payload through."""
+        if s.full(self.queue.capacity):
+            in_hand = (s.staged, s.decoding, s.decoded, s.applying)
+            missing = nxt is not None and all(nxt not in held for held in in_hand)
+            s.paused, s.want = True, nxt if missing else None
+        else:
+            s.paused, s.want = False, None
+        if self._parked:
+            self._release_parked(s, out)
 
     @staticmethod
     def _decode(s: _Ingest, key: PayloadKey, out: list[cmd.ReceiverCommand]) -> None:
@@ -439,50 +600,97 @@ class ReceiverCore:
     def _on_decoded(
         self, key: PayloadKey, failure: str | None, out: list[cmd.ReceiverCommand]
     ) -> None:
-        s = self._ingest
+        s = self._stream_of(key.attempt)
         if s is None or key not in s.decoding:
             return
         s.decoding.discard(key)
         if failure is not None:
-            self._fail(failure, f"payload {key.owner}/{key.payload_id} failed to decode", out)
+            self._fail(s, failure, f"payload {key.owner}/{key.payload_id} failed to decode", out)
             return
         s.decoded.add(key)
-        self._pump(out)
+        self._pump(s, out)
 
     def _on_applied(self, e: ev.PayloadsApplied, out: list[cmd.ReceiverCommand]) -> None:
-        s = self._ingest
-        if s is None or not s.applying or e.keys != s.applying or e.attempt != s.info.attempt:
+        s = self._dense if self._dense and self._dense.attempt == e.attempt else self._ingest
+        if s is None or not s.applying or e.keys != s.applying or e.attempt != s.attempt:
             return
         s.applying = ()
         if e.failure is not None:
-            self._fail(e.failure, f"applying {len(e.keys)} payloads failed: {e.failure}", out)
+            self._fail(s, e.failure, f"applying {len(e.keys)} payloads failed: {e.failure}", out)
         else:
             s.cursor = s.position(e.keys[-1]) + 1
             for key in e.keys:
                 s.decoded.discard(key)
                 s.applied[key.owner] = s.applied.get(key.owner, 0) + 1
             s.all_checked = s.all_checked and e.post_apply_checked
-            self._pump(out)
+            self._pump(s, out)
         self._reply_stopped_if_drained(out)
 
-    def _on_flush(self, expected: dict[str, int], out: list[cmd.ReceiverCommand]) -> None:
-        """Flush: check arrival against the owners' declared sent lists, then drain (App. B.1)."""
-        s = self._ingest
-        assert s is not None
-        self._m.fire(_X.FLUSH)
+    # -- the arrival check (App. B.1) ------------------------------------------------------
+
+    def _declare(
+        self, s: _Ingest, expected: dict[str, int], out: list[cmd.ReceiverCommand]
+    ) -> bool:
+        """Take the owners' declared sent lists; arm the arrival deadline for missing ones.
+
+        Returns False (after failing the attempt) when what arrived contradicts them.
+        """
         s.expected = expected
         for o in s.info.owners:
             count = expected.get(o, 0)
             if s.finals.get(o, count - 1) != count - 1 or any(
                 owner == o and pid >= count for owner, pid in s.seen
             ):
-                self._fail("arrival", f"owner {o} declared {count} payloads", out)
-                return
+                self._fail(s, "arrival", f"owner {o} declared {count} payloads", out)
+                return False
             s.finals[o] = count - 1
             s.highest = max(s.highest, count - 1)
-        self._pump(out)
+        missing = s.missing()
+        if missing and not s.arrival_armed:
+            if self.arrival_grace_s <= 0:
+                self._fail_missing(s, missing, out)
+                return False
+            s.arrival_armed = True
+            out.append(
+                cmd.ArmDeadline(
+                    attempt=s.attempt, stage=Stage.ARRIVAL, seconds=self.arrival_grace_s
+                )
+            )
+        return True
+
+    def _on_arrival_deadline(self, tau: int, out: list[cmd.ReceiverCommand]) -> None:
+        s = self._ingest
+        if s is None or s.attempt != tau or s.failed or self.phase not in _RUNNING:
+            return
+        missing = s.missing()
+        if missing:
+            self._fail_missing(s, missing, out)
+
+    def _fail_missing(
+        self, s: _Ingest, missing: list[PayloadKey], out: list[cmd.ReceiverCommand]
+    ) -> None:
+        first = missing[0]
+        self._fail(
+            s,
+            "missing",
+            f"{len(missing)} declared payloads never arrived (first {first.owner}/"
+            f"{first.payload_id})",
+            out,
+        )
+
+    def _on_flush(self, expected: dict[str, int], out: list[cmd.ReceiverCommand]) -> None:
+        """Flush: check arrival against the owners' declared sent lists, then drain (App. B.1)."""
+        s = self._ingest
+        assert s is not None
+        self._m.fire(_X.FLUSH)
+        if self._declare(s, expected, out):
+            self._pump(s, out)
 
     def _on_synchronized(self, tau: int, out: list[cmd.ReceiverCommand]) -> None:
+        d = self._dense
+        if d is not None and d.attempt == tau and d.synchronizing and not d.failed:
+            self._restored(d.info.base, out)
+            return
         s = self._ingest
         if (
             s is None
@@ -495,7 +703,7 @@ class ReceiverCore:
         self._acked = s.info.target
         out.append(
             cmd.Notify(
-                event=ev.Acked(
+                message=msg.Acked(
                     attempt=tau,
                     receiver=self.name,
                     applied=s.counts(),
@@ -506,27 +714,23 @@ class ReceiverCore:
 
     # -- failure and the stop path (App. B.2) ----------------------------------------------
 
-    def _fail(
-        self,
-        check: str,
-        message: str,
-        out: list[cmd.ReceiverCommand],
-        *,
-        discard: PayloadKey | None = None,
-    ) -> None:
-        """A peer or payload broke the protocol: the attempt fails; nothing more is applied."""
-        s = self._ingest
-        assert s is not None
-        if discard is not None:
-            out.append(cmd.Discard(key=discard, reason=check))
-        if self._failed:
+    def _fail(self, s: _Ingest, check: str, message: str, out: list[cmd.ReceiverCommand]) -> None:
+        """A peer or payload broke the protocol: the attempt (or dense job) fails; nothing
+        more of it is applied."""
+        if s.failed:
             return
-        self._failed = True
-        self._m.fire(_X.FAIL)
+        s.failed = True
+        if not s.dense and self.phase not in _RUNNING:
+            return  # the attempt is already being stopped: nothing more of it is applied
+        if s.dense:
+            # The coordinator retries the dense refit with a fresh job.
+            self._drop_dense(out)
+        else:
+            self._m.fire(_X.FAIL)
         out.append(
             cmd.Notify(
-                event=ev.AttemptFailed(
-                    attempt=s.info.attempt, endpoint=self.name, check=check, message=message
+                message=msg.AttemptFailed(
+                    attempt=s.attempt, endpoint=self.name, check=check, message=message
                 )
             )
         )
@@ -545,7 +749,9 @@ class ReceiverCore:
             if s is not None and s.applying:
                 s.stop_pending = True
                 return
-        out.append(cmd.Notify(event=ev.Stopped(attempt=tau, endpoint=self.name, dirty=self._dirty)))
+        out.append(
+            cmd.Notify(message=msg.Stopped(attempt=tau, endpoint=self.name, dirty=self._dirty))
+        )
 
     def _reply_stopped_if_drained(self, out: list[cmd.ReceiverCommand]) -> None:
         s = self._ingest
@@ -553,7 +759,7 @@ class ReceiverCore:
             s.stop_pending = False
             out.append(
                 cmd.Notify(
-                    event=ev.Stopped(attempt=s.info.attempt, endpoint=self.name, dirty=self._dirty)
+                    message=msg.Stopped(attempt=s.attempt, endpoint=self.name, dirty=self._dirty)
                 )
             )
 
@@ -565,7 +771,10 @@ class ReceiverCore:
         s.waiting.clear()
         s.decoding.clear()
         s.decoded.clear()
-        out.append(cmd.Release(attempt=s.info.attempt))
+        s.checking.clear()
+        s.paused, s.want = False, None
+        self._discard_parked(lambda key: key.attempt == s.attempt, "released", out)
+        out.append(cmd.Release(attempt=s.attempt))
 
     # -- end of transition, dense refit ----------------------------------------------------
 
@@ -581,7 +790,7 @@ class ReceiverCore:
             reason = self._holds_record(record=record) or f"receiver is {self.phase.value}"
             out.append(
                 cmd.Notify(
-                    event=ev.AttemptFailed(
+                    message=msg.AttemptFailed(
                         attempt=tau, endpoint=self.name, check="gate-version", message=reason
                     )
                 )
@@ -597,14 +806,62 @@ class ReceiverCore:
         out.append(cmd.InvalidateKvCache())
         out.append(cmd.OpenGate())
 
-    def _on_dense_refit(self, record: CommitRecord, out: list[cmd.ReceiverCommand]) -> None:
+    def _on_dense_call(self, call: msg.DenseRefit, out: list[cmd.ReceiverCommand]) -> None:
+        """Start restoring ``call.record`` from the owners' dense payloads of ``call.job``.
+
+        Allowed where the lifecycle allows a dense refit (joining, restored an older record,
+        or cleaned after a failed attempt); a newer job replaces one still running.
+        """
+        if self.name not in call.receivers:
+            return
+        if self._dense is not None:
+            if self._dense.attempt >= call.job:
+                return  # a repeated or older call
+            self._drop_dense(out)
+        if not self._m.can_fire(_X.DENSE_REFIT):
+            out.append(
+                cmd.Notify(
+                    message=msg.AttemptFailed(
+                        attempt=call.job,
+                        endpoint=self.name,
+                        check="busy",
+                        message=f"receiver is {self.phase.value}",
+                    )
+                )
+            )
+            return
+        info = AttemptInfo(
+            attempt=call.job,
+            candidate=call.record.candidate,
+            base=call.record,
+            mode=Mode.OVERWRITE,
+            sync=True,
+            coordinator=self._epoch,
+            owners=call.owners,
+            receivers=frozenset({self.name}),
+        )
+        self._dense = _Ingest(info=info, dense=True, apply_open=True)
+
+    def _drop_dense(self, out: list[cmd.ReceiverCommand]) -> None:
+        d = self._dense
+        if d is None:
+            return
+        self._dense = None
+        self._discard_parked(lambda key: key.attempt == d.attempt, "released", out)
+        out.append(cmd.Release(attempt=d.attempt))
+
+    def _restored(self, record: CommitRecord, out: list[cmd.ReceiverCommand]) -> None:
+        """The storage holds ``record`` exactly (a dense refit finished)."""
+        if self._dense is not None:
+            out.append(cmd.Release(attempt=self._dense.attempt))
+            self._dense = None
         self._m.fire(_X.DENSE_REFIT)
         self._held = record
         self._dirty = False
         self._acked = None
         self._ingest = None
         self._gate_open = False
-        out.append(cmd.Notify(event=ev.ReceiverReady(receiver=self.name, record=record)))
+        out.append(cmd.Notify(message=msg.ReceiverReady(receiver=self.name, record=record)))
 
     # -- guards and helpers ----------------------------------------------------------------
 

@@ -131,6 +131,13 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.world.expire(i % len(self.world.timers))
 
     @rule(i=_ANY)
+    def expire_arrival_check(self, i: int) -> None:
+        """A receiver's arrival grace passes (payloads still missing fail the attempt)."""
+        if self.world.arrival_timers:
+            self._count()
+            self.world.expire_arrival(i % len(self.world.arrival_timers))
+
+    @rule(i=_ANY)
     def lose_commit_reply(self, i: int) -> None:
         picks = self.world.indices(
             lambda m: m.kind is Kind.STORE_REPLY and isinstance(m.event, ev.CommitReplied)
@@ -206,6 +213,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         for _ in range(3000):
             if self.world.messages:
                 self.world.deliver(0)
+            elif self.world.arrival_timers:
+                self.world.expire_arrival(0)
             elif self.world.timers:
                 self.world.expire(0)
             elif refit := [r for r in self.world.receiver_names if self.world.can_dense_refit(r)]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
 from dcr.protocol.lifecycle import AttemptPhase, ReceiverPhase, TransitionPhase
 from dcr.protocol.owner import OwnerCore
@@ -100,17 +101,20 @@ class Message:
         if self.kind is Kind.PAYLOAD:
             return True
         if self.kind is Kind.CALL:
-            return not isinstance(
-                self.event, ev.CleanupRequested | ev.ReopenGateRequested | _ReadRecord
-            )
+            return not isinstance(self.event, msg.Cleanup | msg.ReopenGate | msg.ReadRecord)
         if self.kind is Kind.REPLY:
-            return not isinstance(self.event, ev.BaselineUpdated | ev.ReceiverReady)
+            return not isinstance(self.event, msg.BaselineUpdated | msg.ReceiverReady)
         return False
 
 
-@dataclass(frozen=True, slots=True)
-class _ReadRecord:
-    """An owner reads the commit record when this call arrives."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wire:
+    """A payload on its way: the key the transport names and what its bytes would show."""
+
+    key: PayloadKey
+    digest: bytes
+    final: bool
+    rejection: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,9 @@ class _Receiver:
     gate_open: bool = True
     kv: int = V0
     bodies: dict[PayloadKey, Body] = field(default_factory=dict)
+    deliveries: dict[int, tuple[Wire, Body | None]] = field(default_factory=dict)
+    """Payloads handed to the engine and not yet checked (parked ones included)."""
+    count: int = 0
 
 
 @dataclass(slots=True)
@@ -164,6 +171,9 @@ class World:
         self.queue = queue or QueueConfig(groups=1, group_size=1)
         self.messages: list[Message] = []
         self.timers: list[tuple[int, int, Stage]] = []
+        """Coordinators' deadlines: ``(epoch, attempt, stage)``."""
+        self.arrival_timers: list[tuple[str, int, int]] = []
+        """Receivers' arrival-check deadlines: ``(receiver, incarnation, attempt)``."""
         self._seq = 0
         # control plane
         self.record = self.base
@@ -192,12 +202,11 @@ class World:
         self.owners = {o: _Owner(core=OwnerCore(o, baseline=self.base)) for o in self.owner_names}
         self.receivers = {
             r: _Receiver(
-                core=ReceiverCore(r, held=self.base, queue=self.queue),
+                core=ReceiverCore(r, held=self.base, queue=self.queue, arrival_grace_s=1.0),
                 storage=dict.fromkeys(self.ranges, V0),
             )
             for r in self.receiver_names
         }
-        self._delivering: Body | None = None
         self._built: dict[PayloadKey, Body] = {}
 
     # -- starting and replacing coordinators ---------------------------------------------
@@ -250,10 +259,10 @@ class World:
     def reject_prepare(self, index: int, check: str) -> Message:
         """Deliver a prepare call whose metadata/loader check fails at the endpoint."""
         m = self.messages.pop(index)
-        assert isinstance(m.event, ev.PrepareRequested)
+        assert isinstance(m.event, msg.Prepare)
         self._deliver(
             Message(seq=m.seq, kind=m.kind, to=m.to, inc=m.inc,
-                    event=ev.PrepareRequested(info=m.event.info, rejection=check))
+                    event=ev.PrepareChecked(info=m.event.info, rejection=check))
         )  # fmt: skip
         return m
 
@@ -263,25 +272,12 @@ class World:
     def corrupt(self, index: int, *, conflicting: bool) -> Message:
         """Deliver a damaged copy of a payload: a bad digest, or same id with other bytes."""
         m = self.messages[index]
-        assert m.kind is Kind.PAYLOAD and isinstance(m.event, ev.PayloadArrived)
+        assert m.kind is Kind.PAYLOAD and isinstance(m.event, Wire)
         e = m.event
         bad = (
-            ev.PayloadArrived(
-                attempt=e.attempt,
-                owner=e.owner,
-                payload_id=e.payload_id,
-                digest=e.digest + b"!",
-                final=e.final,
-            )
+            Wire(key=e.key, digest=e.digest + b"!", final=e.final)
             if conflicting
-            else ev.PayloadArrived(
-                attempt=e.attempt,
-                owner=e.owner,
-                payload_id=e.payload_id,
-                digest=e.digest,
-                final=e.final,
-                rejection="digest",
-            )
+            else Wire(key=e.key, digest=e.digest, final=e.final, rejection="digest")
         )
         # A conflicting copy holds the same entries in other bytes (re-encoded, say).
         self._deliver(Message(seq=m.seq, kind=m.kind, to=m.to, event=bad, inc=m.inc, body=m.body))
@@ -295,6 +291,15 @@ class World:
         if epoch in self.alive_coordinators:
             self._handle_coordinator(epoch, ev.DeadlineExpired(attempt=tau, stage=stage))
         return epoch, tau, stage
+
+    def expire_arrival(self, index: int) -> None:
+        """A receiver's arrival-check deadline fires (missing payloads fail the attempt)."""
+        name, inc, tau = self.arrival_timers.pop(index)
+        rx = self.receivers[name]
+        if inc == rx.inc:
+            self._run_receiver(
+                name, rx.core.handle(ev.DeadlineExpired(attempt=tau, stage=Stage.ARRIVAL))
+            )
 
     def lose_commit_reply(self, index: int) -> None:
         """The control plane's reply to a compare-and-set is lost: the outcome is unknown."""
@@ -311,15 +316,16 @@ class World:
         """The process dies; a fresh one starts JOINING.  The supervisor retires the old one."""
         rx = self.receivers[name]
         rx.inc += 1
-        rx.core = ReceiverCore(name, held=None, queue=self.queue)
+        rx.core = ReceiverCore(name, held=None, queue=self.queue, arrival_grace_s=1.0)
         rx.storage = dict.fromkeys(self.ranges, LOST)
         rx.gate_open = False
         rx.kv = EMPTY
         rx.bodies.clear()
+        rx.deliveries.clear()
         r = self.receiver_names.index(name)
         for tau, required in self.required.items():
             if any(x == r for x, _ in required):
-                self._post_reply(ev.Retired(attempt=tau, endpoint=name))
+                self._post_reply(msg.Retired(attempt=tau, endpoint=name))
 
     def crash_owner(self, name: str) -> None:
         """The owner loses its candidate and baseline: only an operator abort helps.
@@ -328,7 +334,7 @@ class World:
         """
         self.owners[name].alive = False
         for tau in self.required:
-            self._post_reply(ev.Retired(attempt=tau, endpoint=name))
+            self._post_reply(msg.Retired(attempt=tau, endpoint=name))
 
     def dense_refit(self, name: str) -> None:
         """The engine restores the committed record by a dense load and prewarm."""
@@ -373,10 +379,7 @@ class World:
         owner = self.owners[m.to]
         if not owner.alive:
             return
-        event = m.event
-        if isinstance(event, _ReadRecord):
-            event = ev.CommitRecordRead(record=self.record)
-        self._run_owner(m.to, owner.core.handle(event))  # type: ignore[arg-type]
+        self._run_owner(m.to, owner.core.handle(m.event))  # type: ignore[arg-type]
 
     def _deliver_receiver(self, m: Message) -> None:
         rx = self.receivers[m.to]
@@ -385,11 +388,12 @@ class World:
         event = m.event
         if isinstance(event, _ApplyDone):
             event = self._land_writes(m.to, event)
-        self._delivering = m.body
-        try:
-            self._run_receiver(m.to, rx.core.handle(event))  # type: ignore[arg-type]
-        finally:
-            self._delivering = None
+        elif isinstance(event, Wire):
+            # The engine numbers the delivery; the core decides when its bytes are checked.
+            rx.count += 1
+            rx.deliveries[rx.count] = (event, m.body)
+            event = ev.PayloadReceived(delivery=rx.count, key=event.key)
+        self._run_receiver(m.to, rx.core.handle(event))  # type: ignore[arg-type]
 
     def _land_writes(self, name: str, done: _ApplyDone) -> ev.PayloadsApplied:
         rx = self.receivers[name]
@@ -445,7 +449,7 @@ class World:
             if pending and tau not in self.expired and tau not in self.obsolete:
                 self.problems.append(f"read_commit({tau}) while its commit could still land")
             self._post(Kind.STORE_REPLY, to, ev.CommitRead(attempt=tau, record=self.record))
-        elif isinstance(request, cmd.MarkObsolete):
+        elif isinstance(request, cmd.RecordObsolete):
             self.obsolete.add(request.attempt)
             self._post(Kind.STORE_REPLY, to, ev.ObsoleteMarked(attempt=request.attempt))
 
@@ -463,68 +467,52 @@ class World:
                 self.required[info.attempt] = frozenset()
                 self.acks.setdefault(info.attempt, set())
                 self._post(Kind.STORE, "store", c, epoch=epoch)
-            case cmd.Prepare(info=info):
-                # The attempt binds the receiver processes that its prepare reaches.
-                self.required[info.attempt] = frozenset(
-                    (self.receiver_names.index(r), self.receivers[r].inc) for r in info.receivers
-                )
-                self._call(info.owners, info.receivers, ev.PrepareRequested(info=info))
-            case cmd.StartStreaming(attempt=tau, owners=owners):
-                self._call(owners, (), ev.StreamingRequested(attempt=tau))
-            case cmd.WaitForRequests(attempt=tau, epoch=e, receivers=receivers):
-                self._call((), receivers, ev.WaitForRequestsRequested(attempt=tau, epoch=e))
-            case cmd.OpenApply(attempt=tau, epoch=e, receivers=receivers):
-                self._call((), receivers, ev.OpenApplyRequested(attempt=tau, epoch=e))
-            case cmd.Flush(attempt=tau, owners=owners, receivers=receivers, expected=expected):
-                self._call(owners, receivers, ev.FlushRequested(attempt=tau, expected=expected))
+            case cmd.Call(to=to, message=message):
+                if isinstance(message, msg.Prepare):
+                    # The attempt binds the receiver processes that its prepare reaches.
+                    info = message.info
+                    self.required[info.attempt] = frozenset(
+                        (self.receiver_names.index(r), self.receivers[r].inc)
+                        for r in info.receivers
+                    )
+                for name in to:
+                    inc = self.receivers[name].inc if name in self.receivers else 0
+                    self._post(Kind.CALL, name, message, inc=inc)
             case cmd.CompareAndSet(attempt=tau):
                 self.cas[tau] = Cas.IN_FLIGHT
                 self.timers.append((epoch, tau, Stage.COMMIT))
                 self._post(Kind.STORE, "store", c, epoch=epoch)
-            case cmd.ReadCommit() | cmd.MarkObsolete():
+            case cmd.ReadCommit() | cmd.RecordObsolete():
                 self._post(Kind.STORE, "store", c, epoch=epoch)
-                if isinstance(c, cmd.MarkObsolete):
-                    self._call(
-                        c.owners,
-                        c.receivers,
-                        ev.MarkObsoleteRequested(attempt=c.attempt, epoch=c.epoch),
-                    )
-            case cmd.StopAndWait(attempt=tau, epoch=e, owners=owners, receivers=receivers):
-                self._call(owners, receivers, ev.StopAndWaitRequested(attempt=tau, epoch=e))
-                self._retire_dead(tau, receivers)
-            case cmd.Cleanup(attempt=tau, owners=owners, receivers=receivers):
-                self._call(owners, receivers, ev.CleanupRequested(attempt=tau))
-            case cmd.RequestBaselineUpdate(owners=owners):
-                self._call(owners, (), _ReadRecord())
-            case cmd.ReopenGate(attempt=tau, epoch=e, record=record, receivers=receivers):
-                self._call(
-                    (), receivers, ev.ReopenGateRequested(attempt=tau, epoch=e, record=record)
-                )
+            case cmd.CheckRetired(attempt=tau, endpoints=endpoints):
+                self._retire_dead(tau, [e for e in endpoints if e in self.receivers])
             case cmd.RequestDenseRefit(receivers=receivers):
                 self.refit_requested |= receivers
             case cmd.ArmDeadline(attempt=tau, stage=stage):
                 self.timers.append((epoch, tau, stage))
             case cmd.TransitionEnded():
                 self.outcomes[epoch] = c
+            case cmd.StopDelivery() | cmd.ReleaseDelivery():
+                pass  # payloads in flight stay in flight: receivers drop stale ones
 
     def _retire_dead(self, tau: int, receivers: Iterable[str]) -> None:
         """The supervisor confirms that restarted processes cannot resume the attempt."""
         required = dict(self.required.get(tau, frozenset()))
         for o in self.owner_names:
             if not self.owners[o].alive:
-                self._post_reply(ev.Retired(attempt=tau, endpoint=o))
+                self._post_reply(msg.Retired(attempt=tau, endpoint=o))
         for r in receivers:
             idx = self.receiver_names.index(r)
             if idx in required and self.receivers[r].inc != required[idx]:
-                self._post_reply(ev.Retired(attempt=tau, endpoint=r))
+                self._post_reply(msg.Retired(attempt=tau, endpoint=r))
 
     def _run_owner(self, name: str, commands: list[cmd.OwnerCommand]) -> None:
         owner = self.owners[name]
         for c in commands:
             self.log.append((name, c))
             match c:
-                case cmd.Notify(event=event):
-                    self._post_reply(event)
+                case cmd.Notify(message=reply):
+                    self._post_reply(reply)
                 case cmd.BuildBucket(attempt=tau, payload_id=pid, mode=mode):
                     final = pid == self.payload_counts[name] - 1
                     self._post(
@@ -543,21 +531,20 @@ class World:
                     )
                 case cmd.SendPayload(attempt=tau, payload_id=pid):
                     body = self._built[PayloadKey(attempt=tau, owner=name, payload_id=pid)]
+                    wire = Wire(key=body.key, digest=body.digest, final=body.final)
                     for r in sorted(self.infos[tau].receivers):
-                        arrived = ev.PayloadArrived(
-                            attempt=tau,
-                            owner=name,
-                            payload_id=pid,
-                            digest=body.digest,
-                            final=body.final,
-                        )
-                        self._post(Kind.PAYLOAD, r, arrived, inc=self.receivers[r].inc, body=body)
+                        self._post(Kind.PAYLOAD, r, wire, inc=self.receivers[r].inc, body=body)
                     self._post(Kind.LOCAL, name, ev.PayloadSent(attempt=tau, payload_id=pid))
                 case cmd.UpdateBaseline(record=record):
                     if record.version == self.base.version + 1:
                         owner.baseline = V1
                     self._post(Kind.LOCAL, name, ev.BaselineWritten(record=record))
-                case cmd.StopStreaming() | cmd.Release():
+                case cmd.FetchRecord():
+                    # The owner reads the commit record as it is when the call arrives.
+                    self._run_owner(
+                        name, owner.core.handle(ev.CommitRecordRead(record=self.record))
+                    )
+                case cmd.StopStreaming() | cmd.Release() | cmd.SendDense():
                     pass
 
     def _run_receiver(self, name: str, commands: list[cmd.ReceiverCommand]) -> None:
@@ -565,14 +552,32 @@ class World:
         for c in commands:
             self.log.append((name, c))
             match c:
-                case cmd.Notify(event=event):
-                    if isinstance(event, ev.Acked):
+                case cmd.Notify(message=reply):
+                    if isinstance(reply, msg.Acked):
                         r = self.receiver_names.index(name)
-                        self.acks.setdefault(event.attempt, set()).add((r, rx.inc))
-                    self._post_reply(event)
-                case cmd.StagePayload(key=key):
-                    assert self._delivering is not None and self._delivering.key == key
-                    rx.bodies[key] = self._delivering
+                        self.acks.setdefault(reply.attempt, set()).add((r, rx.inc))
+                    self._post_reply(reply)
+                case cmd.CheckPayload(delivery=delivery):
+                    # Reception checks complete at once; the body travels with the delivery.
+                    wire, _ = rx.deliveries[delivery]
+                    arrived = ev.PayloadArrived(
+                        delivery=delivery,
+                        key=wire.key,
+                        digest=wire.digest,
+                        final=wire.final,
+                        rejection=wire.rejection,
+                    )
+                    self._run_receiver(name, rx.core.handle(arrived))
+                case cmd.StagePayload(key=key, delivery=delivery):
+                    _, body = rx.deliveries.pop(delivery)
+                    assert body is not None and body.key == key
+                    rx.bodies[key] = body
+                case cmd.Discard(delivery=delivery):
+                    rx.deliveries.pop(delivery, None)
+                case cmd.Acknowledge():
+                    pass
+                case cmd.ArmDeadline(attempt=tau, stage=Stage.ARRIVAL):
+                    self.arrival_timers.append((name, rx.inc, tau))
                 case cmd.Decode(key=key):
                     self._post(Kind.LOCAL, name, ev.PayloadDecoded(key=key), inc=rx.inc)
                 case cmd.Apply(keys=keys):
@@ -589,14 +594,8 @@ class World:
                 case cmd.Release(attempt=tau):
                     for key in [k for k in rx.bodies if k.attempt == tau]:
                         del rx.bodies[key]
-                case cmd.Discard() | cmd.PauseIngest() | cmd.ResumeIngest():
+                case cmd.ArmDeadline():
                     pass
-
-    def _call(self, owners: Iterable[str], receivers: Iterable[str], event: object) -> None:
-        for o in owners:
-            self._post(Kind.CALL, o, event)
-        for r in sorted(receivers):
-            self._post(Kind.CALL, r, event, inc=self.receivers[r].inc)
 
     def _post_reply(self, event: ev.CoordinatorEvent) -> None:
         """Endpoint replies go to every live coordinator; each ignores other attempts."""
@@ -643,6 +642,11 @@ class World:
     def commands(self, kind: type, origin: str | None = None) -> list[Any]:
         """Executed commands of ``kind`` (optionally only those ``origin`` issued)."""
         return [c for o, c in self.log if isinstance(c, kind) and origin in (None, o)]
+
+    def calls(self, kind: type, origin: str | None = None) -> list[Any]:
+        """Messages of ``kind`` that coordinators called endpoints with (optionally only
+        coordinator ``origin``, e.g. ``"c1"``)."""
+        return [c.message for c in self.commands(cmd.Call, origin) if isinstance(c.message, kind)]
 
     def indices(self, predicate: Callable[[Message], bool]) -> list[int]:
         """Positions of the messages in flight that ``predicate`` selects."""

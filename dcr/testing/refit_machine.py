@@ -26,10 +26,10 @@ from dcr.adapters.sources import StateDictSource
 from dcr.delta.bits import bits
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
-from dcr.engine.faults import Faults
 from dcr.local import LocalRefit, RefitConfig
 from dcr.protocol.types import Mode
 from dcr.testing.compare import module_bit_mismatches
+from dcr.testing.faults import Faults
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.updates import perturb, special_patterns
 
@@ -43,13 +43,13 @@ FAULT_RULES: dict[str, Faults] = {
     "reorder": Faults(reorder=True),
     "corrupt": Faults(corrupt=1),
     "conflicting": Faults(conflicting=1),
-    "crash-receiver": Faults(kill_receiver="r1", kill_after=1),
-    "crash-receiver-late": Faults(kill_receiver="r2", kill_after=3),
-    "crash-owner": Faults(kill_owner="o2", kill_after=1),
+    "crash-receiver": Faults(kill_receiver="r1", kill_receiver_after=1),
+    "crash-receiver-late": Faults(kill_receiver="r2", kill_receiver_after=3),
+    "crash-owner": Faults(kill_owner="o2", kill_owner_after=1),
     "expire": Faults(late_commit=True),
     "lost-reply": Faults(lose_commit_reply=True),
-    "failover": Faults(failover=True, kill_after=1),
-    "rival-commit": Faults(failover=True, old_keeps_running=True, kill_after=2),
+    "failover": Faults(failover=True, failover_after=1),
+    "rival-commit": Faults(failover=True, old_keeps_running=True, failover_after=2),
     "everything-at-once": Faults(drop=1, duplicate=1, reorder=True, corrupt=1),
 }
 

@@ -9,6 +9,7 @@ import pytest
 from dcr.errors import RemoteProtocolError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import OwnerPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
@@ -34,13 +35,13 @@ def of(commands: Sequence[object], kind: type) -> list:  # type: ignore[type-arg
 
 
 def notified(commands: Sequence[object], kind: type) -> list:  # type: ignore[type-arg]
-    return [c.event for c in of(commands, cmd.Notify) if isinstance(c.event, kind)]
+    return [c.message for c in of(commands, cmd.Notify) if isinstance(c.message, kind)]
 
 
 def streaming(tau: int = 1, mode: Mode = Mode.MIXED) -> tuple[OwnerCore, list[object]]:
     o = OwnerCore("o", baseline=K0)
-    assert notified(o.handle(ev.PrepareRequested(info=info(tau, mode=mode))), ev.PrepareAccepted)
-    return o, list(o.handle(ev.StreamingRequested(attempt=tau)))
+    assert notified(o.handle(msg.Prepare(info=info(tau, mode=mode))), msg.PrepareAccepted)
+    return o, list(o.handle(msg.StartStreaming(attempt=tau)))
 
 
 def test_owner_builds_the_next_bucket_while_one_is_sent_and_declares_its_sent_list() -> None:
@@ -56,9 +57,9 @@ def test_owner_builds_the_next_bucket_while_one_is_sent_and_declares_its_sent_li
     out = o.handle(ev.PayloadSent(attempt=1, payload_id=0))
     [send] = of(out, cmd.SendPayload)
     assert send.payload_id == 1 and send.final and not of(out, cmd.BuildBucket)
-    [done] = notified(o.handle(ev.PayloadSent(attempt=1, payload_id=1)), ev.SendsDone)
+    [done] = notified(o.handle(ev.PayloadSent(attempt=1, payload_id=1)), msg.SendsDone)
     assert done.payload_count == 2 and o.sent == {0, 1}
-    o.handle(ev.FlushRequested(attempt=1, expected=()))
+    o.handle(msg.Flush(attempt=1, expected=()))
     assert o.phase is OwnerPhase.SENT
 
 
@@ -66,24 +67,24 @@ def test_an_encode_failure_fails_the_attempt_and_stops_streaming() -> None:
     o, _ = streaming()
     out = o.handle(ev.BucketBuilt(attempt=1, payload_id=0, final=False, failure="zstd"))
     assert of(out, cmd.StopStreaming)
-    [failed] = notified(out, ev.AttemptFailed)
+    [failed] = notified(out, msg.AttemptFailed)
     assert failed.check == "encode"
 
 
 def test_stop_and_wait_waits_for_the_build_in_flight_then_cleanup_releases() -> None:
     o, _ = streaming()
-    o.handle(ev.MarkObsoleteRequested(attempt=1, epoch=1))
-    assert not notified(o.handle(ev.StopAndWaitRequested(attempt=1, epoch=1)), ev.Stopped)
+    o.handle(msg.MarkObsolete(attempt=1, epoch=1))
+    assert not notified(o.handle(msg.StopAndWait(attempt=1, epoch=1)), msg.Stopped)
     out = o.handle(ev.BucketBuilt(attempt=1, payload_id=0, final=True))
-    assert notified(out, ev.Stopped) and not of(out, cmd.SendPayload)
-    assert of(o.handle(ev.CleanupRequested(attempt=1)), cmd.Release)
+    assert notified(out, msg.Stopped) and not of(out, cmd.SendPayload)
+    assert of(o.handle(msg.Cleanup(attempt=1)), cmd.Release)
     assert o.phase is OwnerPhase.IDLE and o.baseline == K0  # B^v unchanged
 
 
 def _sent_everything(o: OwnerCore, tau: int = 1) -> None:
     o.handle(ev.BucketBuilt(attempt=tau, payload_id=0, final=True))
     o.handle(ev.PayloadSent(attempt=tau, payload_id=0))
-    o.handle(ev.FlushRequested(attempt=tau, expected=()))
+    o.handle(msg.Flush(attempt=tau, expected=()))
 
 
 def test_baseline_is_kept_until_the_record_names_our_candidate_then_updated_once_more_is_safe() -> (
@@ -95,11 +96,11 @@ def test_baseline_is_kept_until_the_record_names_our_candidate_then_updated_once
     target = info().target
     [update] = of(o.handle(ev.CommitRecordRead(record=target)), cmd.UpdateBaseline)
     assert update.record == target and o.baseline == K0  # updated only once written
-    [report] = notified(o.handle(ev.BaselineWritten(record=target)), ev.BaselineUpdated)
+    [report] = notified(o.handle(ev.BaselineWritten(record=target)), msg.BaselineUpdated)
     assert report.record == target and o.baseline == target
     # After failover the new coordinator asks again: the update repeats (absolute values).
     assert of(o.handle(ev.CommitRecordRead(record=target)), cmd.UpdateBaseline)
-    assert notified(o.handle(ev.BaselineWritten(record=target)), ev.BaselineUpdated)
+    assert notified(o.handle(ev.BaselineWritten(record=target)), msg.BaselineUpdated)
 
 
 def test_a_record_for_a_candidate_the_owner_does_not_hold_needs_the_operator() -> None:
@@ -110,20 +111,20 @@ def test_a_record_for_a_candidate_the_owner_does_not_hold_needs_the_operator() -
 
 def test_duplicate_prepare_is_answered_again_and_stale_ones_are_refused() -> None:
     o = OwnerCore("o", baseline=K0)
-    o.handle(ev.PrepareRequested(info=info(4)))
-    assert notified(o.handle(ev.PrepareRequested(info=info(4))), ev.PrepareAccepted)
-    o.handle(ev.StopAndWaitRequested(attempt=4, epoch=2))
-    o.handle(ev.CleanupRequested(attempt=4))
-    [stale] = notified(o.handle(ev.PrepareRequested(info=info(4, epoch=2))), ev.AttemptFailed)
+    o.handle(msg.Prepare(info=info(4)))
+    assert notified(o.handle(msg.Prepare(info=info(4))), msg.PrepareAccepted)
+    o.handle(msg.StopAndWait(attempt=4, epoch=2))
+    o.handle(msg.Cleanup(attempt=4))
+    [stale] = notified(o.handle(msg.Prepare(info=info(4, epoch=2))), msg.AttemptFailed)
     assert stale.check == "stale"
-    [replaced] = notified(o.handle(ev.PrepareRequested(info=info(5, epoch=1))), ev.AttemptFailed)
+    [replaced] = notified(o.handle(msg.Prepare(info=info(5, epoch=1))), msg.AttemptFailed)
     assert replaced.check == "epoch"
-    assert notified(o.handle(ev.PrepareRequested(info=info(6, epoch=2))), ev.PrepareAccepted)
+    assert notified(o.handle(msg.Prepare(info=info(6, epoch=2))), msg.PrepareAccepted)
 
 
 def test_a_metadata_rejection_is_a_reject_not_a_failure() -> None:
     o = OwnerCore("o", baseline=K0)
     [reject] = notified(
-        o.handle(ev.PrepareRequested(info=info(), rejection="schema")), ev.PrepareRejected
+        o.handle(ev.PrepareChecked(info=info(), rejection="schema")), msg.PrepareRejected
     )
     assert reject.check == "schema" and o.phase is OwnerPhase.IDLE

@@ -13,6 +13,7 @@ import pytest
 
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import AttemptPhase, ReceiverPhase, TransitionPhase
 from dcr.protocol.types import CommitRecord, Mode, Stage, TransitionOutcome
 from dcr.testing.protocol_world import Kind, Message, World
@@ -49,8 +50,12 @@ def storage(w: World, r: str) -> set[int]:
     return set(w.receivers[r].storage.values())
 
 
-def attempts(w: World, epoch: int = 1) -> list[cmd.Prepare]:
-    return w.commands(cmd.Prepare, f"c{epoch}")
+def attempts(w: World, epoch: int = 1) -> list[msg.Prepare]:
+    return w.calls(msg.Prepare, f"c{epoch}")
+
+
+def _is_call(c: object, kind: type) -> bool:
+    return isinstance(c, cmd.Call) and isinstance(c.message, kind)
 
 
 def committed_everywhere(w: World, receivers: tuple[str, ...]) -> None:
@@ -73,18 +78,17 @@ def test_happy_path(sync: bool) -> None:
     assert w.record == CommitRecord(version=1, candidate="g1.100")
     committed_everywhere(w, w.receiver_names)
     # The gate reopens only after every owner reported its baseline update.
-    order = [type(c) for _, c in w.log if isinstance(c, cmd.Notify | cmd.ReopenGate)]
     last_report = max(
         i for i, (_, c) in enumerate(w.log)
-        if isinstance(c, cmd.Notify) and isinstance(c.event, ev.BaselineUpdated)
+        if isinstance(c, cmd.Notify) and isinstance(c.message, msg.BaselineUpdated)
     )  # fmt: skip
-    first_reopen = min(i for i, (_, c) in enumerate(w.log) if isinstance(c, cmd.ReopenGate))
-    assert cmd.ReopenGate in order and last_report < first_reopen
+    first_reopen = min(i for i, (_, c) in enumerate(w.log) if _is_call(c, msg.ReopenGate))
+    assert last_report < first_reopen
     if not sync:
         # Asynchronous RL: the gate closes only after every receiver staged every payload.
         staged = [i for i, (_, c) in enumerate(w.log)
-                  if isinstance(c, cmd.Notify) and isinstance(c.event, ev.Staged)]  # fmt: skip
-        gate = min(i for i, (_, c) in enumerate(w.log) if isinstance(c, cmd.WaitForRequests))
+                  if isinstance(c, cmd.Notify) and isinstance(c.message, msg.Staged)]  # fmt: skip
+        gate = min(i for i, (_, c) in enumerate(w.log) if _is_call(c, msg.WaitForRequests))
         assert len(staged) == len(w.receiver_names) and max(staged) < gate
 
 
@@ -153,7 +157,7 @@ def test_failover_after_the_old_commit_took_effect_finishes_it_and_returns_confl
     new = w.coordinators[2]
     assert new.phase is TransitionPhase.COMMITTED and w.outcome(2) is TransitionOutcome.CONFLICT
     assert w.record.candidate == "g1.100"  # the old coordinator's candidate
-    assert not w.commands(cmd.Prepare, "c2")  # no retry
+    assert not w.calls(msg.Prepare, "c2")  # no retry
     committed_everywhere(w, w.receiver_names)
 
 
@@ -170,7 +174,7 @@ def test_failover_before_commit_retries_in_overwrite_and_the_old_coordinator_sta
     [retry] = attempts(w, 2)
     assert retry.info.mode is Mode.OVERWRITE and w.record == retry.info.target
     # A replaced coordinator never commits and never touches the gate.
-    assert not w.commands(cmd.ReopenGate, "c1")
+    assert not w.calls(msg.ReopenGate, "c1")
     assert w.commit_epoch == 2
     committed_everywhere(w, w.receiver_names)
 
@@ -182,7 +186,7 @@ def test_conflicting_duplicate_fails_the_attempt_and_the_overwrite_retry_repairs
     w.corrupt(i, conflicting=True)  # same id, other bytes, arrives first
     w.run()
     failures = [
-        c.event for c in w.commands(cmd.Notify, "r1") if isinstance(c.event, ev.AttemptFailed)
+        c.message for c in w.commands(cmd.Notify, "r1") if isinstance(c.message, msg.AttemptFailed)
     ]
     assert [f.check for f in failures] == ["conflicting-duplicate"]
     assert [p.info.mode for p in attempts(w)] == [Mode.MIXED, Mode.OVERWRITE]
@@ -192,7 +196,7 @@ def test_conflicting_duplicate_fails_the_attempt_and_the_overwrite_retry_repairs
 
 def test_payloads_of_an_obsolete_attempt_arriving_late_are_dropped() -> None:
     w = make()
-    first = lambda m: m.kind is Kind.PAYLOAD and m.to == "r0" and m.event.attempt == 100  # noqa: E731
+    first = lambda m: m.kind is Kind.PAYLOAD and m.to == "r0" and m.event.key.attempt == 100  # noqa: E731
     w.run(until=lambda w: w.coordinators[1].attempt_phase is AttemptPhase.APPLYING, hold=first)
     expire(w, Stage.FLUSH)  # r0 never got tau1's payloads: the attempt fails
     w.run(until=lambda w: len(attempts(w)) == 2, hold=first)
@@ -229,8 +233,8 @@ def test_operator_abort_keeps_the_gate_closed_until_a_dense_refit() -> None:
 
 def test_rejection_before_admission_ends_the_transition_with_v_committed() -> None:
     w = make()
-    w.run(until=lambda w: bool(w.indices(lambda m: isinstance(m.event, ev.PrepareRequested))))
-    w.reject_prepare(_index(w, lambda m: m.to == "r1" and isinstance(m.event, ev.PrepareRequested)),
+    w.run(until=lambda w: bool(w.indices(lambda m: isinstance(m.event, msg.Prepare))))
+    w.reject_prepare(_index(w, lambda m: m.to == "r1" and isinstance(m.event, msg.Prepare)),
                      "classification")  # fmt: skip
     w.run()
     assert w.outcome() is TransitionOutcome.REJECTED and w.record == w.base
@@ -240,8 +244,8 @@ def test_rejection_before_admission_ends_the_transition_with_v_committed() -> No
 
 def test_failure_before_admission_retries_prepare_in_mixed_mode() -> None:
     w = make()
-    w.run(until=lambda w: bool(w.indices(lambda m: isinstance(m.event, ev.PrepareRequested))))
-    w.drop(_index(w, lambda m: m.to == "o1" and isinstance(m.event, ev.PrepareRequested)))
+    w.run(until=lambda w: bool(w.indices(lambda m: isinstance(m.event, msg.Prepare))))
+    w.drop(_index(w, lambda m: m.to == "o1" and isinstance(m.event, msg.Prepare)))
     w.run()
     expire(w, Stage.PREPARE)
     w.run()

@@ -49,6 +49,11 @@ class CommitState:
     """What the active coordinator registered with the active attempt (opaque to the store;
     the engine keeps the attempt's :class:`~dcr.protocol.types.AttemptInfo` here so that a
     coordinator that takes over can resume it)."""
+    address: str = ""
+    """Control address of the active coordinator: where endpoints find it (paper App. C)."""
+    lease: float | None = None
+    """Until when (store clock) the active coordinator's process is known to be alive; a
+    standby takes over once it has passed.  ``None``: no lease is kept."""
     revision: int = 0
 
 
@@ -82,12 +87,57 @@ class CommitStore(ABC):
         """The current state."""
         return await self._transact(lambda s: None)
 
-    async def claim(self) -> int:
-        """Become the active coordinator: returns a new epoch, newer than every earlier one."""
+    async def claim(self, *, address: str = "", lease_s: float | None = None) -> int:
+        """Become the active coordinator: returns a new epoch, newer than every earlier one.
+
+        ``address`` is where endpoints reach it; ``lease_s`` starts a lease that
+        :meth:`renew` extends (standbys wait for it to lapse, see :meth:`claim_if_lapsed`).
+        """
+        lease = None if lease_s is None else self.clock() + lease_s
         state = await self._transact(
-            lambda s: replace(s, epoch=s.epoch + 1, revision=s.revision + 1)
+            lambda s: replace(
+                s, epoch=s.epoch + 1, address=address, lease=lease, revision=s.revision + 1
+            )
         )
         return state.epoch
+
+    async def claim_if_lapsed(self, *, address: str, lease_s: float) -> int | None:
+        """A standby's claim: a new epoch only if no coordinator holds a live lease.
+
+        Returns ``None`` while the active coordinator's lease runs (it renews it while its
+        process is alive).  Of several standbys racing, exactly one wins.
+        """
+
+        won: list[int] = []
+
+        def fn(s: CommitState) -> CommitState | None:
+            won.clear()
+            now = self.clock()
+            if s.epoch and s.lease is not None and s.lease > now:
+                return None
+            won.append(s.epoch + 1)
+            return replace(
+                s, epoch=s.epoch + 1, address=address, lease=now + lease_s, revision=s.revision + 1
+            )
+
+        await self._transact(fn)
+        return won[0] if won else None
+
+    async def renew(self, *, epoch: int, lease_s: float) -> None:
+        """Extend the lease of coordinator ``epoch``; :class:`CommitConflict` if replaced."""
+        replaced: list[int] = []
+
+        def fn(s: CommitState) -> CommitState | None:
+            if s.epoch != epoch:
+                replaced.append(s.epoch)
+                return None
+            return replace(s, lease=self.clock() + lease_s, revision=s.revision + 1)
+
+        await self._transact(fn)
+        if replaced:
+            raise CommitConflict(
+                f"coordinator epoch {epoch} was replaced by epoch {replaced[0]}", check="lease"
+            )
 
     async def register(
         self, *, epoch: int, attempt: int, base: CommitRecord, info: str = ""

@@ -32,7 +32,9 @@ CREATE TABLE IF NOT EXISTS dcr_commit (
     deadline  REAL,
     obsolete  TEXT NOT NULL,
     info      TEXT NOT NULL,
-    revision  INTEGER NOT NULL
+    revision  INTEGER NOT NULL,
+    address   TEXT NOT NULL DEFAULT '',
+    lease     REAL
 )
 """
 
@@ -63,8 +65,14 @@ class SqliteCommitStore(CommitStore):
             with self._connect() as db:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.execute(_SCHEMA)
+                columns = {row[1] for row in db.execute("PRAGMA table_info(dcr_commit)")}
+                if "address" not in columns:  # a database written before coordinator leases
+                    db.execute("ALTER TABLE dcr_commit ADD COLUMN address TEXT NOT NULL DEFAULT ''")
+                    db.execute("ALTER TABLE dcr_commit ADD COLUMN lease REAL")
                 db.execute(
-                    "INSERT OR IGNORE INTO dcr_commit VALUES (?, ?, ?, 0, NULL, NULL, '[]', '', 0)",
+                    "INSERT OR IGNORE INTO dcr_commit (name, version, candidate, epoch, attempt, "
+                    "deadline, obsolete, info, revision) "
+                    "VALUES (?, ?, ?, 0, NULL, NULL, '[]', '', 0)",
                     (name, record.version, record.candidate),
                 )
         except sqlite3.Error as exc:
@@ -79,8 +87,8 @@ class SqliteCommitStore(CommitStore):
         try:
             db.execute("BEGIN IMMEDIATE")
             row = db.execute(
-                "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision "
-                "FROM dcr_commit WHERE name = ?",
+                "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision, "
+                "address, lease FROM dcr_commit WHERE name = ?",
                 (self.name,),
             ).fetchone()
             if row is None:
@@ -93,6 +101,8 @@ class SqliteCommitStore(CommitStore):
                 obsolete=frozenset(json.loads(row[5])),
                 info=row[6],
                 revision=row[7],
+                address=row[8],
+                lease=row[9],
             )
             new = fn(state)
             if new is None:
@@ -100,7 +110,7 @@ class SqliteCommitStore(CommitStore):
                 return state
             cur = db.execute(
                 "UPDATE dcr_commit SET version = ?, candidate = ?, epoch = ?, attempt = ?, "
-                "deadline = ?, obsolete = ?, info = ?, revision = ? "
+                "deadline = ?, obsolete = ?, info = ?, revision = ?, address = ?, lease = ? "
                 "WHERE name = ? AND revision = ?",
                 (
                     new.record.version,
@@ -111,6 +121,8 @@ class SqliteCommitStore(CommitStore):
                     json.dumps(sorted(new.obsolete)),
                     new.info,
                     new.revision,
+                    new.address,
+                    new.lease,
                     self.name,
                     state.revision,
                 ),

@@ -1,56 +1,109 @@
-"""The control-channel interface.
+"""The control-channel interface: coordinator -> endpoint calls, endpoint -> coordinator replies.
 
-The coordinator *calls* endpoints (owners and receivers) with the events of
-``docs/protocol.md`` (``PrepareRequested``, ``FlushRequested``, ...); endpoints *notify* the
-coordinators with their replies.  Calls and replies carry attempt ids and may be lost
-(endpoints and coordinators ignore what does not concern them); the engine retries what must
-arrive.  A reply goes to every live coordinator, since an endpoint cannot know whether the one
-that called it was replaced.
+Every message is one class of :mod:`dcr.protocol.messages`.  A coordinator process opens a
+:class:`CoordinatorLink` and *calls* endpoints by name; an owner or receiver process opens an
+:class:`EndpointLink` under its name, reads its calls and *notifies* coordinators with replies.
+Calls and replies carry attempt ids and may be lost; the cores ignore what does not concern
+them.  Two rules every channel keeps:
+
+* a call addressed to an endpoint that is not connected (yet, or again after a restart) waits,
+  bounded in number, until the endpoint connects -- so a restarted owner gets the retry's
+  prepare instead of costing a prepare deadline;
+* calls of a replaced coordinator are refused: each call carries its coordinator's epoch, and
+  an endpoint drops (and counts) calls older than the newest epoch it has seen.
+
+A reply goes to every coordinator the endpoint knows is live, since it cannot know whether the
+one that called it was replaced.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from dcr.protocol.events import CoordinatorEvent
+from dcr.protocol import messages as msg
 
-__all__ = ["ControlChannel", "ReadCommitRecord"]
+__all__ = ["PENDING_CALLS", "ControlChannel", "CoordinatorLink", "EndpointLink"]
+
+PENDING_CALLS = 1024
+"""Calls kept per endpoint that is not connected; older ones are dropped (and counted)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReadCommitRecord:
-    """Call to an owner: read the commit record now (the coordinator's baseline request)."""
+class EndpointLink(ABC):
+    """An owner's or receiver's end of the channel.
+
+    ``drops`` counts messages refused by reason (``stale-epoch``, ``decode``, ...).
+    """
+
+    name: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.drops: Counter[str] = Counter()
+        self.epoch = 0
+        """Newest coordinator epoch seen (from calls or the commit record)."""
+        self.status: msg.EndpointStatus | None = None
+
+    @abstractmethod
+    def calls(self) -> AsyncIterator[msg.Call]:
+        """The calls addressed to this endpoint, in arrival order, until :meth:`aclose`."""
+
+    @abstractmethod
+    async def notify(self, reply: msg.Reply) -> None:
+        """Send ``reply`` to every live coordinator."""
+
+    async def set_status(self, status: msg.EndpointStatus) -> None:
+        """Record what this endpoint holds and tell the coordinators (again on reconnect)."""
+        self.status = status
+        await self.notify(status)
+
+    def admit(self, epoch: int) -> bool:
+        """Whether a call of coordinator ``epoch`` may pass (older epochs are refused)."""
+        if epoch < self.epoch:
+            self.drops["stale-epoch"] += 1
+            return False
+        self.epoch = epoch
+        return True
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Disconnect; calls addressed to this name wait for the next link of that name."""
+
+
+class CoordinatorLink(ABC):
+    """A coordinator process's end of the channel (one per process, across transitions)."""
+
+    address: str = ""
+    """Where endpoints reach this coordinator; it is written into the commit record."""
+
+    def __init__(self) -> None:
+        self.drops: Counter[str] = Counter()
+
+    @abstractmethod
+    async def call(self, endpoint: str, message: msg.Call, *, epoch: int) -> None:
+        """Deliver ``message`` from coordinator ``epoch`` to ``endpoint`` (queued while the
+        endpoint is not connected)."""
+
+    @abstractmethod
+    def replies(self) -> AsyncIterator[msg.Reply]:
+        """Replies from endpoints (and their supervisors), until :meth:`aclose`."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Stop receiving replies."""
 
 
 class ControlChannel(ABC):
-    """Addressed, unordered, possibly lossy messages between coordinators and endpoints."""
+    """Opens the two ends of a control channel; a new channel is one subclass of this."""
 
     @abstractmethod
-    async def call(self, endpoint: str, message: object) -> None:
-        """Deliver ``message`` to ``endpoint``'s inbox (dropped if it has none)."""
+    async def endpoint(self, name: str) -> EndpointLink:
+        """Open endpoint ``name``'s link (its inbox); calls queued for it are delivered."""
 
     @abstractmethod
-    async def notify(self, event: CoordinatorEvent) -> None:
-        """Deliver ``event`` to every live coordinator."""
+    async def coordinator(self) -> CoordinatorLink:
+        """Open a coordinator's link."""
 
-    @abstractmethod
-    def endpoint_inbox(self, name: str) -> AsyncIterator[object]:
-        """Open ``name``'s inbox; its calls arrive there until :meth:`close_endpoint`."""
-
-    @abstractmethod
-    def close_endpoint(self, name: str) -> None:
-        """Close ``name``'s inbox (its process is gone); later calls to it are dropped."""
-
-    @abstractmethod
-    def coordinator_inbox(self, epoch: int) -> AsyncIterator[CoordinatorEvent]:
-        """Open the inbox of the coordinator of ``epoch``."""
-
-    @abstractmethod
-    def close_coordinator(self, epoch: int) -> None:
-        """Close that coordinator's inbox."""
-
-    @abstractmethod
-    async def post(self, epoch: int, event: CoordinatorEvent) -> None:
-        """Deliver ``event`` to the coordinator of ``epoch`` only (its own engine's reports)."""
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release sockets and background tasks."""

@@ -1,71 +1,120 @@
-"""An in-memory control channel: inboxes are anyio memory streams in one process."""
+"""An in-memory control channel: every link is an anyio memory stream in one process."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.control.base import (
+    PENDING_CALLS,
+    ControlChannel,
+    CoordinatorLink,
+    EndpointLink,
+)
 from dcr.errors import ConfigError
-from dcr.protocol.events import CoordinatorEvent
+from dcr.protocol import messages as msg
 
 __all__ = ["MemoryControl"]
 
-_Pair = tuple[MemoryObjectSendStream[Any], MemoryObjectReceiveStream[Any]]
+
+class _Endpoint(EndpointLink):
+    def __init__(self, hub: MemoryControl, name: str) -> None:
+        super().__init__(name)
+        self._hub = hub
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[int, msg.Call]](math.inf)
+
+    def deliver(self, epoch: int, message: msg.Call) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._send.send_nowait((epoch, message))
+
+    async def calls(self) -> AsyncIterator[msg.Call]:
+        while True:
+            try:
+                epoch, message = await self._recv.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            if self.admit(epoch):
+                yield message
+
+    async def notify(self, reply: msg.Reply) -> None:
+        self._hub.notify_all(reply)
+
+    async def aclose(self) -> None:
+        self._hub._endpoints.pop(self.name, None)
+        self._send.close()
+        self._recv.close()
+
+
+class _Coordinator(CoordinatorLink):
+    def __init__(self, hub: MemoryControl) -> None:
+        super().__init__()
+        self._hub = hub
+        self._send: MemoryObjectSendStream[msg.Reply]
+        self._recv: MemoryObjectReceiveStream[msg.Reply]
+        self._send, self._recv = anyio.create_memory_object_stream[msg.Reply](math.inf)
+        self.address = f"memory:{id(self)}"
+
+    async def call(self, endpoint: str, message: msg.Call, *, epoch: int) -> None:
+        self._hub.call(endpoint, message, epoch=epoch)
+
+    def deliver(self, reply: msg.Reply) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._send.send_nowait(reply)
+
+    async def replies(self) -> AsyncIterator[msg.Reply]:
+        while True:
+            try:
+                yield await self._recv.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+
+    async def aclose(self) -> None:
+        self._hub._coordinators.discard(self)
+        self._send.close()
+        self._recv.close()
 
 
 class MemoryControl(ControlChannel):
-    """Every message is delivered at once into the addressee's unbounded inbox."""
+    """Every message is delivered at once; calls to an endpoint that is not open wait for it."""
 
     def __init__(self) -> None:
-        self._endpoints: dict[str, _Pair] = {}
-        self._coordinators: dict[int, _Pair] = {}
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._coordinators: set[_Coordinator] = set()
+        self._pending: dict[str, deque[tuple[int, msg.Call]]] = {}
+        self.dropped_pending = 0
+        """Calls dropped because too many waited for an endpoint that was not open."""
 
-    @staticmethod
-    def _put(pair: _Pair | None, message: object) -> None:
-        if pair is None:
+    async def endpoint(self, name: str) -> EndpointLink:
+        if name in self._endpoints:
+            raise ConfigError(f"an endpoint named {name!r} is already open")
+        link = _Endpoint(self, name)
+        self._endpoints[name] = link
+        for epoch, message in self._pending.pop(name, ()):
+            link.deliver(epoch, message)
+        return link
+
+    async def coordinator(self) -> CoordinatorLink:
+        link = _Coordinator(self)
+        self._coordinators.add(link)
+        return link
+
+    def call(self, endpoint: str, message: msg.Call, *, epoch: int) -> None:
+        link = self._endpoints.get(endpoint)
+        if link is not None:
+            link.deliver(epoch, message)
             return
-        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pair[0].send_nowait(message)
+        pending = self._pending.setdefault(endpoint, deque())
+        if len(pending) >= PENDING_CALLS:
+            pending.popleft()
+            self.dropped_pending += 1
+        pending.append((epoch, message))
 
-    async def call(self, endpoint: str, message: object) -> None:
-        self._put(self._endpoints.get(endpoint), message)
-
-    async def notify(self, event: CoordinatorEvent) -> None:
-        for pair in list(self._coordinators.values()):
-            self._put(pair, event)
-
-    async def post(self, epoch: int, event: CoordinatorEvent) -> None:
-        self._put(self._coordinators.get(epoch), event)
-
-    def endpoint_inbox(self, name: str) -> AsyncIterator[object]:
-        return self._open(self._endpoints, name)
-
-    def close_endpoint(self, name: str) -> None:
-        self._close(self._endpoints, name)
-
-    def coordinator_inbox(self, epoch: int) -> AsyncIterator[CoordinatorEvent]:
-        return self._open(self._coordinators, epoch)
-
-    def close_coordinator(self, epoch: int) -> None:
-        self._close(self._coordinators, epoch)
-
-    @staticmethod
-    def _open(table: dict[Any, _Pair], key: object) -> AsyncIterator[Any]:
-        if key in table:
-            raise ConfigError(f"an inbox named {key!r} is already open")
-        send, recv = anyio.create_memory_object_stream[Any](math.inf)
-        table[key] = (send, recv)
-        return recv.__aiter__()
-
-    @staticmethod
-    def _close(table: dict[Any, _Pair], key: object) -> None:
-        pair = table.pop(key, None)
-        if pair is not None:
-            pair[0].close()
-            pair[1].close()
+    def notify_all(self, reply: msg.Reply) -> None:
+        """Deliver ``reply`` to every open coordinator link (endpoints and supervisors)."""
+        for link in list(self._coordinators):
+            link.deliver(reply)

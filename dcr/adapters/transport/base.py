@@ -57,11 +57,12 @@ class Transport(ABC):
     """
 
     arrival_grace_s: float = 30.0
+    receiver_window: int | None = None
+    """Deliveries a receiver may hold without acknowledging them (:meth:`taken`) before the
+    transport stops handing it more; ``None`` when the transport keeps no such credit."""
 
     @abstractmethod
-    async def send(
-        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
-    ) -> None:
+    async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
         """Accept a payload for delivery; raises :class:`~dcr.errors.TransportError`.
 
         ``to`` limits delivery to the named receivers (a dense refit of one joining receiver);

@@ -22,8 +22,11 @@ class MemoryTransport(Transport):
     queues until they read them (the receiver engine bounds what it decodes).
     """
 
-    arrival_grace_s = 0.0
-    """Delivery completes within ``send``: whatever has not arrived at flush never will."""
+    arrival_grace_s = 0.5
+    """Delivery into the receivers' queues completes within ``send``, but a receiver engine
+    reads its queue concurrently with its control calls, so a flush may overtake the last
+    payloads by a few event-loop turns.  Only an arrival check that finds a payload missing
+    waits this long."""
 
     def __init__(self) -> None:
         self._queues: dict[
@@ -33,9 +36,7 @@ class MemoryTransport(Transport):
         self._seen: set[PayloadKey] = set()
         self._stats = TransportStats()
 
-    async def send(
-        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
-    ) -> None:
+    async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
         if key.attempt in self._stopped:
             raise TransportError(
                 "the attempt was stopped; payload refused",

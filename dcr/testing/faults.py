@@ -21,12 +21,16 @@ from dcr.errors import ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord, PayloadKey
 from dcr.wire.payload import ValueLayout, decode_payload, encode_payload
 
-__all__ = ["FaultLog", "Faults", "FaultyCommitStore", "FaultyTransport"]
+__all__ = ["FaultLog", "FaultReport", "Faults", "FaultyCommitStore", "FaultyTransport"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Faults:
-    """What goes wrong in the first attempt of a transition (all default to nothing)."""
+    """What goes wrong in the first attempt of a transition (all default to nothing).
+
+    Counts of payloads (``*_after``) are ``>= 0``; ``0`` strikes as soon as the attempt's
+    first payload is sent.
+    """
 
     drop: int = 0
     """Payloads lost on the way (receivers never see them: the arrival check fails)."""
@@ -39,39 +43,71 @@ class Faults:
     conflicting: int = 0
     """Payloads re-sent under the same id with other, valid bytes (fails the attempt)."""
     kill_receiver: str | None = None
-    """Receiver killed after it applied ``kill_after`` payloads; it restarts and rejoins by
-    dense refit."""
+    """Receiver killed once receivers applied ``kill_receiver_after`` payloads of the attempt;
+    it restarts and rejoins by dense refit."""
+    kill_receiver_after: int = 1
     kill_owner: str | None = None
-    """Owner killed after it sent ``kill_after`` payloads; it restarts with its baseline
-    reinitialized from the committed version."""
-    kill_after: int = 1
+    """Owner killed once it sent ``kill_owner_after`` payloads of the attempt; it restarts with
+    its baseline reinitialized from the committed version."""
+    kill_owner_after: int = 1
     lose_commit_reply: bool = False
     """The compare-and-set takes effect but its reply is lost (outcome unknown)."""
     late_commit: bool = False
     """The compare-and-set reaches the store only after its deadline (the store refuses it;
     the attempt is retried)."""
     failover: bool = False
-    """The coordinator is replaced after receivers applied ``kill_after`` payloads: a new one
-    takes over (paper App. B.2, failover)."""
+    """The coordinator is replaced once receivers applied ``failover_after`` payloads: a new
+    one takes over (paper App. B.2, failover)."""
+    failover_after: int = 1
     old_keeps_running: bool = False
     """With ``failover``: the replaced coordinator does not die but keeps going; the control
     plane's epoch check makes it stand down."""
 
     def __post_init__(self) -> None:
-        for name in ("drop", "duplicate", "corrupt", "conflicting"):
+        for name in (
+            "drop",
+            "duplicate",
+            "corrupt",
+            "conflicting",
+            "kill_receiver_after",
+            "kill_owner_after",
+            "failover_after",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"Faults.{name} must be >= 0")
-        if self.kill_after < 0:
-            raise ConfigError("Faults.kill_after must be >= 0")
 
     @property
     def any(self) -> bool:
         return self != Faults()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultReport:
+    """What the injected faults of one transition actually did."""
+
+    dropped: int = 0
+    duplicated: int = 0
+    corrupted: int = 0
+    conflicting: int = 0
+    reordered: int = 0
+    lost_commit_replies: int = 0
+    late_commits: int = 0
+    failovers: int = 0
+    killed: tuple[str, ...] = ()
+    """Endpoints whose process was killed, in order."""
+    restarted: tuple[str, ...] = ()
+    """Endpoints restarted afterwards (receivers rejoin by dense refit)."""
+    replaced_outcome: str | None = None
+    """With ``old_keeps_running``: how the replaced coordinator's run ended."""
+
+    @property
+    def any(self) -> bool:
+        return self != FaultReport()
+
+
 @dataclass(slots=True)
 class FaultLog:
-    """What the injected faults actually did."""
+    """What the injected faults did, as it happens (the payloads they struck)."""
 
     dropped: list[PayloadKey] = field(default_factory=list)
     duplicated: list[PayloadKey] = field(default_factory=list)
@@ -84,22 +120,21 @@ class FaultLog:
     late_commits: int = 0
     failovers: int = 0
     replaced_outcome: str | None = None
-    """With ``old_keeps_running``: how the replaced coordinator's run ended."""
 
-    def summary(self) -> dict[str, object]:
-        return {
-            "dropped": len(self.dropped),
-            "duplicated": len(self.duplicated),
-            "corrupted": len(self.corrupted),
-            "conflicting": len(self.conflicting),
-            "reordered": self.reordered,
-            "killed": list(self.killed),
-            "restarted": list(self.restarted),
-            "lost_commit_replies": self.lost_commit_replies,
-            "late_commits": self.late_commits,
-            "failovers": self.failovers,
-            "replaced_outcome": self.replaced_outcome,
-        }
+    def report(self) -> FaultReport:
+        return FaultReport(
+            dropped=len(self.dropped),
+            duplicated=len(self.duplicated),
+            corrupted=len(self.corrupted),
+            conflicting=len(self.conflicting),
+            reordered=self.reordered,
+            lost_commit_replies=self.lost_commit_replies,
+            late_commits=self.late_commits,
+            failovers=self.failovers,
+            killed=tuple(self.killed),
+            restarted=tuple(self.restarted),
+            replaced_outcome=self.replaced_outcome,
+        )
 
 
 class FaultyTransport(Transport):
@@ -126,9 +161,7 @@ class FaultyTransport(Transport):
             self._target = attempt
         return self._armed and attempt == self._target
 
-    async def send(
-        self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None
-    ) -> None:
+    async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
         if not self._faulty(key.attempt):
             await self.inner.send(key, data, to=to)
             return

@@ -5,7 +5,7 @@ receiver, all talking through a control channel, a transport and a commit store 
 default), and runs each transition with a fresh coordinator.  It is also the *supervisor*:
 it confirms dead endpoints (``Retired``), restarts them (a receiver restores the committed
 version by dense refit and rejoins at the next prepare; an owner reinitializes its baseline
-from the committed version), and plays the fault plan of :mod:`dcr.engine.faults`.
+from the committed version), and plays the fault plan of :mod:`dcr.testing.faults`.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from dcr.adapters.control.base import ControlChannel
 from dcr.adapters.transport.base import Transport
 from dcr.apply.receiver import Receiver
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.owner import BuildStats, Owner
+from dcr.delta.owner import BuildStats
 from dcr.engine.coordinator import CoordinatorService
-from dcr.engine.faults import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 from dcr.engine.owner import OwnerService, TrainingSide
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
 from dcr.engine.setup import Integration, default_limiter
 from dcr.errors import ConfigError
 from dcr.protocol import commands as cmd
-from dcr.protocol import events as ev
+from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import ReceiverPhase
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
+from dcr.testing.faults import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 
 __all__ = ["AttemptSummary", "LocalCluster", "TransitionResult"]
 
@@ -55,6 +55,7 @@ class TransitionResult:
 
     outcome: TransitionOutcome
     record: CommitRecord
+    """The commit record when the transition ended."""
     attempts: tuple[AttemptSummary, ...]
     stats: BuildStats
     """Construction counters of the first attempt (the changed set is the same in all)."""
@@ -63,6 +64,9 @@ class TransitionResult:
     num_payloads: int
     faults: FaultLog
     reason: str = ""
+    committed_by: int | None = None
+    """Epoch of the coordinator whose compare-and-set committed the record (a replaced one
+    that kept running may commit first); ``None`` when nothing was committed."""
 
 
 @dataclass(slots=True)
@@ -101,6 +105,8 @@ class LocalCluster:
     _log: FaultLog = field(default_factory=FaultLog)
     _coordinators: list[CoordinatorService] = field(default_factory=list)
     _applied_in_first: int = 0
+    _sent_by_victim: int = 0
+    _struck: set[str] = field(default_factory=set)
     _first_attempt: int | None = None
     _failover_due: anyio.Event | None = None
     progress: Callable[[str, int, int], None] | None = None
@@ -190,7 +196,8 @@ class LocalCluster:
         self._log.killed.append(name)
         if info is not None:
             # The supervisor confirms the process cannot resume the attempt (paper App. B.2).
-            await self.control.notify(ev.Retired(attempt=info.attempt, endpoint=name))
+            for coordinator in list(self._coordinators):
+                await coordinator.report(msg.Retired(attempt=info.attempt, endpoint=name))
 
     # -- supervisor ---------------------------------------------------------------------
 
@@ -225,11 +232,7 @@ class LocalCluster:
             await self.receiver_services[name].dense_refit(self.canonical(record), record)
         else:
             rank = self.integration.owner_ids[name]
-            owner = Owner(rank, self.group.plan, self.versions[record], config=self.group.config)
-            staged = self.group.staged
-            if staged is not None:
-                owner.stage(staged)
-            self.group.owners[rank] = owner
+            self.group.restart(rank, self.versions[record])
             await self._start_owner(name, rank, record)
 
     async def _settle(self) -> None:
@@ -271,27 +274,45 @@ class LocalCluster:
         self._applied += 1
         if self.progress is not None:
             self.progress("apply", self._applied, -1)
-        if key.attempt != self._first_attempt:
-            return
-        self._applied_in_first += 1
-        f = self._faults
-        if self._applied_in_first == f.kill_after:
-            if f.kill_receiver is not None:
-                self._schedule(self._kill_and_restart, f.kill_receiver)
-            if f.failover and self._failover_due is not None:
-                self._failover_due.set()
+        if key.attempt == self._first_attempt:
+            self._applied_in_first += 1
+            self._strike()
 
     def _on_sent(self, key: PayloadKey) -> None:
         if self._first_attempt is None:
             self._first_attempt = key.attempt
         f = self._faults
+        if key.attempt == self._first_attempt and key.owner == f.kill_owner:
+            self._sent_by_victim += 1
+        self._strike()
+
+    def _strike(self) -> None:
+        """Play the fault plan: each kill (and the failover) strikes once its count is reached."""
+        f = self._faults
+        if self._first_attempt is None:
+            return
+        if (
+            f.kill_receiver is not None
+            and "receiver" not in self._struck
+            and self._applied_in_first >= f.kill_receiver_after
+        ):
+            self._struck.add("receiver")
+            self._schedule(self._kill_and_restart, f.kill_receiver)
         if (
             f.kill_owner is not None
-            and key.owner == f.kill_owner
-            and key.attempt == self._first_attempt
-            and key.payload_id + 1 == max(f.kill_after, 1)
+            and "owner" not in self._struck
+            and self._sent_by_victim >= f.kill_owner_after
         ):
+            self._struck.add("owner")
             self._schedule(self._kill_and_restart, f.kill_owner)
+        if (
+            f.failover
+            and "failover" not in self._struck
+            and self._failover_due is not None
+            and self._applied_in_first >= f.failover_after
+        ):
+            self._struck.add("failover")
+            self._failover_due.set()
 
     def _schedule(self, fn: Callable[[str], Coroutine[Any, Any, None]], name: str) -> None:
         assert self._tg is not None
@@ -324,8 +345,10 @@ class LocalCluster:
         self._transport.arm(faults, self._log)
         self._store.arm(faults, self._log)
         self._applied_in_first, self._first_attempt, self._applied = 0, None, 0
+        self._sent_by_victim, self._struck = 0, set()
         sent_before = (self._bytes_sent(), self._payloads_sent())
         coordinators: list[CoordinatorService] = []
+        self._coordinators = coordinators
 
         def coordinator() -> CoordinatorService:
             c = CoordinatorService(
@@ -351,24 +374,33 @@ class LocalCluster:
             await self._restart(name)
         await self._settle()
         await self._catch_up()
+        infos = [
+            c.info for co in coordinators for c in co.commands if isinstance(c, cmd.RegisterAttempt)
+        ]
         attempts = tuple(
             AttemptSummary(
-                attempt=c.info.attempt,
-                mode=c.info.mode,
-                receivers=tuple(sorted(c.info.receivers)),
-                coordinator=c.info.coordinator,
+                attempt=i.attempt,
+                mode=i.mode,
+                receivers=tuple(sorted(i.receivers)),
+                coordinator=i.coordinator,
             )
-            for co in coordinators
-            for c in co.commands
-            if isinstance(c, cmd.RegisterAttempt)
+            for i in infos
         )
         first_attempt = attempts[0].attempt if attempts else -1
         stats = self.side.stats(first_attempt)
         for a in attempts:
             self.side.release(a.attempt)
+        # What the caller sees is what happened to the record: a replaced coordinator whose
+        # commit landed first committed the transition as much as the active one would have.
+        now = (await self._store.read()).record
+        outcome, committed_by = ended.outcome, ended.committed_by
+        if now.version == committed.version + 1:
+            outcome = TransitionOutcome.COMMITTED
+            committed_by = next((i.coordinator for i in infos if i.target == now), committed_by)
         return TransitionResult(
-            outcome=ended.outcome,
-            record=ended.record,
+            outcome=outcome,
+            record=now,
+            committed_by=committed_by,
             attempts=attempts,
             stats=stats,
             payload_bytes=self._bytes_sent() - sent_before[0],

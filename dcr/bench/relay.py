@@ -1,0 +1,175 @@
+"""Relay-tree throughput on loopback, against raw ZeroMQ (paper §8.7: relay-tree transport
+dominates refit latency, so its throughput bounds the refit's).
+
+:func:`relay_throughput` measures, in one run: (a) one DEALER streaming ``count`` messages of
+``size`` bytes to one ROUTER that acknowledges the last, and (b) owners sending ``count``
+payloads of ``size`` bytes through a root and a balanced tree of relay nodes to receivers that
+take each delivery at once, counted as payload bytes delivered per second at each receiver.
+Everything runs in the calling event loop (asyncio), on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import zmq
+import zmq.asyncio
+
+from dcr.adapters.transport.relay import RelayConfig, RelayTransport, start_tree
+from dcr.errors import ConfigError
+from dcr.protocol.types import PayloadKey
+
+__all__ = ["raw_zmq_throughput", "relay_throughput"]
+
+
+async def raw_zmq_throughput(*, count: int = 64, size: int = 4 << 20) -> float:
+    """Bytes per second of ``count`` messages of ``size`` bytes from a DEALER to a ROUTER,
+    timed until the ROUTER's acknowledgement of the last one arrives."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        for sock in (router, dealer):
+            sock.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        await dealer.send(b"hello")
+        ident, _ = await router.recv_multipart()
+        payload = os.urandom(size)
+
+        async def sink() -> None:
+            for _ in range(count):
+                await router.recv_multipart(copy=False)
+            await router.send_multipart([ident, b"ack"])
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sink)
+            for i in range(count):
+                await dealer.send_multipart([i.to_bytes(8, "big"), payload], copy=False)
+            await dealer.recv()
+        return count * size / (time.perf_counter() - t0)
+    finally:
+        router.close()
+        dealer.close()
+        ctx.term()
+
+
+async def relay_tree_throughput(
+    *,
+    count: int = 64,
+    size: int = 4 << 20,
+    nodes: int = 3,
+    fanout: int = 2,
+    receivers: int = 2,
+    owners: int = 1,
+    inflight: int = 4,
+    config: RelayConfig | None = None,
+) -> list[float]:
+    """Payload bytes per second delivered at each receiver, from the first send to that
+    receiver's last arrival; receivers are spread over the non-root nodes."""
+    if min(count, size, nodes, receivers, owners, inflight) < 1:
+        raise ConfigError("relay benchmark sizes and counts must be at least 1")
+    config = config or RelayConfig(max_payload_bytes=max(size, 1 << 20))
+    payload = os.urandom(size)
+    per_owner = [count // owners + (1 if i < count % owners else 0) for i in range(owners)]
+    async with anyio.create_task_group() as tg:
+        tree = list(
+            (
+                await start_tree(tg, [f"n{i}" for i in range(nodes)], fanout=fanout, config=config)
+            ).values()
+        )
+        hosts = tree[1:] or tree
+        rx = [
+            RelayTransport(node=hosts[i % len(hosts)].address, config=config)
+            for i in range(receivers)
+        ]
+        tx = [RelayTransport(root=tree[0].address, config=config) for _ in range(owners)]
+        last: dict[str, float] = {}
+        got: dict[str, int] = {}
+        try:
+
+            async def take(name: str, t: RelayTransport) -> None:
+                got[name] = 0
+                async for d in t.subscribe(name):
+                    await t.taken(name, d.key)
+                    got[name] += len(d.data)
+                    last[name] = time.perf_counter()
+
+            for i, t in enumerate(rx):
+                tg.start_soon(take, f"r{i}", t)
+            with anyio.fail_after(10):
+                while len((await tx[0].tree_status()).receivers) < receivers:
+                    await anyio.sleep(0.01)
+
+            async def stream(o: int) -> None:
+                window = anyio.Semaphore(inflight)
+
+                async def one(pid: int) -> None:
+                    try:
+                        key = PayloadKey(attempt=1, owner=f"o{o}", payload_id=pid)
+                        await tx[o].send(key, payload)
+                    finally:
+                        window.release()
+
+                async with anyio.create_task_group() as sends:
+                    for pid in range(per_owner[o]):
+                        await window.acquire()
+                        sends.start_soon(one, pid)
+
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as senders:
+                for o in range(owners):
+                    senders.start_soon(stream, o)
+            total = count * size
+            with anyio.fail_after(60):
+                while any(got.get(f"r{i}", 0) < total for i in range(receivers)):
+                    await anyio.sleep(0.005)
+            rates = [total / (last[f"r{i}"] - t0) for i in range(receivers)]
+        finally:
+            with anyio.CancelScope(shield=True):
+                for t in [*tx, *rx]:
+                    await t.aclose()
+            tg.cancel_scope.cancel()
+    return rates
+
+
+async def relay_throughput(
+    *,
+    count: int = 64,
+    size: int = 4 << 20,
+    nodes: int = 3,
+    fanout: int = 2,
+    receivers: int = 2,
+    owners: int = 1,
+    inflight: int = 4,
+) -> dict[str, float]:
+    """Raw ZeroMQ vs relay-tree throughput on loopback, in bytes per second, and their ratio.
+
+    ``relay_bytes_per_s`` is the mean over receivers of the payload bytes each received per
+    second; ``relay_min_bytes_per_s`` the slowest receiver's.
+    """
+    raw = await raw_zmq_throughput(count=count, size=size)
+    per_receiver = await relay_tree_throughput(
+        count=count,
+        size=size,
+        nodes=nodes,
+        fanout=fanout,
+        receivers=receivers,
+        owners=owners,
+        inflight=inflight,
+    )
+    relay = sum(per_receiver) / len(per_receiver)
+    return {
+        "count": float(count),
+        "size": float(size),
+        "nodes": float(nodes),
+        "receivers": float(receivers),
+        "owners": float(owners),
+        "raw_bytes_per_s": raw,
+        "relay_bytes_per_s": relay,
+        "relay_min_bytes_per_s": min(per_receiver),
+        "ratio": relay / raw,
+    }

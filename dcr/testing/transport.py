@@ -1,0 +1,497 @@
+"""A conformance suite for transports: the same checks run against every implementation.
+
+A :class:`TransportHarness` builds one world of a transport (the sender side of owners, the
+side a receiver's process subscribes on, the coordinator's side, and a way to make a receiver
+vanish); each entry of :data:`CHECKS` is a plain async function that drives a fresh harness and
+asserts the semantics of :mod:`dcr.adapters.transport.base`: delivery to every subscriber and to
+``to`` subsets, per-owner order, identical and conflicting duplicates delivered and counted
+(V_cross / V_payload, paper §7.1), ``stop_and_wait`` and ``cleanup`` (paper App. B.2), the arrival
+check within ``arrival_grace_s`` (App. B.1), bounded memory under a receiver that stops taking
+(transports with credit), and the loss of a receiver.  ``tests/adapters/test_transport_*.py``
+run every check with their harness through :func:`run_check`.
+
+A check a transport cannot meet by design is listed in the harness's ``not_applicable`` with
+the reason; :func:`run_check` then returns that reason instead of running it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import ClassVar, Protocol, Self
+
+import anyio
+import anyio.abc
+
+from dcr.adapters.transport.base import Delivery, Transport, TransportStats
+from dcr.errors import TransportError
+from dcr.protocol.types import PayloadKey
+
+__all__ = ["CHECKS", "HeldLike", "Inbox", "TransportHarness", "run_check"]
+
+SIZE = 32 << 10
+"""Payload size the checks use (small: the suite runs on two CPU cores)."""
+SLACK_S = 0.25
+"""Scheduling slack on top of ``arrival_grace_s`` before a payload counts as late."""
+
+
+class HeldLike(Protocol):
+    """What one place (a relay node, a receiver's window) holds of payloads, and its bound."""
+
+    @property
+    def count(self) -> int: ...
+    @property
+    def peak_count(self) -> int: ...
+    @property
+    def peak_bytes(self) -> int: ...
+    @property
+    def max_count(self) -> int: ...
+    @property
+    def max_bytes(self) -> int: ...
+
+
+class TransportHarness(ABC):
+    """One world of a transport implementation, entered with ``async with``.
+
+    Transports the harness hands out are its own: it closes them when the block ends.
+    """
+
+    not_applicable: ClassVar[Mapping[str, str]] = {}
+    """Check name -> why the transport does not have that property (documented behaviour)."""
+    timeout_s: float = 20.0
+    """Upper bound for one check."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @abstractmethod
+    async def sender(self, owner: str) -> Transport:
+        """The transport ``owner``'s process sends on."""
+
+    @abstractmethod
+    async def receiver(self, name: str) -> Transport:
+        """The transport the process hosting receiver ``name`` subscribes on."""
+
+    @abstractmethod
+    async def controller(self) -> Transport:
+        """The transport the coordinator calls ``stop_and_wait`` and ``cleanup`` on."""
+
+    @abstractmethod
+    async def vanish(self, name: str) -> None:
+        """Receiver ``name``'s process disappears without unsubscribing."""
+
+    @abstractmethod
+    def boundary_stats(self) -> TransportStats:
+        """V_cross and V_payload where payloads cross into the rollout side."""
+
+    async def settle(self, receivers: Collection[str]) -> None:  # noqa: B027 - optional hook
+        """Return once payloads sent from now on reach every receiver in ``receivers``."""
+
+    def held(self) -> Mapping[str, HeldLike]:
+        """Payload memory per place, for the back-pressure bound (none by default)."""
+        return {}
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Close everything the harness opened."""
+
+
+@dataclass(slots=True, eq=False)
+class Inbox:
+    """A receiver that records its deliveries and takes each one unless paused."""
+
+    name: str
+    transport: Transport
+    got: list[Delivery] = field(default_factory=list)
+    arrived: dict[PayloadKey, list[float]] = field(default_factory=dict)
+    taking: anyio.Event = field(default_factory=anyio.Event)
+    ended: bool = False
+
+    async def run(self, deliveries: AsyncIterator[Delivery]) -> None:
+        try:
+            async for d in deliveries:
+                self.got.append(d)
+                self.arrived.setdefault(d.key, []).append(time.monotonic())
+                await self.taking.wait()
+                await self.transport.taken(self.name, d.key)
+        except anyio.ClosedResourceError:
+            pass  # a memory-object stream closed by ``unsubscribe`` also ends the deliveries
+        self.ended = True
+
+    def pause(self) -> None:
+        self.taking = anyio.Event()
+
+    def resume(self) -> None:
+        self.taking.set()
+
+    def received(self) -> list[PayloadKey]:
+        return [d.key for d in self.got]
+
+
+def _bytes(key: PayloadKey, size: int = SIZE, salt: int = 0) -> bytes:
+    seed = zlib.crc32(f"{key.attempt}/{key.owner}/{key.payload_id}/{salt}".encode())
+    return random.Random(seed).randbytes(size)
+
+
+def _key(attempt: int, owner: str, payload_id: int) -> PayloadKey:
+    return PayloadKey(attempt=attempt, owner=owner, payload_id=payload_id)
+
+
+def _count_at_least(inbox: Inbox, n: int) -> Callable[[], bool]:
+    return lambda: len(inbox.got) >= n
+
+
+def _has(inbox: Inbox, key: PayloadKey) -> Callable[[], bool]:
+    return lambda: key in inbox.arrived
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 10 ms for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await anyio.sleep(0.01)
+
+
+async def _inboxes(
+    h: TransportHarness, tg: anyio.abc.TaskGroup, names: Collection[str], *, paused: bool = False
+) -> dict[str, Inbox]:
+    out = {}
+    for name in names:
+        inbox = Inbox(name=name, transport=await h.receiver(name))
+        if not paused:
+            inbox.resume()
+        tg.start_soon(inbox.run, inbox.transport.subscribe(name))
+        out[name] = inbox
+    await h.settle(names)
+    return out
+
+
+async def _send_all(
+    transport: Transport, keys: list[PayloadKey], outcome: dict[PayloadKey, BaseException | None]
+) -> None:
+    """Start a send of every key at once, in list order; record each outcome as it comes."""
+
+    async def one(key: PayloadKey) -> None:
+        try:
+            await transport.send(key, _bytes(key))
+            outcome[key] = None
+        except TransportError as exc:
+            outcome[key] = exc
+
+    async with anyio.create_task_group() as tg:
+        for key in keys:
+            tg.start_soon(one, key)
+
+
+def _assert_stopped(exc: BaseException | None, attempt: int) -> None:
+    assert isinstance(exc, TransportError), f"expected a refused send, got {exc!r}"
+    assert exc.retryable is False and exc.check == "stopped" and exc.attempt == attempt, exc
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+async def check_delivery_to_every_subscriber(h: TransportHarness) -> None:
+    """Every payload reaches every subscribed receiver exactly once, with its bytes; for a
+    fault-free attempt V_cross == V_payload == the bytes sent."""
+    names = ("r0", "r1", "r2")
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, names)
+        owners = {o: await h.sender(o) for o in ("o0", "o1")}
+        sent: dict[PayloadKey, bytes] = {}
+
+        async def stream(owner: str) -> None:
+            for pid in range(5):
+                key = _key(1, owner, pid)
+                sent[key] = _bytes(key, SIZE + pid)
+                await owners[owner].send(key, sent[key])
+
+        async with anyio.create_task_group() as senders:
+            for owner in owners:
+                senders.start_soon(stream, owner)
+        for inbox in inboxes.values():
+            await _until(_count_at_least(inbox, len(sent)), 5, f"{inbox.name}'s payloads")
+        await anyio.sleep(SLACK_S)
+        for inbox in inboxes.values():
+            assert sorted(inbox.received()) == sorted(sent), inbox.name
+            assert all(d.data == sent[d.key] for d in inbox.got), inbox.name
+        total = sum(len(b) for b in sent.values())
+        stats = h.boundary_stats()
+        assert stats.payloads == len(sent)
+        assert stats.cross_bytes == stats.payload_bytes == total, stats
+        tg.cancel_scope.cancel()
+
+
+async def check_delivery_to_named_receivers(h: TransportHarness) -> None:
+    """``to`` limits delivery to the named receivers; unknown names and an empty set are
+    not waited for; receivers not named never see the payload."""
+    names = ("r0", "r1", "r2")
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, names)
+        owner = await h.sender("o0")
+        plan = {
+            _key(1, "o0", 0): frozenset({"r1"}),
+            _key(1, "o0", 1): frozenset({"r0", "r2"}),
+            _key(1, "o0", 2): frozenset(),
+            _key(1, "o0", 3): frozenset({"ghost"}),
+            _key(1, "o0", 4): frozenset({"r2", "ghost"}),
+        }
+        for key, to in plan.items():
+            with anyio.fail_after(5):
+                await owner.send(key, _bytes(key), to=to)
+        for name, inbox in inboxes.items():
+            want = sorted(k for k, to in plan.items() if name in to)
+            await _until(_count_at_least(inbox, len(want)), 5, f"{name}'s payloads")
+        await anyio.sleep(SLACK_S)
+        for name, inbox in inboxes.items():
+            assert sorted(inbox.received()) == sorted(k for k, to in plan.items() if name in to), (
+                name
+            )
+        tg.cancel_scope.cancel()
+
+
+async def check_owner_order(h: TransportHarness) -> None:
+    """Payloads of one owner, sent concurrently, reach each receiver in the order sent."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"))
+        owner = await h.sender("o0")
+        keys = [_key(1, "o0", pid) for pid in range(12)]
+        outcome: dict[PayloadKey, BaseException | None] = {}
+        await _send_all(owner, keys, outcome)
+        assert all(v is None for v in outcome.values()), outcome
+        for inbox in inboxes.values():
+            await _until(_count_at_least(inbox, len(keys)), 5, f"{inbox.name}'s payloads")
+            assert inbox.received() == keys, inbox.name
+        tg.cancel_scope.cancel()
+
+
+async def check_duplicates_delivered_and_counted(h: TransportHarness) -> None:
+    """An identical and a conflicting re-send are both delivered (receivers deduplicate or
+    fail the attempt); V_payload counts the key once, V_cross every copy."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"))
+        owner = await h.sender("o0")
+        key = _key(1, "o0", 0)
+        first, other = _bytes(key), _bytes(key, SIZE + 7, salt=1)
+        for data in (first, first, other):
+            with anyio.fail_after(5):
+                await owner.send(key, data)
+        for inbox in inboxes.values():
+            await _until(_count_at_least(inbox, 3), 5, f"{inbox.name}'s copies")
+            assert [d.data for d in inbox.got] == [first, first, other], inbox.name
+        stats = h.boundary_stats()
+        assert stats.payloads == 1
+        assert stats.payload_bytes == len(first)
+        assert stats.cross_bytes == 2 * len(first) + len(other) > stats.payload_bytes
+        tg.cancel_scope.cancel()
+
+
+async def check_stop_and_wait(h: TransportHarness) -> None:
+    """``stop_and_wait`` returns while a receiver is stuck; sends of the attempt then either
+    completed or were refused (``retryable=False``), later sends of it are refused, nothing of
+    it is held anywhere, and other attempts are unaffected."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"), paused=True)
+        inboxes["r1"].resume()
+        owner, control = await h.sender("o0"), await h.controller()
+        keys = [_key(1, "o0", pid) for pid in range(4)]
+        outcome: dict[PayloadKey, BaseException | None] = {}
+
+        tg.start_soon(_send_all, owner, keys, outcome)
+        await anyio.sleep(0.3)
+        with anyio.fail_after(5):
+            await control.stop_and_wait(1)
+        await _until(lambda: len(outcome) == len(keys), 5, "the stopped attempt's sends")
+        for exc in outcome.values():
+            if exc is not None:
+                _assert_stopped(exc, 1)
+        for place, held in h.held().items():
+            assert held.count == 0, f"{place} still holds {held.count} payloads"
+        try:
+            await owner.send(_key(1, "o0", 9), b"late")
+        except TransportError as exc:
+            _assert_stopped(exc, 1)
+        else:
+            raise AssertionError("a send of a stopped attempt was accepted")
+        inboxes["r0"].resume()
+        key2 = _key(2, "o0", 0)
+        with anyio.fail_after(5):
+            await owner.send(key2, _bytes(key2))
+        for inbox in inboxes.values():
+            await _until(_has(inbox, key2), 5, f"{inbox.name}'s next attempt")
+            stale = [k for k in inbox.received() if k.attempt == 1]
+            assert set(stale) <= set(keys) and len(set(stale)) == len(stale), inbox.name
+        tg.cancel_scope.cancel()
+
+
+async def check_cleanup(h: TransportHarness) -> None:
+    """``cleanup`` releases the attempt (nothing held, later sends refused), is idempotent,
+    accepts attempts the transport never saw, and leaves other attempts alone."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"))
+        owner, control = await h.sender("o0"), await h.controller()
+        keys = [_key(3, "o0", pid) for pid in range(3)]
+        for key in keys:
+            with anyio.fail_after(5):
+                await owner.send(key, _bytes(key))
+        with anyio.fail_after(5):
+            await control.cleanup(3)
+            await control.cleanup(3)
+            await control.cleanup(99)
+        for place, held in h.held().items():
+            assert held.count == 0, f"{place} still holds {held.count} payloads"
+        try:
+            await owner.send(_key(3, "o0", 5), b"late")
+        except TransportError as exc:
+            _assert_stopped(exc, 3)
+        else:
+            raise AssertionError("a send of a cleaned-up attempt was accepted")
+        key4 = _key(4, "o0", 0)
+        with anyio.fail_after(5):
+            await owner.send(key4, _bytes(key4))
+        for inbox in inboxes.values():
+            await _until(_has(inbox, key4), 5, f"{inbox.name}'s next attempt")
+            assert inbox.received() == [*keys, key4], inbox.name
+        tg.cancel_scope.cancel()
+
+
+async def check_arrival_within_grace(h: TransportHarness) -> None:
+    """After ``send`` returned, the payload reaches every subscribed receiver within the
+    transport's ``arrival_grace_s`` (the receivers' arrival check at flush relies on it)."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"))
+        owner = await h.sender("o0")
+        returned: dict[PayloadKey, float] = {}
+        for pid in range(5):
+            key = _key(1, "o0", pid)
+            with anyio.fail_after(5):
+                await owner.send(key, _bytes(key))
+            returned[key] = time.monotonic()
+        grace = owner.arrival_grace_s
+        for inbox in inboxes.values():
+            await _until(_count_at_least(inbox, len(returned)), grace + SLACK_S + 1, "arrivals")
+            for key, t in returned.items():
+                late = inbox.arrived[key][0] - t
+                assert late <= grace + SLACK_S, f"{key} reached {inbox.name} {late:.2f} s late"
+        tg.cancel_scope.cancel()
+
+
+async def check_back_pressure_bound(h: TransportHarness) -> None:
+    """A receiver that stops taking blocks concurrent senders, every place stays within its
+    bound meanwhile, and everything completes once it takes again."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"), paused=True)
+        inboxes["r1"].resume()
+        owners = {o: await h.sender(o) for o in ("o0", "o1", "o2")}
+        plan = {o: [_key(1, o, pid) for pid in range(6)] for o in owners}
+        done: dict[PayloadKey, BaseException | None] = {}
+
+        for owner, keys in plan.items():
+            tg.start_soon(_send_all, owners[owner], keys, done)
+        await anyio.sleep(1.0)
+        assert not done, f"{len(done)} sends completed although r0 takes nothing"
+        _assert_bounded(h)
+        inboxes["r0"].resume()
+        total = sum(len(keys) for keys in plan.values())
+        await _until(lambda: len(done) == total, 10, "the blocked sends")
+        assert all(v is None for v in done.values()), done
+        for inbox in inboxes.values():
+            await _until(_count_at_least(inbox, total), 5, f"{inbox.name}'s payloads")
+            for keys in plan.values():
+                assert [k for k in inbox.received() if k.owner == keys[0].owner] == keys
+        _assert_bounded(h)
+        tg.cancel_scope.cancel()
+
+
+def _assert_bounded(h: TransportHarness) -> None:
+    places = h.held()
+    assert places, "a transport with credit reports what each place holds"
+    for place, held in places.items():
+        assert held.peak_count <= held.max_count, f"{place}: {held}"
+        assert held.peak_bytes <= held.max_bytes, f"{place}: {held}"
+
+
+async def check_receiver_vanishes(h: TransportHarness) -> None:
+    """A receiver that vanishes while sends wait for it stops being waited for: the sends
+    complete for the others, and later sends too."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"), paused=True)
+        inboxes["r1"].resume()
+        owner = await h.sender("o0")
+        keys = [_key(1, "o0", pid) for pid in range(3)]
+        outcome: dict[PayloadKey, BaseException | None] = {}
+
+        tg.start_soon(_send_all, owner, keys, outcome)
+        await anyio.sleep(0.3)
+        await h.vanish("r0")
+        await _until(lambda: len(outcome) == len(keys), 5, "sends after the receiver vanished")
+        assert all(v is None for v in outcome.values()), outcome
+        key = _key(1, "o0", 3)
+        with anyio.fail_after(5):
+            await owner.send(key, _bytes(key))
+        await _until(lambda: len(inboxes["r1"].got) >= 4, 5, "r1's payloads")
+        assert inboxes["r1"].received() == [*keys, key]
+        tg.cancel_scope.cancel()
+
+
+async def check_unsubscribe(h: TransportHarness) -> None:
+    """``unsubscribe`` ends the receiver's deliveries; later sends neither reach nor wait for it."""
+    async with anyio.create_task_group() as tg:
+        inboxes = await _inboxes(h, tg, ("r0", "r1"))
+        owner = await h.sender("o0")
+        first = _key(1, "o0", 0)
+        with anyio.fail_after(5):
+            await owner.send(first, _bytes(first))
+        await _until(lambda: first in inboxes["r0"].arrived, 5, "r0's first payload")
+        inboxes["r0"].transport.unsubscribe("r0")
+        await _until(lambda: inboxes["r0"].ended, 5, "the end of r0's deliveries")
+        second = _key(1, "o0", 1)
+        with anyio.fail_after(5):
+            await owner.send(second, _bytes(second))
+        await _until(lambda: second in inboxes["r1"].arrived, 5, "r1's second payload")
+        assert inboxes["r0"].received() == [first]
+        tg.cancel_scope.cancel()
+
+
+CHECKS: dict[str, Callable[[TransportHarness], Awaitable[None]]] = {
+    "delivery": check_delivery_to_every_subscriber,
+    "named_receivers": check_delivery_to_named_receivers,
+    "owner_order": check_owner_order,
+    "duplicates": check_duplicates_delivered_and_counted,
+    "stop_and_wait": check_stop_and_wait,
+    "cleanup": check_cleanup,
+    "arrival_grace": check_arrival_within_grace,
+    "back_pressure": check_back_pressure_bound,
+    "receiver_vanishes": check_receiver_vanishes,
+    "unsubscribe": check_unsubscribe,
+}
+
+
+async def run_check(name: str, harness: TransportHarness) -> str | None:
+    """Run check ``name`` on ``harness`` within its time bound.
+
+    Returns ``None`` when the check ran and passed, or the harness's stated reason when the
+    check does not apply to the transport.
+    """
+    reason = harness.not_applicable.get(name)
+    if reason is not None:
+        if not reason.strip():
+            raise AssertionError(f"{name} is marked not applicable without a reason")
+        return reason
+    with anyio.fail_after(harness.timeout_s):
+        await CHECKS[name](harness)
+    return None
