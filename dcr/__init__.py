@@ -12,12 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dcr.adapters.loaders.torch_module import TorchModuleLoader as TorchModuleLoader
+    from dcr.adapters.loaders.vllm import VllmLoader as VllmLoader
     from dcr.adapters.sources import ShardSource as ShardSource
     from dcr.adapters.sources import Source as Source
     from dcr.adapters.sources import StateDictSource as StateDictSource
     from dcr.apply.loader import Loader as Loader
     from dcr.apply.receiver import ApplyConfig as ApplyConfig
     from dcr.apply.receiver import Receiver as Receiver
+    from dcr.delta.dist import DistTrainingGroup as DistTrainingGroup
+    from dcr.delta.group import LocalTrainingGroup as LocalTrainingGroup
+    from dcr.delta.group import TrainingGroup as TrainingGroup
     from dcr.delta.layout import TrainLayout as TrainLayout
     from dcr.delta.owner import BuildConfig as BuildConfig
     from dcr.delta.records import Encoding as Encoding
@@ -29,6 +33,9 @@ if TYPE_CHECKING:
     from dcr.local import RefitConfig as RefitConfig
     from dcr.local import RefitReport as RefitReport
     from dcr.local import TransitionFailed as TransitionFailed
+    from dcr.protocol.receiver import QueueConfig as QueueConfig
+    from dcr.protocol.types import Timeouts as Timeouts
+    from dcr.testing.faults import FaultReport as FaultReport
     from dcr.testing.faults import Faults as Faults
 
 __version__ = "0.1.0"
@@ -37,12 +44,16 @@ _EXPORTS = {
     "ApplyConfig": "dcr.apply.receiver",
     "BuildConfig": "dcr.delta.owner",
     "DcrError": "dcr.errors",
+    "DistTrainingGroup": "dcr.delta.dist",
     "Encoding": "dcr.delta.records",
+    "FaultReport": "dcr.testing.faults",
     "Faults": "dcr.testing.faults",
     "Item": "dcr.delta.records",
-    "LocalRefit": "dcr.local",
     "Loader": "dcr.apply.loader",
+    "LocalRefit": "dcr.local",
+    "LocalTrainingGroup": "dcr.delta.group",
     "Mode": "dcr.delta.records",
+    "QueueConfig": "dcr.protocol.receiver",
     "Receiver": "dcr.apply.receiver",
     "RefitConfig": "dcr.local",
     "RefitReport": "dcr.local",
@@ -50,9 +61,12 @@ _EXPORTS = {
     "Source": "dcr.adapters.sources",
     "StateDictSource": "dcr.adapters.sources",
     "TensorSpec": "dcr.delta.records",
+    "Timeouts": "dcr.protocol.types",
     "TorchModuleLoader": "dcr.adapters.loaders.torch_module",
     "TrainLayout": "dcr.delta.layout",
+    "TrainingGroup": "dcr.delta.group",
     "TransitionFailed": "dcr.local",
+    "VllmLoader": "dcr.adapters.loaders.vllm",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

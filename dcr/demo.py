@@ -26,7 +26,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
@@ -34,6 +33,7 @@ from dcr.local import LocalRefit, RefitConfig, RefitReport
 from dcr.testing.compare import module_bit_mismatches
 from dcr.testing.faults import Faults
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
+from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.testing.updates import perturb
 
 __all__ = ["FAULT_PLAN", "demo_config", "run_demo"]

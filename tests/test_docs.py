@@ -18,11 +18,20 @@ def examples() -> list[str]:
     return [b for b in blocks if "from dcr import" in b and "StateDictSource" in b and "w1" in b]
 
 
-RUNNABLE = 3
+RUNNABLE = 4
 
 
 def test_there_are_runnable_examples():
     assert len(examples()) == RUNNABLE
+
+
+def _embedding(block: str) -> bool:
+    return "open_coordinator" in block and "asyncio.run(main())" in block
+
+
+def test_the_embedding_example_is_a_runnable_example():
+    # The engine example defines every name it uses and runs as a whole program.
+    assert sum(_embedding(b) for b in examples()) == 1
 
 
 @pytest.mark.parametrize("index", range(RUNNABLE))
@@ -30,6 +39,9 @@ def test_api_example_runs(index, tmp_path, capsys):
     script = tmp_path / f"example_{index}.py"
     script.write_text(examples()[index])
     runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
     if index == 0:
-        out = capsys.readouterr().out
         assert "changed elements" in out and "payload bytes" in out
+    if _embedding(examples()[index]):
+        assert "aborted - operator abort: hold this step" in out
+        assert "committed - version 1" in out

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 import dcr
 from dcr import LocalRefit, Mode, StateDictSource, TorchModuleLoader, TrainLayout
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.delta.bits import bits
 from dcr.errors import PayloadRejected
 from dcr.local import DataPlane
 from dcr.testing.compare import bit_mismatches, module_bit_mismatches
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.modules import module_from_state_dict
+from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.testing.updates import perturb, special_patterns
 
 

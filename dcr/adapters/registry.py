@@ -67,8 +67,10 @@ def load(kind: str, name: str) -> type:
 for _kind, _name, _target, _install in (
     ("commit_store", "memory", "dcr.adapters.commit.memory:MemoryCommitStore", None),
     ("commit_store", "sqlite", "dcr.adapters.commit.sqlite:SqliteCommitStore", None),
+    ("control", "memory", "dcr.adapters.control.memory:MemoryControl", None),
+    ("control", "zmq", "dcr.adapters.control.zmq:ZmqControl", "pip install 'dcr[zmq]'"),
     ("loader", "torch", "dcr.adapters.loaders.torch_module:TorchModuleLoader", None),
-    ("loader", "reference", "dcr.adapters.loaders.reference:ShardedReferenceLoader", None),
+    ("loader", "reference", "dcr.testing.reference:ShardedReferenceLoader", None),
     ("loader", "vllm", "dcr.adapters.loaders.vllm:VllmLoader", "pip install 'dcr[vllm]'"),
     ("transport", "memory", "dcr.adapters.transport.memory:MemoryTransport", None),
     ("transport", "relay", "dcr.adapters.transport.relay:RelayTransport", "pip install 'dcr[zmq]'"),

@@ -22,8 +22,9 @@ import zstandard
 from dcr.delta.bits import bits
 from dcr.delta.records import Encoding, Item
 from dcr.testing.models import canonical_shapes, tiny_config
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout
 from dcr.wire.locations import encode_locations
-from dcr.wire.payload import HEADER_SIZE, PayloadHeader, ValueLayout, encode_payload
 from dcr.wire.planes import split_planes
 
 __all__ = [

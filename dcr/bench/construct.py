@@ -31,7 +31,8 @@ from dcr.delta.owner import BuildConfig, BuildStats
 from dcr.delta.records import Mode, TensorSpec
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
 from dcr.testing.updates import perturb
-from dcr.wire.payload import PayloadHeader, ValueLayout, encode_payload
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import PayloadHeader, ValueLayout
 
 __all__ = [
     "bandwidth_reference",

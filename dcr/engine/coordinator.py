@@ -80,6 +80,9 @@ class CoordinatorService:
     """Mode of the first attempt (``OVERWRITE`` sends absolute values only)."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
     link: CoordinatorLink | None = None
+    reads_replies: bool = True
+    """Whether the run reads ``link.replies()`` itself; a long-lived coordinator process that
+    also watches endpoints reads them once and hands them over with :meth:`report`."""
     lease_s: float | None = None
     retry_s: float = 0.2
     epoch_check_s: float = 1.0
@@ -141,7 +144,8 @@ class CoordinatorService:
                 # An abort asked for before the run claimed its epoch is not lost.
                 send.send_nowait(ev.OperatorAbort(reason=self._abort))
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._forward, link.replies(), send)
+                if self.reads_replies:
+                    tg.start_soon(self._forward, link.replies(), send)
                 tg.start_soon(self._watch_epoch)
                 ended = await self._loop(first, recv, link, tg)
                 tg.cancel_scope.cancel()
@@ -156,7 +160,8 @@ class CoordinatorService:
             await self._post(ev.OperatorAbort(reason=reason))
 
     async def report(self, reply: msg.Reply) -> None:
-        """A supervisor's report for this coordinator (``Retired``: a process is gone)."""
+        """A reply for this coordinator from outside its own link reader: a supervisor's
+        ``Retired`` (a process is gone), or any reply when ``reads_replies`` is off."""
         await self._post(reply)
 
     @staticmethod

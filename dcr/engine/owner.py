@@ -12,11 +12,12 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Container, Iterator
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
+import torch
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -116,6 +117,7 @@ class OwnerService:
     _stopped: set[int] = field(default_factory=set)
     _events: MemoryObjectSendStream[object] | None = None
     _staged: bool = False
+    _updated: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
         self.core = OwnerCore(
@@ -145,6 +147,23 @@ class OwnerService:
         """The trainer staged (or dropped) the next version: tell the coordinators."""
         self._staged = candidate
         await self._report_status()
+
+    async def publish(self, candidate: Mapping[str, torch.Tensor]) -> CommitRecord:
+        """Hand the next version to the owner after the optimizer step; the one call a
+        trainer makes.
+
+        Stages ``candidate`` (this rank's shards; a distributed group OR-reduces its residual
+        flags here, so every rank of the trainer calls it at the same step), tells the
+        coordinators, and returns the commit record once the transition committed it and
+        this owner's baseline moved to it.
+        """
+        base = self.core.baseline
+        await anyio.to_thread.run_sync(self.side.group.stage, candidate, limiter=self.limiter)
+        await self.staged(True)
+        while self.core.baseline == base:
+            await self._updated.wait()
+            self._updated = anyio.Event()
+        return self.core.baseline
 
     async def _report_status(self) -> None:
         if self.link is not None:
@@ -181,6 +200,7 @@ class OwnerService:
                 if isinstance(message, msg.BaselineUpdated):
                     self._staged = False
                     await self._report_status()
+                    self._updated.set()
             case cmd.BuildBucket(attempt=tau, payload_id=pid, mode=mode):
                 tg.start_soon(self._build, tau, pid, mode)
             case cmd.SendPayload(attempt=tau, payload_id=pid):

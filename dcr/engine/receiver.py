@@ -44,18 +44,25 @@ async def _nothing() -> None:
     return None
 
 
+async def _nothing_held(record: CommitRecord) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiverHooks:
     """What the serving runtime does at the request gate (paper §7.2).
 
     ``close_gate`` admits no new generation requests and returns once in-flight ones finished;
     ``invalidate_kv_cache`` drops KV-cache entries computed with the old weights;
-    ``open_gate`` admits requests again.  The defaults do nothing (no requests are served).
+    ``open_gate`` admits requests again; ``holds(record)`` is told each time the storage
+    starts holding a committed record exactly (the gate reopened at it, or a dense refit
+    restored it) -- for logs, version tags or checks.  The defaults do nothing.
     """
 
     close_gate: Hook = _nothing
     invalidate_kv_cache: Hook = _nothing
     open_gate: Hook = _nothing
+    holds: Callable[[CommitRecord], Awaitable[None]] = _nothing_held
 
 
 @dataclass(slots=True)
@@ -237,6 +244,7 @@ class ReceiverService:
                 assert self.link is not None
                 await self.link.notify(message)
                 if isinstance(message, msg.ReceiverReady):
+                    await self.hooks.holds(message.record)
                     await self._report_status()
             case cmd.CheckPayload(delivery=delivery):
                 d = self._deliveries.get(delivery)
@@ -268,6 +276,8 @@ class ReceiverService:
             case cmd.InvalidateKvCache():
                 await self.hooks.invalidate_kv_cache()
             case cmd.OpenGate():
+                if self.core.held is not None:
+                    await self.hooks.holds(self.core.held)
                 await self.hooks.open_gate()
                 self.gate_open = True
                 await self._report_status()

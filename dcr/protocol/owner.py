@@ -303,7 +303,10 @@ class OwnerCore:
     def _on_record(self, record: CommitRecord, out: list[cmd.OwnerCommand]) -> None:
         repeat = record == self._updated_to
         if record == self._baseline and not repeat:
-            return  # still K^v: nothing committed yet
+            # The baseline already holds the committed record (this process started after
+            # the commit, at the committed version): report it, nothing to write.
+            out.append(cmd.Notify(message=msg.BaselineUpdated(owner=self.name, record=record)))
+            return
         if not repeat and (
             record.version != self._baseline.version + 1 or record.candidate not in self._candidates
         ):

@@ -21,7 +21,6 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.bits import bits
 from dcr.delta.layout import TrainLayout
@@ -31,6 +30,7 @@ from dcr.protocol.types import Mode
 from dcr.testing.compare import module_bit_mismatches
 from dcr.testing.faults import Faults
 from dcr.testing.models import random_state_dict, tiny_config
+from dcr.testing.reference import ShardedReferenceLoader
 from dcr.testing.updates import perturb, special_patterns
 
 __all__ = ["FAULT_RULES", "RefitMachine"]

@@ -10,7 +10,6 @@ import torch
 from test_dist_group import canonical_of, scaled_plan
 
 import dcr.delta.owner as owner_module
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.loader import Loader
 from dcr.apply.receiver import Receiver
@@ -22,9 +21,12 @@ from dcr.errors import DcrError
 from dcr.testing.compare import bit_mismatches, module_bit_mismatches
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.modules import module_from_state_dict
+from dcr.testing.reference import ShardedReferenceLoader
 from dcr.testing.updates import perturb
+from dcr.wire.decode import decode_payload
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import PayloadHeader
 from dcr.wire.locations import LocationKind, encode_locations
-from dcr.wire.payload import PayloadHeader, decode_payload, encode_payload
 
 CASES = [
     ("llama", TrainLayout(tp=2, dp=2)),

@@ -1,6 +1,9 @@
 """The engine embedded in a plain asyncio program, the way a trainer or a vLLM worker hosts it:
-``open_owner`` / ``open_receiver`` / ``open_coordinator`` inside ``asyncio.run``, a SQLite
-commit store on disk, and an operator abort that keeps the gate closed until a dense refit."""
+``open_owner`` / ``open_receiver`` / ``open_coordinator`` awaited in the test's own asyncio event
+loop (pytest-asyncio, strict mode) and once more on uvloop, a SQLite commit store on disk, and
+an operator abort that keeps the gate closed until a dense refit.
+
+These tests use pytest-asyncio only; the anyio pytest plugin drives other files."""
 
 from __future__ import annotations
 
@@ -11,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import pytest
 import torch
 
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.control import MemoryControl
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.receiver import Receiver, xor_allowed_across
@@ -36,6 +39,7 @@ from dcr.protocol import commands as cmd
 from dcr.protocol.types import CommitRecord, Mode, Timeouts, TransitionOutcome
 from dcr.testing.compare import module_bit_mismatches
 from dcr.testing.models import random_state_dict, tiny_config
+from dcr.testing.reference import ShardedReferenceLoader
 from dcr.testing.updates import perturb
 
 FAMILY = "qwen3"
@@ -226,5 +230,14 @@ async def _fleet(tmp_path: Path) -> None:
         _assert_hold(ranks, cfg, v2)
 
 
-def test_embedded_in_plain_asyncio(tmp_path: Path) -> None:
-    asyncio.run(_fleet(tmp_path))  # the caller's own event loop: no anyio.run anywhere
+@pytest.mark.asyncio
+async def test_embedded_in_asyncio(tmp_path: Path) -> None:
+    await _fleet(tmp_path)  # the caller's own event loop: no anyio.run anywhere
+
+
+def test_embedded_in_uvloop(tmp_path: Path) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        loop = runner.get_loop()
+        assert type(loop).__module__.startswith("uvloop")
+        runner.run(_fleet(tmp_path))

@@ -10,7 +10,6 @@ import torch
 
 from dcr import LocalRefit, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.commit import SqliteCommitStore
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.bits import bits
 from dcr.delta.owner import BuildConfig
 from dcr.engine.receiver import ReceiverHooks
@@ -20,6 +19,7 @@ from dcr.protocol.types import Mode, TransitionOutcome
 from dcr.testing.compare import module_bit_mismatches
 from dcr.testing.faults import Faults
 from dcr.testing.models import random_state_dict, tiny_config
+from dcr.testing.reference import ShardedReferenceLoader
 from dcr.testing.updates import perturb, special_patterns
 
 SMALL = BuildConfig(chunk_bytes=4096, bucket_bytes=8192)  # several payloads per owner

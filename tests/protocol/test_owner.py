@@ -92,7 +92,10 @@ def test_baseline_is_kept_until_the_record_names_our_candidate_then_updated_once
 ):
     o, _ = streaming()
     _sent_everything(o)
-    assert o.handle(ev.CommitRecordRead(record=K0)) == []  # nothing committed yet
+    # Nothing committed yet: nothing is written; the baseline it holds is reported as is.
+    out = o.handle(ev.CommitRecordRead(record=K0))
+    assert not of(out, cmd.UpdateBaseline) and o.baseline == K0
+    assert [r.record for r in notified(out, msg.BaselineUpdated)] == [K0]
     target = info().target
     [update] = of(o.handle(ev.CommitRecordRead(record=target)), cmd.UpdateBaseline)
     assert update.record == target and o.baseline == K0  # updated only once written
@@ -101,6 +104,18 @@ def test_baseline_is_kept_until_the_record_names_our_candidate_then_updated_once
     # After failover the new coordinator asks again: the update repeats (absolute values).
     assert of(o.handle(ev.CommitRecordRead(record=target)), cmd.UpdateBaseline)
     assert notified(o.handle(ev.BaselineWritten(record=target)), msg.BaselineUpdated)
+
+
+def test_an_owner_restarted_at_the_committed_version_reports_its_baseline() -> None:
+    """A trainer restarted after the commit holds the committed version already: the
+    coordinator finishing that transition gets its report without any write."""
+    target = info().target
+    o = OwnerCore("o", baseline=target)
+    out = o.handle(msg.ReadRecord())
+    assert out == [cmd.FetchRecord()]
+    out = o.handle(ev.CommitRecordRead(record=target))
+    assert [r.record for r in notified(out, msg.BaselineUpdated)] == [target]
+    assert not of(out, cmd.UpdateBaseline)
 
 
 def test_a_record_for_a_candidate_the_owner_does_not_hold_needs_the_operator() -> None:

@@ -13,7 +13,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import Checkpoint, bit_mismatches, snapshot, snapshot_mismatches, trace_writes
+from vllm_helpers import (
+    Checkpoint,
+    bit_mismatches,
+    follows_weight_writes,
+    linear_like,
+    observed_repacked,
+    pack_like_the_cpu_engine,
+    pack_what_stayed_plain,
+    parameter_states,
+    run_cpu_engine_processing,
+    snapshot,
+    snapshot_mismatches,
+    trace_writes,
+)
 
 from dcr.adapters.loaders.vllm import VllmLoader, find_repacked, vllm_distributed
 from dcr.delta.bits import bits
@@ -323,32 +336,76 @@ def test_check_ready_accepts_the_no_engine_build(
     VllmLoader(model).check_ready()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_find_repacked_reports_what_the_cpu_engine_processing_repacked(
+    family: str, write_tiny: Callable[..., Checkpoint], build_model: Build
+) -> None:
+    """What the CPU engine repacks depends on the machine (packed GEMM kernels or plain
+    ``F.linear``); whatever it did here, exactly the modules it repacked are reported."""
+    ck = write_tiny(family)
+    model = build_model(ck.path)
+    before = parameter_states(model)
+    run_cpu_engine_processing(model, ck.path)
+    repacked = observed_repacked(before, model)
+    # The observation covers the linears: each one was either repacked or still computes with
+    # its weight parameter.  The MoE experts are prepacked by every CPU MoE kernel.
+    assert "model.layers.0.self_attn.qkv_proj" in repacked | linear_like(model).keys()
+    if family == "qwen3_moe":
+        assert {f"model.layers.{i}.mlp.experts.routed_experts" for i in range(2)} <= repacked
+    assert set(find_repacked(model)) == repacked
+    if repacked:
+        with pytest.raises(LoaderPathUnsupported) as info:
+            VllmLoader(model).check_ready()
+        assert info.value.check == "repacked"
+    else:
+        VllmLoader(model).check_ready()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_check_ready_rejects_cpu_engine_weight_processing(
     family: str, write_tiny: Callable[..., Checkpoint], build_model: Build
 ) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
+    """The fully repacked state on every machine: after the CPU engine's processing, linears it
+    left plain are packed the way packed-GEMM machines pack them."""
     ck = write_tiny(family)
     model = build_model(ck.path)
-    engine_config = EngineArgs(
-        model=str(ck.path),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-    ).create_engine_config()
-    # What the CPU engine runs once after its dense load.
-    process_weights_after_loading(model, engine_config.model_config, torch.device("cpu"))
-    repacked = find_repacked(model)
-    assert "model.layers.0.self_attn.qkv_proj" in repacked
-    assert model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0
-    if family == "qwen3_moe":
-        assert "model.layers.1.mlp.experts.routed_experts" in repacked
+    before = parameter_states(model)
+    run_cpu_engine_processing(model, ck.path)
+    pack_what_stayed_plain(model)
+    repacked = observed_repacked(before, model)
+    assert linear_like(model).keys() <= repacked  # nothing computes with a plain weight now
+    assert {
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "lm_head",
+    } <= repacked
+    assert set(find_repacked(model)) == repacked
     with pytest.raises(LoaderPathUnsupported) as info:
         VllmLoader(model).check_ready()
     assert info.value.check == "repacked"
+    assert f"and {len(repacked) - 1} more modules" in str(info.value)
+
+
+@pytest.mark.parametrize("remove_weight", [True, False], ids=["emptied", "weight-kept"])
+def test_check_ready_rejects_one_linear_packed_after_the_build(
+    remove_weight: bool, write_tiny: Callable[..., Checkpoint], build_model: Build
+) -> None:
+    """One linear of a plain model packed as the CPU GEMM dispatch packs it: that module, and
+    only that one, is reported, whether the dense parameter was emptied or kept."""
+    model = build_model(write_tiny("qwen3").path)
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    weight = qkv.weight
+    pack_like_the_cpu_engine(qkv, remove_weight=remove_weight)
+    if remove_weight:
+        assert qkv.weight.numel() == 0
+    else:
+        assert qkv.weight is weight and not follows_weight_writes(qkv)
+    assert list(find_repacked(model)) == ["model.layers.1.self_attn.qkv_proj"]
+    with pytest.raises(LoaderPathUnsupported) as info:
+        VllmLoader(model).check_ready()
+    assert info.value.check == "repacked"
+    assert "'model.layers.1.self_attn.qkv_proj'" in str(info.value)
+    assert "more modules" not in str(info.value)
 
 
 class _Linear(torch.nn.Module):

@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm_helpers import Checkpoint, bit_mismatches, snapshot, snapshot_mismatches, storage_items
+from vllm_helpers import (
+    Checkpoint,
+    bit_mismatches,
+    pack_what_stayed_plain,
+    run_cpu_engine_processing,
+    snapshot,
+    snapshot_mismatches,
+    storage_items,
+)
 
 from dcr.adapters.loaders.vllm import VllmLoader, build_vllm_model
 from dcr.apply.receiver import PathKind, Receiver, xor_allowed_across
@@ -325,25 +333,21 @@ def test_tied_lm_head_in_the_catalog_is_rejected_at_prewarm(
     assert snapshot_mismatches(model, before) == []
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_prewarm_rejects_weights_repacked_by_the_cpu_engine(
-    write_tiny: WriteTiny, build_model: Build
+    family: str, write_tiny: WriteTiny, build_model: Build
 ) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    ck = write_tiny("qwen3_moe")
+    """The CPU engine's processing, completed where it left linears plain, so the model is fully
+    repacked on every machine: prewarm refuses it and leaves every bit as it was."""
+    ck = write_tiny(family)
     model = build_model(ck.path)
-    engine_config = EngineArgs(
-        model=str(ck.path),
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        max_model_len=256,
-    ).create_engine_config()
-    process_weights_after_loading(model, engine_config.model_config, torch.device("cpu"))
+    run_cpu_engine_processing(model, ck.path)
+    pack_what_stayed_plain(model)
+    before = snapshot(model)
     with pytest.raises(LoaderPathUnsupported) as info:
         Receiver(VllmLoader(model), _catalog(ck.state_dict)).prewarm()
     assert info.value.check == "repacked"
+    assert snapshot_mismatches(model, before) == []
 
 
 # --- one-call refit ------------------------------------------------------------------------------

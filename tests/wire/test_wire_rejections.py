@@ -20,15 +20,9 @@ from hypothesis import strategies as st
 
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import PayloadRejected
-from dcr.wire.payload import (
-    DecodeLimits,
-    Payload,
-    PayloadHeader,
-    ValueLayout,
-    decode_payload,
-    encode_payload,
-    read_header,
-)
+from dcr.wire.decode import decode_payload, read_header
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import DecodeLimits, Payload, PayloadHeader, ValueLayout
 
 ATTEMPT = 5
 _HEADER = struct.Struct("<4sHHQIIBBHiIIQQ")  # docs: header fields before the digest

@@ -14,14 +14,9 @@ from hypothesis import strategies as st
 from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import ConfigError
-from dcr.wire.payload import (
-    HEADER_SIZE,
-    PayloadHeader,
-    ValueLayout,
-    decode_payload,
-    encode_payload,
-    read_header,
-)
+from dcr.wire.decode import decode_payload, read_header
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout
 
 # Bit patterns float comparisons get wrong or that sit at the edges of a word.
 _SPECIAL: dict[int, list[int]] = {

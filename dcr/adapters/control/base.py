@@ -12,8 +12,9 @@ them.  Two rules every channel keeps:
 * calls of a replaced coordinator are refused: each call carries its coordinator's epoch, and
   an endpoint drops (and counts) calls older than the newest epoch it has seen.
 
-A reply goes to every coordinator the endpoint knows is live, since it cannot know whether the
-one that called it was replaced.
+A reply goes to the coordinator(s) the endpoint is connected to: every open coordinator in one
+process (the in-memory channel), the current one named by the commit record between processes.
+A replaced coordinator learns that it was replaced from the commit store, not from replies.
 """
 
 from __future__ import annotations

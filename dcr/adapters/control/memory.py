@@ -45,7 +45,10 @@ class _Endpoint(EndpointLink):
         self._hub.notify_all(reply)
 
     async def aclose(self) -> None:
-        self._hub._endpoints.pop(self.name, None)
+        # Only this link's own registration: closing it again after a new link of the same
+        # name opened must not unregister the new one.
+        if self._hub._endpoints.get(self.name) is self:
+            del self._hub._endpoints[self.name]
         self._send.close()
         self._recv.close()
 

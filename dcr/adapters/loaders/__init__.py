@@ -1,1 +1,1 @@
-"""Native loaders: plain torch modules, a sharded reference receiver, vLLM."""
+"""Native loaders: plain torch modules and vLLM."""

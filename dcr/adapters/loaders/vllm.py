@@ -32,12 +32,13 @@ Llama built in bfloat16):
   have no ``lm_head.weight``, so a receiver never sees it.  In Qwen3-MoE ``mlp.gate`` and
   ``mlp.experts.gate`` are one module, so the router weight also has two parameter names.
 
-Repacking.  The engine calls ``process_weights_after_loading`` once after its dense load.  On
-CPU that replaces every dense linear weight by an empty parameter and keeps a prepacked copy
-behind a oneDNN (or SGL/zentorch) handle in ``layer.cpu_linear``, packs the ``lm_head`` the
-same way while keeping the embedding table, and replaces the MoE expert weights by new
-parameters, padded (intermediate size to a multiple of 32) and prepacked into the CPU kernel's
-layout.  In-place deltas written after that would miss or corrupt what the model computes
+Repacking.  The engine calls ``process_weights_after_loading`` once after its dense load.  What
+the CPU backend does there depends on the CPU: where a packed GEMM kernel is available (e.g.
+AVX-512 machines) it replaces dense linear weights by empty parameters and keeps a prepacked
+copy behind a oneDNN (or SGL/zentorch) handle in ``layer.cpu_linear`` and packs the
+``lm_head`` the same way while keeping the embedding table; elsewhere (e.g. AVX2-only AMD
+EPYC) linears stay plain.  MoE expert weights are replaced by new parameters, padded
+(intermediate size to a multiple of 32) and prepacked into the CPU kernel's layout.  In-place deltas written after that would miss or corrupt what the model computes
 with, so :meth:`VllmLoader.check_ready` refuses such a model.  The same step also re-ties an
 ``lm_head`` that the config calls tied but the checkpoint carries, when the two are equal.
 GPU engines keep the plain layout for unquantized bf16 weights.  :func:`build_vllm_model`

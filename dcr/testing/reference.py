@@ -1,5 +1,7 @@
 """A sharded reference receiver: one tensor-parallel rank of a vLLM-like model, in plain torch.
 
+Scaffolding for tests, the demo and benchmarks.
+
 :class:`ShardedReferenceModel` holds one rank's parameters in the fused, padded layout vLLM
 uses for the ``llama``, ``qwen3`` and ``qwen3_moe`` families of :mod:`dcr.testing.models`, and
 :class:`ShardedReferenceLoader` loads canonical (Hugging Face) tensors into it the way vLLM's

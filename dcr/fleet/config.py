@@ -1,0 +1,271 @@
+"""The fleet file: one TOML file that describes every process of a refit fleet.
+
+Every role (``dcr coordinator``, ``dcr owner``, ``dcr receiver``, ``dcr relay``) and the
+launcher (``dcr fleet``) read the same file, so a fleet runs on one host or many with the
+same description.  Adapters are chosen by their registered names (``commit_store.kind``,
+``control.kind``, ``transport.kind``).  A minimal file::
+
+    [fleet]
+    run_dir = "run"                # sqlite file, per-process logs and event files
+
+    [model]                        # the synthetic model the demo trainer trains
+    family = "llama"
+    size_mb = 300
+    rate = 0.01
+    refits = 5
+
+    [trainer]
+    tp = 2
+    dp = 2
+
+    [[rollout]]                    # one rollout node: a relay node and its receivers
+    name = "node0"
+    receivers = [{ name = "r0", tp = 1, rank = 0 }]
+
+    [[rollout]]
+    name = "node1"
+    receivers = [{ name = "r1", tp = 2, rank = 0 }, { name = "r2", tp = 2, rank = 1 }]
+
+Relative paths are relative to the fleet file.  Ports left at 0 are chosen by the launcher
+and written to ``<run_dir>/ports.json``, which every role reads.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dcr.errors import ConfigError
+from dcr.protocol.types import Timeouts
+
+__all__ = [
+    "CoordinatorSection",
+    "FleetConfig",
+    "ModelSection",
+    "ReceiverSpec",
+    "RolloutNode",
+    "TrainerSection",
+    "free_port",
+    "load_fleet",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """The synthetic model (:class:`~dcr.testing.synthetic.SyntheticRun`) the trainer trains."""
+
+    family: str = "llama"
+    size_mb: float = 300.0
+    """Checkpoint size in MB of bf16; the layer count is chosen to reach it."""
+    seed: int = 0
+    rate: float = 0.01
+    """Fraction of elements each optimizer step updates."""
+    refits: int = 5
+    """Optimizer steps the trainer publishes."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """HF config fields that replace the generated ones (e.g. a tiny model for tests)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerSection:
+    """The trainer's parallel layout and construction settings; one owner process per rank."""
+
+    tp: int = 2
+    ep: int = 1
+    dp: int = 2
+    chunk_mb: float = 8.0
+    bucket_mb: float = 16.0
+    sends_in_flight: int = 4
+    timeout_s: float = 120.0
+    """torch.distributed collective timeout of the trainer's process group."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverSpec:
+    """One serving rank: its name and where it sits in its engine's tensor parallelism."""
+
+    name: str
+    tp: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutNode:
+    """One rollout host: a relay node of the tree and the receivers it hosts."""
+
+    name: str
+    receivers: tuple[ReceiverSpec, ...]
+    port: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorSection:
+    """The coordinator process and its standbys."""
+
+    standbys: int = 1
+    lease_s: float = 3.0
+    """A standby takes over once the active coordinator has not renewed its lease this long."""
+    dense_timeout_s: float = 120.0
+    """A dense refit of a joining receiver that did not finish by then is sent again."""
+    sync: bool = True
+    timeouts: Timeouts = field(
+        default_factory=lambda: Timeouts(
+            prepare_s=30.0, arrival_s=120.0, gate_s=60.0, flush_s=300.0, commit_s=5.0, stop_s=60.0
+        )
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FleetConfig:
+    """Everything the fleet file says, with defaults filled in."""
+
+    path: Path
+    run_dir: Path
+    name: str = "fleet"
+    host: str = "127.0.0.1"
+    model: ModelSection = field(default_factory=ModelSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    rollout: tuple[RolloutNode, ...] = ()
+    coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    commit_store: dict[str, Any] = field(default_factory=lambda: {"kind": "sqlite"})
+    control: dict[str, Any] = field(default_factory=lambda: {"kind": "zmq"})
+    transport: dict[str, Any] = field(default_factory=lambda: {"kind": "relay", "fanout": 2})
+
+    @property
+    def receivers(self) -> tuple[ReceiverSpec, ...]:
+        return tuple(r for node in self.rollout for r in node.receivers)
+
+    def node_of(self, receiver: str) -> RolloutNode:
+        for node in self.rollout:
+            if any(r.name == receiver for r in node.receivers):
+                return node
+        raise ConfigError(f"no rollout node hosts receiver {receiver!r}")
+
+    def receiver(self, name: str) -> ReceiverSpec:
+        for r in self.receivers:
+            if r.name == name:
+                return r
+        raise ConfigError(f"the fleet file names no receiver {name!r}")
+
+    @property
+    def world_size(self) -> int:
+        t = self.trainer
+        return t.tp * t.ep * t.dp
+
+    @property
+    def owners(self) -> tuple[str, ...]:
+        return tuple(f"o{rank}" for rank in range(self.world_size))
+
+    @property
+    def ports_file(self) -> Path:
+        return self.run_dir / "ports.json"
+
+    @property
+    def events_dir(self) -> Path:
+        return self.run_dir / "events"
+
+    def store_path(self) -> Path:
+        return self.run_dir / str(self.commit_store.get("path", "commit.db"))
+
+    def ports(self) -> dict[str, int]:
+        """Relay ports by node name: the fleet file's, or the launcher's choice."""
+        chosen = {n.name: n.port for n in self.rollout}
+        if self.ports_file.exists():
+            written = json.loads(self.ports_file.read_text())
+            chosen.update({k: int(v) for k, v in written.items() if not chosen.get(k)})
+        missing = [k for k, v in chosen.items() if not v]
+        if missing:
+            raise ConfigError(f"no port for relay nodes {missing}: start it with `dcr fleet`")
+        return chosen
+
+    def address(self, node: str) -> str:
+        return f"tcp://{self.host}:{self.ports()[node]}"
+
+
+def _section(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"[{where}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{where}]: {exc}") from exc
+
+
+def load_fleet(path: str | Path) -> FleetConfig:
+    """Read and check a fleet file; raises :class:`ConfigError` naming what is wrong."""
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read fleet file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    top = raw.get("fleet", {})
+    allowed = {"fleet", "model", "trainer", "rollout", "coordinator", "commit_store", "control",
+               "transport"}  # fmt: skip
+    if set(raw) - allowed:
+        raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
+    coord_raw = dict(raw.get("coordinator", {}))
+    timeouts = coord_raw.pop("timeouts", None)
+    coordinator = _section(CoordinatorSection, coord_raw, "coordinator")
+    if timeouts is not None:
+        coordinator = CoordinatorSection(
+            **{f.name: getattr(coordinator, f.name) for f in fields(CoordinatorSection)
+               if f.name != "timeouts"},
+            timeouts=_section(Timeouts, timeouts, "coordinator.timeouts"),
+        )  # fmt: skip
+    nodes = []
+    for i, node in enumerate(raw.get("rollout", [])):
+        receivers = tuple(
+            _section(ReceiverSpec, r, f"rollout.{i}.receivers") for r in node.get("receivers", [])
+        )
+        rest = {k: v for k, v in node.items() if k != "receivers"}
+        nodes.append(_section(RolloutNode, {**rest, "receivers": receivers}, f"rollout.{i}"))
+    run_dir = path.parent / str(top.get("run_dir", "run"))
+    cfg = FleetConfig(
+        path=path,
+        run_dir=run_dir,
+        name=str(top.get("name", path.stem)),
+        host=str(top.get("host", "127.0.0.1")),
+        model=_section(ModelSection, raw.get("model"), "model"),
+        trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
+        rollout=tuple(nodes),
+        coordinator=coordinator,
+        commit_store={"kind": "sqlite", **raw.get("commit_store", {})},
+        control={"kind": "zmq", **raw.get("control", {})},
+        transport={"kind": "relay", "fanout": 2, **raw.get("transport", {})},
+    )
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: FleetConfig) -> None:
+    if not cfg.rollout:
+        raise ConfigError(f"{cfg.path}: at least one [[rollout]] node is needed")
+    names = [r.name for r in cfg.receivers]
+    if len(set(names)) != len(names) or not names:
+        raise ConfigError(f"{cfg.path}: receiver names must be unique and at least one given")
+    for r in cfg.receivers:
+        if not 0 <= r.rank < r.tp:
+            raise ConfigError(f"receiver {r.name}: rank {r.rank} outside tp={r.tp}")
+    if len({n.name for n in cfg.rollout}) != len(cfg.rollout):
+        raise ConfigError(f"{cfg.path}: rollout node names must be unique")
+    if cfg.model.refits < 1 or not 0 < cfg.model.rate <= 1:
+        raise ConfigError("[model] needs refits >= 1 and 0 < rate <= 1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the launcher hands it to a relay node)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

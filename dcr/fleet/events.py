@@ -1,0 +1,61 @@
+"""Fleet events: what each process reports, one JSON object per line, one file per process.
+
+Processes append to ``<run_dir>/events/<process>.jsonl``; the launcher tails every file to
+show progress, to strike faults at the right moment and to build the per-refit report.  A
+file per process keeps lines whole without any locking across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EventLog", "EventReader"]
+
+
+class EventLog:
+    """Appends events of one process (``who``) to its own file; each write is one line."""
+
+    def __init__(self, directory: Path, who: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.who = who
+        self.path = directory / f"{who}.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        line = json.dumps({"t": time.time(), "who": self.who, "event": event, **fields})
+        os.write(self._fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class EventReader:
+    """Reads every process's events as they are appended (complete lines only)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> Iterator[dict[str, Any]]:
+        """New events since the last poll, file by file."""
+        if not self.directory.exists():
+            return
+        for path in sorted(self.directory.glob("*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = offset + end
+            for line in data[:end].splitlines():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
