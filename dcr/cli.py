@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="dcr",
-        description="Bit-exact delta-compressed refit: benchmarks and a demo.",
+        description="Bit-exact delta-compressed refit: fleet roles, launcher, demo, benchmarks.",
     )
     p.add_argument("--version", action="version", version=f"dcr {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -88,28 +88,82 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--tp", type=_positive, default=2, help="training tensor parallelism")
     cons.add_argument("--json", action="store_true", help="print one JSON object")
 
+    rel = bsub.add_parser(
+        "relay",
+        help="relay-tree throughput on loopback against raw ZeroMQ, measured in one run",
+        description=(
+            "Streams --count payloads of --size bytes (a) from one DEALER to one ROUTER (raw "
+            "ZeroMQ) and (b) from owners through a root and a balanced tree of relay nodes to "
+            "receivers that take each delivery at once; reports bytes per second of both and "
+            "their ratio (median of --repeats)."
+        ),
+    )
+    rel.add_argument("--count", type=_positive, default=64, help="payloads (default 64)")
+    rel.add_argument("--size-mb", type=float, default=4.0, help="payload size (default 4 MiB)")
+    rel.add_argument("--nodes", type=_positive, default=3, help="relay nodes (default 3)")
+    rel.add_argument("--fanout", type=_positive, default=2, help="tree fan-out (default 2)")
+    rel.add_argument("--receivers", type=_positive, default=2, help="receivers (default 2)")
+    rel.add_argument("--repeats", type=_positive, default=3, help="runs (median)")
+    rel.add_argument("--json", action="store_true", help="print one JSON object")
+
     demo = sub.add_parser(
         "demo",
-        help="refit two serving layouts from a TP=2 x DP=2 trainer, checked bit for bit",
+        help="a refit fleet of real processes, every receiver checked bit for bit",
         description=(
-            "Builds a synthetic llama-family model, slices it for a TP=2 x DP=2 trainer, and "
-            "refits two receivers with different serving TP (1 and 2) through the refit "
-            "protocol and their native loaders for several versions; after each refit every "
-            "parameter bit is compared with a dense load of the new version. Exits non-zero "
-            "on any mismatch."
+            "Writes a fleet file under --dir and runs it: a TP=2 x DP=2 trainer (4 owner "
+            "processes, gloo), two rollout nodes with receivers at serving TP 1 and 2 (one "
+            "process per rank), a relay tree, a coordinator and a standby, a SQLite commit "
+            "store. Receivers start empty and restore version 0 by dense refit over the relay "
+            "tree; each refit is then applied in place and checked bit for bit against a "
+            "dense load. Exits non-zero on any mismatch."
         ),
     )
     demo.add_argument("--size-mb", type=float, default=300.0, help="model size (default 300)")
     demo.add_argument("--refits", type=_positive, default=5, help="versions to refit")
     demo.add_argument("--rate", type=float, default=0.01, help="element change rate")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dir", default="out/demo", help="fleet file, logs and commit store")
     demo.add_argument(
         "--faults",
         action="store_true",
-        help="inject failures into refits 2..N: a receiver killed mid-refit, lost/corrupted/"
-        "duplicated/reordered payloads, a lost commit reply, a coordinator failover",
+        help="SIGKILL one process mid-refit in refits 2..N: a receiver, a trainer rank, the "
+        "active coordinator, a relay node (cycling); each is restarted and recovers",
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
+
+    fleet = sub.add_parser(
+        "fleet",
+        help="start every process of a fleet file, supervise them, stop them cleanly",
+        description=(
+            "Starts the relay nodes, coordinator and standbys, receivers and trainer ranks of "
+            "the fleet file, each as its own process; restarts what dies; checks every "
+            "receiver bit for bit after each commit; stops everything once the trainer's last "
+            "version is committed and checked (or on Ctrl-C)."
+        ),
+    )
+    fleet.add_argument("--fleet", required=True, help="the fleet file (TOML)")
+    fleet.add_argument("--faults", action="store_true", help="the demo's SIGKILL plan")
+    fleet.add_argument("--json", action="store_true", help="print one JSON object")
+
+    roles = (
+        ("coordinator", "the coordinator (or a standby that takes over when its lease lapses)"),
+        ("owner", "one trainer rank and its owner"),
+        ("receiver", "one serving rank (a receiver)"),
+        ("relay", "one relay node of the tree"),
+    )
+    for role, text in roles:
+        r = sub.add_parser(role, help=f"run {text} from a fleet file (the launcher uses it)")
+        r.add_argument("--fleet", required=True, help="the fleet file (TOML)")
+        if role == "coordinator":
+            r.add_argument("--name", default="coordinator", help="process name (event file)")
+        elif role == "owner":
+            r.add_argument("--rank", type=int, required=True, help="training rank")
+            r.add_argument("--store-port", type=int, required=True,
+                           help="port of the trainer's rendezvous TCP store")  # fmt: skip
+        elif role == "receiver":
+            r.add_argument("--name", required=True, help="receiver name in the fleet file")
+        else:
+            r.add_argument("--node", required=True, help="rollout node name in the fleet file")
     return p
 
 
@@ -140,11 +194,48 @@ def _bench_construct(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_relay(args: argparse.Namespace) -> int:
+    import statistics
+
+    import anyio
+
+    from dcr.bench.relay import relay_throughput
+
+    runs = [
+        anyio.run(
+            lambda: relay_throughput(
+                count=args.count,
+                size=int(args.size_mb * (1 << 20)),
+                nodes=args.nodes,
+                fanout=args.fanout,
+                receivers=args.receivers,
+            ),
+            backend="asyncio",
+        )
+        for _ in range(args.repeats)
+    ]
+    keys = runs[0].keys()
+    result = {k: statistics.median(r[k] for r in runs) for k in keys}
+    result["repeats"] = args.repeats
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(
+            f"raw ZeroMQ {result['raw_bytes_per_s'] / 1e9:.2f} GB/s | relay tree "
+            f"{result['relay_bytes_per_s'] / 1e9:.2f} GB/s per receiver | ratio "
+            f"{result['ratio']:.3f} (median of {args.repeats})"
+        )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from dcr.demo import run_demo
 
     result: dict[str, Any] = run_demo(
-        size_bytes=int(args.size_mb * 1e6),
+        directory=Path(args.dir),
+        size_mb=args.size_mb,
         refits=args.refits,
         rate=args.rate,
         seed=args.seed,
@@ -156,11 +247,59 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["bit_exact"] else 1
 
 
+def _fleet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dcr.fleet.config import load_fleet
+    from dcr.fleet.launcher import Launcher, default_faults
+
+    cfg = load_fleet(args.fleet)
+    console = Console(stderr=True, quiet=args.json)
+    launcher = Launcher(cfg, faults=default_faults(cfg) if args.faults else [], say=console.print)
+    report = launcher.run()
+    print(json.dumps(report) if args.json else json.dumps(report, indent=1))
+    return 0 if report["bit_exact"] else 1
+
+
+def _role(args: argparse.Namespace) -> int:
+    import anyio
+
+    from dcr.fleet.config import load_fleet
+    from dcr.fleet.runtime import die_with_parent, serve_until_signalled
+
+    die_with_parent()
+    cfg = load_fleet(args.fleet)
+    if args.command == "coordinator":
+        from dcr.fleet.coordinator import run_coordinator
+
+        main = lambda: run_coordinator(cfg, args.name)  # noqa: E731
+    elif args.command == "owner":
+        from dcr.fleet.owner import run_owner
+
+        main = lambda: run_owner(cfg, args.rank, args.store_port)  # noqa: E731
+    elif args.command == "receiver":
+        from dcr.fleet.receiver import run_receiver
+
+        main = lambda: run_receiver(cfg, args.name)  # noqa: E731
+    else:
+        from dcr.fleet.relay import run_relay
+
+        main = lambda: run_relay(cfg, args.node)  # noqa: E731
+    anyio.run(serve_until_signalled, main, backend="asyncio")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        return _bench_codec(args) if args.bench == "codec" else _bench_construct(args)
-    return _demo(args)
+        return {"codec": _bench_codec, "construct": _bench_construct, "relay": _bench_relay}[
+            args.bench
+        ](args)
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "fleet":
+        return _fleet(args)
+    return _role(args)
 
 
 if __name__ == "__main__":

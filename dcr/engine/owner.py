@@ -109,14 +109,17 @@ class OwnerService:
     limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
     sends_in_flight: int = 1
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
-    on_sent: Callable[[PayloadKey], None] | None = None
-    """Called after each payload the transport accepted (fault injection, progress)."""
+    on_sent: Callable[[PayloadKey, int], None] | None = None
+    """Called with the key and size of each attempt payload the transport accepted (fault
+    injection, progress, traffic reports)."""
     core: OwnerCore = field(init=False)
     link: EndpointLink | None = None
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
     _stopped: set[int] = field(default_factory=set)
     _events: MemoryObjectSendStream[object] | None = None
     _staged: bool = False
+    _waiting: msg.Prepare | None = None
+    """The latest prepare that arrived while no candidate was staged."""
     _updated: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
@@ -147,6 +150,9 @@ class OwnerService:
         """The trainer staged (or dropped) the next version: tell the coordinators."""
         self._staged = candidate
         await self._report_status()
+        if candidate and self._waiting is not None:
+            waiting, self._waiting = self._waiting, None
+            await self._local(waiting)
 
     async def publish(self, candidate: Mapping[str, torch.Tensor]) -> CommitRecord:
         """Hand the next version to the owner after the optimizer step; the one call a
@@ -189,6 +195,12 @@ class OwnerService:
         await self._events.send(event)
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
+        if isinstance(message, msg.Prepare) and self.side.group.staged is None:
+            # Nothing to build yet (a trainer restarted mid-transition is still computing
+            # its step): the prepare waits for the candidate, bounded by the coordinator's
+            # prepare deadline, instead of failing attempt after attempt.
+            self._waiting = message
+            return
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
 
@@ -271,8 +283,8 @@ class OwnerService:
             except TransportError as exc:
                 failure = f"transport: {exc}"
         await self._local(ev.PayloadSent(attempt=attempt, payload_id=payload_id, failure=failure))
-        if failure is None and self.on_sent is not None:
-            self.on_sent(key)
+        if failure is None and self.on_sent is not None and data is not None:
+            self.on_sent(key, len(data))
 
     async def _fetch_record(self) -> None:
         await self._local(ev.CommitRecordRead(record=(await self.store.read()).record))

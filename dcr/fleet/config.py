@@ -111,10 +111,19 @@ class CoordinatorSection:
     """A standby takes over once the active coordinator has not renewed its lease this long."""
     dense_timeout_s: float = 120.0
     """A dense refit of a joining receiver that did not finish by then is sent again."""
+    join_wait_s: float = 60.0
+    """Before a transition starts, how long to wait for receivers that are still starting or
+    restoring the committed version, so that they take part instead of joining later."""
     sync: bool = True
     timeouts: Timeouts = field(
         default_factory=lambda: Timeouts(
-            prepare_s=30.0, arrival_s=120.0, gate_s=60.0, flush_s=300.0, commit_s=5.0, stop_s=60.0
+            prepare_s=30.0,
+            arrival_s=120.0,
+            gate_s=60.0,
+            flush_s=300.0,
+            commit_s=5.0,
+            stop_s=60.0,
+            baseline_s=3.0,
         )
     )
 

@@ -59,3 +59,33 @@ class EventReader:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     continue
+
+
+class FaultPoints:
+    """Planned faults a process offers itself up to (``<run_dir>/faults.json``, written by
+    the launcher): at a planned point -- a receiver applied a payload of the refit to a given
+    version, an owner sent one, the coordinator got a reply -- the process reports
+    ``fault-point`` and waits, so that the launcher's SIGKILL lands exactly mid-refit.  A
+    process whose launcher does not strike goes on after ``wait_s``."""
+
+    def __init__(self, path: Path, who: str, log: EventLog, *, wait_s: float = 30.0) -> None:
+        self.path = path
+        self.who = who
+        self.log = log
+        self.wait_s = wait_s
+
+    def reached(self, point: str, version: int, *, role: str = "") -> None:
+        """Called at ``point`` of the refit to ``version`` (from any thread)."""
+        try:
+            plan = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        for fault in plan:
+            if (
+                fault.get("point") == point
+                and fault.get("version") == version
+                and fault.get("target") in (self.who, role)
+            ):
+                self.log.emit("fault-point", point=point, version=version)
+                time.sleep(self.wait_s)
+                return

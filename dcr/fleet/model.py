@@ -69,7 +69,7 @@ def digests(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class FleetModel:
     """The model, training plan and integration setup of a fleet."""
 

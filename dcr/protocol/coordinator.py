@@ -499,6 +499,14 @@ class CoordinatorCore:
         self._committed = record
         self._reports.clear()
         out.append(cmd.Call(to=self.config.owners, message=msg.ReadRecord()))
+        out.append(self._baseline_deadline())
+
+    def _baseline_deadline(self) -> cmd.ArmDeadline:
+        a = self._attempt
+        assert a is not None
+        return cmd.ArmDeadline(
+            attempt=a.info.attempt, stage=Stage.BASELINE, seconds=self._timeout(Stage.BASELINE)
+        )
 
     def _commit_failed(self, out: list[cmd.CoordinatorCommand]) -> None:
         self._fire(_X.COMMIT_FAILED)
@@ -669,7 +677,13 @@ class CoordinatorCore:
     def _on_deadline(self, stage: Stage, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
-        if stage is Stage.COMMIT:
+        if stage is Stage.BASELINE:
+            # The call must arrive (a restarted owner never got it): ask the missing again.
+            missing = [o for o in self.config.owners if o not in self._reports]
+            if self.phase is _T.FINISHING and missing:
+                out.append(cmd.Call(to=tuple(missing), message=msg.ReadRecord()))
+                out.append(self._baseline_deadline())
+        elif stage is Stage.COMMIT:
             a.commit_deadline_passed = True
             if a.phase is _A.COMMITTING:
                 self._fire(_X.COMMIT_UNKNOWN)

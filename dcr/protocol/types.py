@@ -108,6 +108,8 @@ class Stage(enum.Enum):
     FLUSH = "flush"
     COMMIT = "commit"
     STOP = "stop"
+    BASELINE = "baseline"
+    """After a commit: owners that have not reported their baseline update are asked again."""
 
 
 class IdSource(Protocol):
@@ -150,9 +152,14 @@ class Timeouts:
     commit_s: float = 30.0
     """The commit deadline: the control plane refuses the compare-and-set after it."""
     stop_s: float = 300.0
+    baseline_s: float = 10.0
+    """How often owners that have not reported their baseline update are asked again (a
+    restarted owner never got the first call)."""
 
     def __post_init__(self) -> None:
-        for name in ("prepare_s", "arrival_s", "gate_s", "flush_s", "commit_s", "stop_s"):
+        for name in (
+            "prepare_s", "arrival_s", "gate_s", "flush_s", "commit_s", "stop_s", "baseline_s",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ConfigError(f"timeout {name} must be positive")
 

@@ -278,7 +278,7 @@ class LocalCluster:
             self._applied_in_first += 1
             self._strike()
 
-    def _on_sent(self, key: PayloadKey) -> None:
+    def _on_sent(self, key: PayloadKey, size: int) -> None:
         if self._first_attempt is None:
             self._first_attempt = key.attempt
         f = self._faults

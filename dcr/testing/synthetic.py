@@ -154,6 +154,25 @@ class SyntheticRun:
                 flat[src] = bits(self.values(d.name, d.indices, version))
         return out
 
+    def advance_shard(self, spec: ShardSpec, shard: torch.Tensor, version: int) -> None:
+        """Move ``shard`` (held at ``version - 1``) to ``version`` in place: one optimizer
+        step of the synthetic trainer, computed from the shard alone.  An element with several
+        canonical destinations (a tied weight) follows its first one."""
+        assert spec.mapping is not None, "residual-only shards are not synthetic"
+        flat = shard.reshape(-1)
+        for start in range(0, flat.numel(), _BLOCK):
+            local = np.arange(start, min(start + _BLOCK, flat.numel()), dtype=np.int64)
+            done = np.zeros(local.size, dtype=bool)
+            for d in spec.mapping.project(local):
+                pos = np.arange(local.size) if d.select is None else d.select
+                fresh = ~done[pos]
+                pos, canon = pos[fresh], d.indices[fresh]
+                done[pos] = True
+                src = torch.from_numpy(local[pos])
+                part = flat[src].clone()
+                self.step(d.name, canon, part, version)
+                flat[src] = part
+
     def shards(self, plan: TrainingPlan, rank: int, version: int) -> dict[str, torch.Tensor]:
         """Every shard training rank ``rank`` holds (it is one of the replicas), at ``version``."""
         return {s.key: self.shard(s, version) for s in held_by(plan, rank)}

@@ -38,9 +38,10 @@ AVX-512 machines) it replaces dense linear weights by empty parameters and keeps
 copy behind a oneDNN (or SGL/zentorch) handle in ``layer.cpu_linear`` and packs the
 ``lm_head`` the same way while keeping the embedding table; elsewhere (e.g. AVX2-only AMD
 EPYC) linears stay plain.  MoE expert weights are replaced by new parameters, padded
-(intermediate size to a multiple of 32) and prepacked into the CPU kernel's layout.  In-place deltas written after that would miss or corrupt what the model computes
-with, so :meth:`VllmLoader.check_ready` refuses such a model.  The same step also re-ties an
-``lm_head`` that the config calls tied but the checkpoint carries, when the two are equal.
+(intermediate size to a multiple of 32) and prepacked into the CPU kernel's layout.
+In-place deltas written after that would miss or corrupt what the model computes with, so
+:meth:`VllmLoader.check_ready` refuses such a model.  The same step also re-ties an ``lm_head``
+that the config calls tied but the checkpoint carries, when the two are equal.
 GPU engines keep the plain layout for unquantized bf16 weights.  :func:`build_vllm_model`
 builds the model class without the engine, so its weights stay plain.
 """

@@ -282,6 +282,7 @@ class RelayNode:
         self._granted: dict[tuple[bytes, int], Offer] = {}
         self._seen: dict[PayloadKey, int] = {}
         self._stats = TransportStats()
+        self._by_attempt: dict[int, list[int]] = {}
         self._last_payload = (0, 0)
         self._last_wave = (0, 0)
         self._announced: frozenset[str] | None = None
@@ -303,6 +304,10 @@ class RelayNode:
         """At the root: V_cross (every payload byte received from owners, every copy) and
         V_payload (each ``(attempt, owner, payload id)`` once) -- paper §7.1; zero elsewhere."""
         return self._stats
+
+    def attempt_traffic(self) -> dict[int, tuple[int, int]]:
+        """At the root, per attempt (the latest 1024): ``(V_cross, V_payload)`` in bytes."""
+        return {a: (c[0], c[1]) for a, c in self._by_attempt.items()}
 
     def held(self) -> Held:
         """Payloads this node holds (the root counts room it granted as held)."""
@@ -553,6 +558,10 @@ class RelayNode:
             self._refuse(client.ident, frame.seq, "lost", "no room was granted for it", True)
             return
         client.granted.discard(frame.seq)
+        counts = self._by_attempt.setdefault(offer.key.attempt, [0, 0])
+        counts[0] += frame.size
+        while len(self._by_attempt) > 1024:
+            del self._by_attempt[next(iter(self._by_attempt))]
         if offer.size != frame.size:
             self._release(1, offer.size)
             self.drops["malformed"] += 1
@@ -560,6 +569,7 @@ class RelayNode:
             return
         if offer.key not in self._seen:
             self._seen[offer.key] = frame.size
+            counts[1] += frame.size
             s = self._stats
             self._stats = TransportStats(
                 payloads=s.payloads + 1,

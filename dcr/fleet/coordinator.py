@@ -1,0 +1,397 @@
+"""``dcr coordinator``: the long-lived coordinator process of a fleet (and its standbys).
+
+One process is active at a time: it holds a lease in the commit store and renews it; a
+standby claims the next epoch once the lease has lapsed (its process died or stalled) and
+takes over the transition in flight (paper App. B.2, failover).  The active process:
+
+* keeps a table of endpoints from their status reports (what each holds, which incarnation);
+* restores every joining receiver -- started, restarted, or behind the committed record -- by
+  a dense refit that the owners send over the transport (:class:`~dcr.protocol.messages.
+  DenseRefit`), so a receiver never needs a shared filesystem or a state dict;
+* runs one transition (:class:`~dcr.engine.coordinator.CoordinatorService`) each time every
+  owner has staged the next version, with the receivers that hold the committed record as
+  the required ones, and takes over a transition a replaced coordinator left unfinished;
+* is the supervisor of its runs: an endpoint that reappears with a new incarnation was
+  restarted, so its old process is confirmed gone (``Retired``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+
+from dcr.adapters.commit.base import CommitState, CommitStore
+from dcr.adapters.control.base import ControlChannel, CoordinatorLink
+from dcr.adapters.transport.base import Transport
+from dcr.engine.coordinator import CoordinatorService
+from dcr.engine.setup import attempt_from_json
+from dcr.errors import CommitConflict, CommitStoreError, ConfigError
+from dcr.fleet.config import FleetConfig
+from dcr.fleet.events import EventLog, FaultPoints
+from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.protocol import commands as cmd
+from dcr.protocol import messages as msg
+from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
+
+__all__ = ["FleetCoordinator", "run_coordinator"]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Job:
+    """A dense refit of one receiver in flight."""
+
+    job: int
+    record: CommitRecord
+    deadline: float
+
+
+@dataclass(slots=True)
+class FleetCoordinator:
+    """The active-or-standby coordinator of a fleet; :meth:`serve` runs until cancelled."""
+
+    owners: tuple[str, ...]
+    receivers: tuple[str, ...]
+    store: CommitStore
+    control: ControlChannel
+    transport: Transport
+    config: FleetConfig
+    log: EventLog
+    name: str = "coordinator"
+    faults: FaultPoints | None = None
+    statuses: dict[str, msg.EndpointStatus] = field(default_factory=dict)
+    epoch: int = 0
+    transitions: int = 0
+    _link: CoordinatorLink | None = None
+    _service: CoordinatorService | None = None
+    _restarted: set[str] = field(default_factory=set)
+    _jobs: dict[str, _Job] = field(default_factory=dict)
+    _engaged: frozenset[str] = frozenset()
+    """Receivers the running (or just finished) transition requires: not dense-refitted."""
+    _counter: int = 0
+    _wake: anyio.Event = field(default_factory=anyio.Event)
+    _tg: TaskGroup | None = None
+
+    async def serve(self) -> None:
+        """Wait to become active (lease), then coordinate until cancelled."""
+        link = self._link = await self.control.coordinator()
+        lease = self.config.coordinator.lease_s
+        try:
+            self.log.emit("standby", address=link.address)
+            while True:
+                epoch = await self._store_op(self.store.claim_if_lapsed, address=link.address,
+                                             lease_s=lease)  # fmt: skip
+                if epoch is not None:
+                    break
+                await anyio.sleep(lease / 4)
+            self.epoch = epoch
+            self.log.emit("active", epoch=epoch, address=link.address)
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._dispatch, link)
+                tg.start_soon(self._renew)
+                tg.start_soon(self._refit_joiners)
+                await self._coordinate(link, tg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await link.aclose()
+
+    # -- transitions ------------------------------------------------------------------------
+
+    async def _coordinate(self, link: CoordinatorLink, tg: TaskGroup) -> None:
+        staged_since: float | None = None
+        while True:
+            state = await self._store_op(self.store.read)
+            old = self._unfinished(state)
+            staged = self._owners_staged(state.record)
+            if staged and staged_since is None:
+                staged_since = anyio.current_time()
+            waited = anyio.current_time() - (staged_since or 0.0)
+            joining = self._joining(state.record)
+            if old is not None or (
+                staged and (not joining or waited >= self.config.coordinator.join_wait_s)
+            ):
+                if joining and old is None:
+                    self.log.emit("not-waiting", receivers=sorted(joining))
+                staged_since = None
+                await self._transition(link, state, old)
+            else:
+                with anyio.move_on_after(0.1):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+
+    def _joining(self, record: CommitRecord) -> set[str]:
+        """Receivers not (yet) holding ``record``: starting, restoring or behind."""
+        return {
+            r for r in self.receivers if (s := self.statuses.get(r)) is None or s.record != record
+        }
+
+    def _unfinished(self, state: CommitState) -> AttemptInfo | None:
+        """An attempt a replaced coordinator registered whose transition is not finished:
+        not committed while owners still hold its candidate, or committed while some owner
+        has not moved its baseline yet."""
+        if not state.info:
+            return None
+        try:
+            info = attempt_from_json(state.info)
+        except ConfigError:
+            return None
+        if info.coordinator >= self.epoch:
+            return None
+        owners = [self.statuses.get(o) for o in self.owners]
+        if any(s is None for s in owners):
+            return None  # wait until every owner has said where it stands
+        if state.record == info.base and all(s.candidate for s in owners if s is not None):
+            return info
+        if state.record == info.target and any(
+            s.record == info.base for s in owners if s is not None
+        ):
+            return info
+        return None
+
+    def _owners_staged(self, record: CommitRecord) -> bool:
+        return all(
+            (s := self.statuses.get(o)) is not None and s.record == record and s.candidate
+            for o in self.owners
+        )
+
+    def members(self, record: CommitRecord) -> tuple[str, ...]:
+        """Receivers whose last report says they hold ``record`` exactly: the required ones."""
+        return tuple(
+            sorted(
+                r
+                for r in self.receivers
+                if (s := self.statuses.get(r)) is not None and s.record == record
+            )
+        )
+
+    async def _transition(
+        self, link: CoordinatorLink, state: CommitState, old: AttemptInfo | None
+    ) -> None:
+        c = self.config.coordinator
+        base = old.base if old is not None else state.record
+        service = CoordinatorService(
+            owners=self.owners,
+            receivers=self.members(base),
+            store=self.store,
+            control=self.control,
+            transport=self.transport,
+            sync=c.sync,
+            timeouts=c.timeouts,
+            mode=Mode.MIXED,
+            supervisor=self,
+            link=link,
+            reads_replies=False,
+            lease_s=c.lease_s,
+        )
+        self._service = service
+        self._engaged = frozenset(service.receivers)
+        self._restarted.clear()
+        self.transitions += 1
+        self.log.emit("transition", base=base.version, take_over=old is not None,
+                      required=list(service.receivers))  # fmt: skip
+        t0 = anyio.current_time()
+        try:
+            ended = await service.run(take_over=old is not None)
+        finally:
+            self._service = None
+        self.epoch = max(self.epoch, service.epoch)
+        attempts = [
+            {"attempt": c.info.attempt, "mode": c.info.mode.value,
+             "receivers": sorted(c.info.receivers)}
+            for c in service.commands
+            if isinstance(c, cmd.RegisterAttempt)
+        ]  # fmt: skip
+        now = (await self._store_op(self.store.read)).record
+        self.log.emit(
+            "ended",
+            outcome=ended.outcome.value,
+            record=now.version,
+            candidate=now.candidate,
+            base=base.version,
+            committed_by=ended.committed_by,
+            reason=ended.reason,
+            attempts=attempts,
+            epoch=service.epoch,
+            seconds=anyio.current_time() - t0,
+        )
+        if ended.outcome.value == "conflict" and ended.committed_by is None and now == base:
+            self._engaged = frozenset()
+            return  # replaced: this process stands down (its lease renewal fails next)
+        await self._settle(now, self._engaged)
+        self._engaged = frozenset()
+
+    async def _settle(self, record: CommitRecord, required: frozenset[str]) -> None:
+        """Wait (bounded) until the receivers that took part report the committed record, so
+        that the next transition requires them (paper App. B.2: membership is read between
+        transitions)."""
+        with anyio.move_on_after(self.config.coordinator.timeouts.stop_s):
+            while not all(
+                (s := self.statuses.get(r)) is not None
+                and (s.record == record or s.record is None or r in self._restarted)
+                for r in required
+            ):
+                await anyio.sleep(0.05)
+
+    # -- the supervisor of a run (dcr.engine.coordinator.Supervisor) ------------------------
+
+    def retired(self) -> tuple[str, ...]:
+        """Endpoints restarted since the transition began: their old process is gone."""
+        return tuple(sorted(self._restarted))
+
+    async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:
+        """An aborted transition asks for these receivers to be restored (paper App. B.2)."""
+        for r in receivers:
+            self._start_job(r, record)
+
+    # -- replies -----------------------------------------------------------------------------
+
+    async def _dispatch(self, link: CoordinatorLink) -> None:
+        async for reply in link.replies():
+            if isinstance(reply, msg.EndpointStatus):
+                await self._on_status(reply)
+            elif isinstance(reply, msg.ReceiverReady):
+                status = self.statuses.get(reply.receiver)
+                if status is not None:  # its status report follows; do not refit it again
+                    self.statuses[reply.receiver] = replace(status, record=reply.record)
+                job = self._jobs.get(reply.receiver)
+                if job is not None and job.record == reply.record:
+                    del self._jobs[reply.receiver]
+                    self.log.emit("restored", receiver=reply.receiver, version=reply.record.version)
+            elif isinstance(reply, msg.AttemptFailed):
+                self._on_job_failed(reply)
+            service = self._service
+            info = service.core.attempt if service is not None and service.core else None
+            replied = isinstance(reply, msg.GateClosed | msg.Acked)
+            if info is not None and replied and self.faults is not None:
+                self.faults.reached("replied", info.base.version + 1, role="coordinator")
+            if service is not None and not isinstance(reply, msg.EndpointStatus):
+                await service.report(reply)
+            self._wake.set()
+
+    async def _on_status(self, status: msg.EndpointStatus) -> None:
+        before = self.statuses.get(status.endpoint)
+        self.statuses[status.endpoint] = status
+        if before is not None and before.incarnation != status.incarnation:
+            # A new process of that name: the old one is gone for good.
+            self._restarted.add(status.endpoint)
+            self._jobs.pop(status.endpoint, None)
+            self.log.emit("restarted", endpoint=status.endpoint)
+            service = self._service
+            info = service.core.attempt if service is not None and service.core else None
+            if service is not None and info is not None:
+                await service.report(msg.Retired(attempt=info.attempt, endpoint=status.endpoint))
+
+    def _on_job_failed(self, failure: msg.AttemptFailed) -> None:
+        for receiver, job in list(self._jobs.items()):
+            if job.job == failure.attempt:
+                # Retry soon (a baseline update in progress, a damaged payload, ...).
+                job.deadline = min(job.deadline, anyio.current_time() + 1.0)
+                self.log.emit("dense-failed", receiver=receiver, job=job.job,
+                              endpoint=failure.endpoint, check=failure.check)  # fmt: skip
+
+    # -- dense refits of joining receivers --------------------------------------------------
+
+    async def _refit_joiners(self) -> None:
+        while True:
+            record = (await self._store_op(self.store.read)).record
+            now = anyio.current_time()
+            for r in self.receivers:
+                s = self.statuses.get(r)
+                if s is not None and s.record == record:
+                    self._jobs.pop(r, None)
+                if s is None or s.record == record or r in self._engaged:
+                    continue
+                job = self._jobs.get(r)
+                if job is None or job.record != record or now >= job.deadline:
+                    self._start_job(r, record)
+            await anyio.sleep(0.1)
+
+    def _start_job(self, receiver: str, record: CommitRecord) -> None:
+        """Ask the owners to send ``record`` to ``receiver`` as a fresh dense-refit job."""
+        self._counter += 1
+        job = (self.epoch << 32) | (1 << 31) | self._counter  # above every attempt of epoch
+        self._jobs[receiver] = _Job(
+            job=job,
+            record=record,
+            deadline=anyio.current_time() + self.config.coordinator.dense_timeout_s,
+        )
+        self.log.emit("dense", receiver=receiver, job=job, version=record.version)
+        call = msg.DenseRefit(
+            job=job, record=record, owners=self.owners, receivers=frozenset({receiver})
+        )
+        assert self._link is not None
+        link = self._link
+
+        async def send() -> None:
+            for name in (*self.owners, receiver):
+                await link.call(name, call, epoch=self._current_epoch())
+
+        self._spawn(send)
+
+    def _current_epoch(self) -> int:
+        service = self._service
+        return max(self.epoch, service.epoch if service is not None else 0)
+
+    def _spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn)
+
+    # -- lease -------------------------------------------------------------------------------
+
+    async def _renew(self) -> None:
+        """Keep the lease while no run renews it; losing it ends this process's tenure."""
+        lease = self.config.coordinator.lease_s
+        while True:
+            await anyio.sleep(lease / 4)
+            if self._service is not None:
+                continue  # the run renews it (and learns of a replacement)
+            try:
+                await self.store.renew(epoch=self._current_epoch(), lease_s=lease)
+            except CommitConflict:
+                self.log.emit("replaced")
+                raise SystemExit(3) from None
+            except CommitStoreError:
+                continue
+
+    async def _store_op(self, fn: Callable[..., Awaitable[T]], **kwargs: Any) -> T:
+        while True:
+            try:
+                return await fn(**kwargs)
+            except CommitStoreError as exc:
+                if not exc.retryable:
+                    raise
+                await anyio.sleep(0.2)
+
+
+async def run_coordinator(cfg: FleetConfig, name: str = "coordinator") -> None:
+    """Serve as the fleet's coordinator (or its standby) until cancelled."""
+    log = EventLog(cfg.events_dir, name)
+    store = make_store(cfg)
+    control = make_control(cfg, store)
+    transport = make_transport(cfg)
+    coordinator = FleetCoordinator(
+        owners=cfg.owners,
+        receivers=tuple(r.name for r in cfg.receivers),
+        store=store,
+        control=control,
+        transport=transport,
+        config=cfg,
+        log=log,
+        name=name,
+        faults=FaultPoints(cfg.run_dir / "faults.json", name, log),
+    )
+    try:
+        await coordinator.serve()
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await transport.aclose()
+            await control.aclose()
+            await store.close()
+        log.close()

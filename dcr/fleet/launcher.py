@@ -1,0 +1,398 @@
+"""``dcr fleet``: start every process of a fleet, supervise them by pid, stop them cleanly.
+
+The launcher starts the relay nodes, the coordinator and its standbys, the receivers and the
+trainer ranks (owners) of a fleet file, each as its own OS process running ``dcr <role>``,
+and restarts what dies: a receiver (it rejoins by dense refit), a relay node (at the same
+address, so its receivers reconnect), a coordinator (it comes back as a standby), and the
+whole trainer when one rank dies (a broken torch.distributed group is restarted as a whole,
+as torchrun does; the ranks resume at the committed version).  It follows the processes'
+event files to show progress, to strike planned faults (SIGKILL of a role at a chosen moment)
+and to check every receiver bit for bit: each receiver reports digests of its parameters
+whenever it holds a committed version, and the launcher compares them with a dense load of
+that version computed here.  On exit every child is stopped, SIGTERM first, then SIGKILL;
+children also die with the launcher (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcr.fleet.config import FleetConfig, free_port
+from dcr.fleet.events import EventReader
+from dcr.fleet.model import FleetModel
+
+__all__ = ["Fault", "Launcher", "RefitRow", "default_faults"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault:
+    """SIGKILL ``target`` mid-refit to ``version``.
+
+    ``after`` is where: ``"applied"`` (receiver ``target`` applied a payload of that refit),
+    ``"sent"`` (owner ``target`` sent one), ``"replied"`` (the active coordinator --
+    ``target="coordinator"`` -- got an endpoint's reply in that refit).  The process stops at
+    that point and reports it (:class:`~dcr.fleet.events.FaultPoints`), so the SIGKILL lands
+    exactly there.  A relay node (``target="relay-<node>"``) is killed when any receiver
+    reports ``"applied"`` in that refit.
+    """
+
+    version: int
+    target: str
+    after: str = "applied"
+
+
+def default_faults(cfg: FleetConfig) -> list[Fault]:
+    """The demo's plan from refit 2 on: a receiver, an owner, the active coordinator and a
+    relay node, each SIGKILLed mid-refit, cycling."""
+    receivers = [r.name for r in cfg.receivers]
+    victim_rx = receivers[1] if len(receivers) > 1 else receivers[0]
+    relay = cfg.rollout[-1].name
+    plan = [
+        (victim_rx, "applied"),
+        (cfg.owners[min(1, len(cfg.owners) - 1)], "sent"),
+        ("coordinator", "replied"),
+        (f"relay-{relay}", "applied"),
+    ]
+    return [
+        Fault(version=v, target=plan[(v - 2) % len(plan)][0], after=plan[(v - 2) % len(plan)][1])
+        for v in range(2, cfg.model.refits + 1)
+    ]
+
+
+@dataclass(slots=True)
+class _Proc:
+    name: str
+    role: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+
+@dataclass(slots=True)
+class RefitRow:
+    """What the launcher saw of the transition to one version."""
+
+    version: int
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    killed: list[str] = field(default_factory=list)
+    checks: dict[str, bool] = field(default_factory=dict)
+    """Receiver -> whether its report of this version matched the dense load."""
+    payload_bytes: int = 0
+    started: float | None = None
+    ended: float | None = None
+    cross: tuple[int, int] | None = None
+    """(V_cross, V_payload) the root counted for the transition's attempts."""
+
+    @property
+    def seconds(self) -> float:
+        if self.started is None or self.ended is None:
+            return 0.0
+        return self.ended - self.started
+
+    @property
+    def bit_exact(self) -> bool:
+        return bool(self.checks) and all(self.checks.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "bit_exact": self.bit_exact,
+            "payload_bytes": self.payload_bytes,
+            "attempts": [a["mode"] for a in self.attempts],
+            "killed": list(self.killed),
+            "seconds": round(self.seconds, 3),
+            "receivers_checked": sorted(self.checks),
+            "v_cross": self.cross[0] if self.cross else None,
+            "v_payload": self.cross[1] if self.cross else None,
+        }
+
+
+class Launcher:
+    """Runs a fleet until the trainer's last version is committed and checked everywhere."""
+
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        *,
+        faults: Sequence[Fault] = (),
+        say: Callable[[str], None] = lambda line: None,
+        deadline_s: float = 3600.0,
+    ) -> None:
+        self.cfg = cfg
+        self.model = FleetModel(cfg)
+        self.faults = list(faults)
+        self.say = say
+        self.deadline_s = deadline_s
+        self.procs: dict[str, _Proc] = {}
+        self.rows: dict[int, RefitRow] = {}
+        self.mismatches: list[str] = []
+        self.kills: list[tuple[int, str]] = []
+        self._reader = EventReader(cfg.events_dir)
+        self._trainer_store: Any = None
+        self._expected: dict[int, dict[tuple[int, int], dict[str, str]]] = {}
+        self._state_version = -1
+        self._state: dict[str, Any] = {}
+        self._active: str | None = None
+        self._sizes: dict[int, int] = {}
+        """Attempt -> payload bytes the owners sent for it."""
+        self._traffic: dict[int, tuple[int, int]] = {}
+        """Attempt -> (V_cross, V_payload) the root counted."""
+        self._committed = 0
+        self._stopping = False
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _argv(self, role: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "dcr.cli", role, "--fleet", str(self.cfg.path), *extra]
+
+    def _prepare_run_dir(self) -> None:
+        if self.cfg.run_dir.exists():
+            shutil.rmtree(self.cfg.run_dir)
+        self.cfg.run_dir.mkdir(parents=True)
+        (self.cfg.run_dir / "logs").mkdir()
+        ports = {n.name: n.port or free_port(self.cfg.host) for n in self.cfg.rollout}
+        self.cfg.ports_file.write_text(json.dumps(ports))
+        self._write_faults()
+
+    def _write_faults(self) -> None:
+        """The planned fault points the processes offer themselves up to (atomically)."""
+        planned = [
+            {"target": f.target, "version": f.version, "point": f.after}
+            for f in self.faults
+            if not f.target.startswith("relay-")
+        ]
+        tmp = self.cfg.run_dir / "faults.json.tmp"
+        tmp.write_text(json.dumps(planned))
+        tmp.replace(self.cfg.run_dir / "faults.json")
+
+    def _spawn(self, proc: _Proc) -> None:
+        log = (self.cfg.run_dir / "logs" / f"{proc.name}.log").open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc.popen = subprocess.Popen(
+            proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        log.close()
+        proc.starts += 1
+
+    def _add(self, name: str, role: str, argv: list[str]) -> None:
+        proc = _Proc(name=name, role=role, argv=argv)
+        self.procs[name] = proc
+        self._spawn(proc)
+
+    def _start_trainer(self) -> None:
+        """(Re)start every trainer rank around a fresh rendezvous store held here."""
+        import torch.distributed as dist
+
+        self._trainer_store = dist.TCPStore(  # type: ignore[attr-defined]
+            self.cfg.host, 0, self.cfg.world_size + 1, is_master=True, wait_for_workers=False
+        )
+        port = str(self._trainer_store.port)
+        for rank, name in enumerate(self.cfg.owners):
+            argv = self._argv("owner", "--rank", str(rank), "--store-port", port)
+            if name in self.procs:
+                self.procs[name].argv = argv
+                self._spawn(self.procs[name])
+            else:
+                self._add(name, "owner", argv)
+
+    def start(self) -> None:
+        self._prepare_run_dir()
+        for node in self.cfg.rollout:
+            self._add(f"relay-{node.name}", "relay", self._argv("relay", "--node", node.name))
+        for i in range(1 + self.cfg.coordinator.standbys):
+            name = "coordinator" if i == 0 else f"coordinator-{i}"
+            self._add(name, "coordinator", self._argv("coordinator", "--name", name))
+        for r in self.cfg.receivers:
+            self._add(r.name, "receiver", self._argv("receiver", "--name", r.name))
+        self._start_trainer()
+        self.say(f"started {len(self.procs)} processes (run directory {self.cfg.run_dir})")
+
+    def kill(self, name: str, version: int) -> None:
+        """SIGKILL one process now (a planned fault during the refit to ``version``);
+        supervision restarts it."""
+        proc = self.procs[name]
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGKILL)
+            proc.popen.wait()
+            self.kills.append((version, name))
+            self.rows.setdefault(version, RefitRow(version=version)).killed.append(proc.role)
+            self.say(f"SIGKILL {name} (pid {proc.popen.pid}) during refit {version}")
+
+    def _supervise(self) -> None:
+        trainer_down = False
+        for proc in self.procs.values():
+            if proc.popen is None or proc.popen.poll() is None:
+                continue
+            code = proc.popen.returncode
+            if proc.role == "owner":
+                trainer_down = True
+                continue
+            self.say(f"{proc.name} exited ({code}); restarting it")
+            self._spawn(proc)
+        if trainer_down:
+            self.say("a trainer rank exited: restarting the whole trainer at the committed version")
+            for proc in self.procs.values():
+                if proc.role == "owner" and proc.popen is not None and proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGKILL)
+                    proc.popen.wait()
+            self._start_trainer()
+
+    def stop(self) -> None:
+        """SIGTERM every child, then SIGKILL what is left after a grace period."""
+        self._stopping = True
+        live = [p.popen for p in self.procs.values() if p.popen is not None]
+        for p in live:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._trainer_store = None
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _row(self, version: int) -> RefitRow:
+        return self.rows.setdefault(version, RefitRow(version=version))
+
+    def _expected_digests(self, version: int) -> dict[tuple[int, int], dict[str, str]]:
+        if version not in self._expected:
+            run = self.model.run
+            if version < self._state_version or not self._state:
+                self._state = run.state(version)
+            else:
+                for v in range(self._state_version + 1, version + 1):
+                    run.advance(self._state, v)
+            self._state_version = version
+            self._expected[version] = self.model.expected_digests(self._state, self.cfg.receivers)
+        return self._expected[version]
+
+    def _on_event(self, e: dict[str, Any]) -> None:
+        who, kind = e["who"], e["event"]
+        if kind == "active":
+            self._active = who
+            self.say(f"{who} is the active coordinator (epoch {e['epoch']})")
+        elif kind == "transition":
+            row = self._row(int(e["base"]) + 1)
+            row.started = row.started if row.started is not None else e["t"]
+        elif kind == "ended":
+            row = self._row(int(e["base"]) + 1)
+            row.attempts.extend(e["attempts"])
+            if e["outcome"] in ("committed", "conflict") and int(e["record"]) > int(e["base"]):
+                row.ended = e["t"]
+                self._committed = max(self._committed, int(e["record"]))
+                self.say(
+                    f"refit {row.version}: {e['outcome']} after "
+                    f"{' → '.join(a['mode'] for a in row.attempts) or 'takeover'}"
+                )
+            else:
+                self.say(f"refit {row.version}: {e['outcome']} ({e['reason']})")
+        elif kind == "sent":
+            self._sizes[int(e["attempt"])] = self._sizes.get(int(e["attempt"]), 0) + e["size"]
+        elif kind == "traffic" and who.startswith("relay-"):
+            for attempt, (cross, payload) in e["attempts"].items():
+                self._traffic[int(attempt)] = (int(cross), int(payload))
+        elif kind == "holds":
+            self._check(who, int(e["version"]), e["digests"])
+        elif kind in ("restarted", "dense-failed", "replaced"):
+            self.say(f"{who}: {kind} {e.get('endpoint') or e.get('receiver') or ''}".rstrip())
+        if kind in ("fault-point", "applied"):
+            self._strike(e)
+
+    def _check(self, receiver: str, version: int, found: dict[str, str]) -> None:
+        spec = self.cfg.receiver(receiver)
+        want = self._expected_digests(version)[(spec.tp, spec.rank)]
+        bad = sorted(n for n in set(want) | set(found) if want.get(n) != found.get(n))
+        if version > 0:
+            self._row(version).checks[receiver] = not bad
+        if bad:
+            self.mismatches.append(f"{receiver} v{version}: {bad[:3]}")
+            self.say(f"[red]{receiver} holds v{version} with {len(bad)} mismatching tensors")
+
+    def _strike(self, e: dict[str, Any]) -> None:
+        """A process stopped at a planned fault point: SIGKILL it there.  A relay node is
+        killed when a receiver applies a payload of its refit."""
+        who, kind = e["who"], e["event"]
+        for fault in list(self.faults):
+            if kind == "fault-point":
+                hit = fault.version == e["version"] and fault.after == e["point"]
+                hit = hit and fault.target in (who, self.procs[who].role)
+            else:
+                relay = fault.target.startswith("relay-")
+                hit = relay and kind == "applied" and fault.version == self._committed + 1
+            if hit:
+                self.faults.remove(fault)
+                self._write_faults()
+                if fault.target.startswith("relay-"):
+                    self.kill(fault.target, fault.version)
+                else:
+                    self.kill(who, fault.version)
+                return
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        last = self.cfg.model.refits
+        row = self.rows.get(last)
+        return (
+            self._committed >= last
+            and row is not None
+            and set(row.checks) >= {r.name for r in self.cfg.receivers}
+        )
+
+    def run(self) -> dict[str, Any]:
+        """Start the fleet, run it to the last version, stop it; returns the report."""
+        t0 = time.monotonic()
+
+        def terminate(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signum)  # runs stop() below: children stop cleanly
+
+        previous = signal.signal(signal.SIGTERM, terminate)
+        self.start()
+        try:
+            while not self.done():
+                if time.monotonic() - t0 > self.deadline_s:
+                    raise TimeoutError(f"the fleet did not finish within {self.deadline_s:.0f} s")
+                for e in self._reader.poll():
+                    self._on_event(e)
+                self._supervise()
+                time.sleep(0.05)
+        finally:
+            self.stop()
+            signal.signal(signal.SIGTERM, previous)
+        return self.report(time.monotonic() - t0)
+
+    def report(self, seconds: float) -> dict[str, Any]:
+        rows = []
+        for v in range(1, self.cfg.model.refits + 1):
+            row = self._row(v)
+            row.payload_bytes = sum(self._sizes.get(a["attempt"], 0) for a in row.attempts)
+            seen = [
+                self._traffic[a["attempt"]] for a in row.attempts if a["attempt"] in self._traffic
+            ]
+            if seen:
+                row.cross = (sum(c for c, _ in seen), sum(p for _, p in seen))
+            rows.append(row.as_dict())
+        exact = not self.mismatches and all(r["bit_exact"] for r in rows)
+        return {
+            "processes": len(self.procs),
+            "starts": sum(p.starts for p in self.procs.values()),
+            "sigkills": [{"version": v, "process": n} for v, n in self.kills],
+            "checkpoint_bytes": self.model.checkpoint_bytes,
+            "bit_exact": exact,
+            "mismatches": self.mismatches,
+            "seconds": round(seconds, 2),
+            "refits": rows,
+        }

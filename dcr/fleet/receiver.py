@@ -1,0 +1,70 @@
+"""``dcr receiver``: one serving rank of a rollout engine, as its own process.
+
+It starts empty, restores the committed version by a dense refit the owners send over the
+relay tree (nothing is read from a shared filesystem), joins at the next prepare, and then
+takes every refit in place through its native loader.  Each time its storage holds a
+committed record exactly it reports digests of every parameter's bits (``holds`` events),
+which the launcher compares with a dense load of that version.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from dcr.apply.receiver import Receiver
+from dcr.engine.receiver import ReceiverHooks, ReceiverService
+from dcr.fleet.config import FleetConfig
+from dcr.fleet.events import EventLog, FaultPoints
+from dcr.fleet.model import FleetModel, digests
+from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.protocol.types import CommitRecord, PayloadKey
+from dcr.testing.reference import ShardedReferenceLoader
+
+__all__ = ["run_receiver"]
+
+
+async def run_receiver(cfg: FleetConfig, name: str) -> None:
+    """Serve receiver ``name`` until cancelled."""
+    spec = cfg.receiver(name)
+    model = FleetModel(cfg)
+    log = EventLog(cfg.events_dir, name)
+    module = model.receiver_model(spec)
+    receiver = Receiver(ShardedReferenceLoader(module), model.catalog)
+    await anyio.to_thread.run_sync(receiver.prewarm)
+    store = make_store(cfg)
+    control = make_control(cfg, store)
+    transport = make_transport(cfg, node=cfg.node_of(name).name)
+
+    async def holds(record: CommitRecord) -> None:
+        found = await anyio.to_thread.run_sync(digests, module)
+        log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
+
+    faults = FaultPoints(cfg.run_dir / "faults.json", name, log)
+
+    def applied(key: PayloadKey) -> None:  # runs in the apply worker thread
+        log.emit("applied", attempt=key.attempt, owner=key.owner, payload=key.payload_id)
+        info = service.core.attempt
+        if info is not None and info.attempt == key.attempt:
+            faults.reached("applied", info.base.version + 1, role="receiver")
+
+    service = ReceiverService(
+        name=name,
+        receiver=receiver,
+        integration=model.integration(),
+        control=control,
+        transport=transport,
+        held=None,
+        hooks=ReceiverHooks(holds=holds),
+        on_applied=applied,
+    )
+    log.emit(
+        "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation
+    )
+    try:
+        await service.serve()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await transport.aclose()
+            await control.aclose()
+            await store.close()
+        log.close()

@@ -1,0 +1,49 @@
+"""``dcr relay``: one relay node of the tree (paper App. B "Transports", relay tree).
+
+The first rollout node of the fleet file is the root: owners send to it.  Every other node
+hangs below its parent in a balanced tree of the configured fan-out; receivers connect to the
+node of their rollout host.  The root reports what crossed into the tree (V_cross, V_payload)
+as ``relay`` events.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from dcr.adapters.transport.relay_node import RelayConfig, RelayNode, balanced_tree
+from dcr.fleet.config import FleetConfig
+from dcr.fleet.events import EventLog
+from dcr.fleet.runtime import _options
+
+__all__ = ["run_relay"]
+
+
+async def run_relay(cfg: FleetConfig, node: str) -> None:
+    """Serve relay node ``node`` until cancelled."""
+    opts = {k: v for k, v in cfg.transport.items() if k not in ("kind", "fanout")}
+    tree = balanced_tree([n.name for n in cfg.rollout], int(cfg.transport.get("fanout", 2)))
+    if node not in tree:
+        raise SystemExit(f"the fleet file names no rollout node {node!r}")
+    parent = tree[node]
+    relay = RelayNode(
+        node,
+        bind=cfg.address(node),
+        parent=cfg.address(parent) if parent is not None else None,
+        config=_options(RelayConfig, opts, "transport"),
+    )
+    log = EventLog(cfg.events_dir, f"relay-{node}")
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(relay.serve)
+            log.emit("started", role="relay", node=node, parent=parent, address=relay.address)
+            if parent is None:
+                reported: dict[int, tuple[int, int]] = {}
+                while True:  # the root reports what crossed into the tree, per attempt
+                    now = relay.attempt_traffic()
+                    changed = {a: t for a, t in now.items() if reported.get(a) != t}
+                    if changed:
+                        log.emit("traffic", attempts={str(a): list(t) for a, t in changed.items()})
+                        reported.update(changed)
+                    await anyio.sleep(0.25)
+    finally:
+        log.close()
