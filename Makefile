@@ -7,13 +7,14 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-dev
 PYTEST  ?= -q
 
-.PHONY: help venv demo test test-main test-fast test-vllm lint bench docs clean
+.PHONY: help venv demo test test-main test-fast test-vllm lint bench soak docs clean
 
 help:
 	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy and vLLM tests)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
-	@echo "make bench      dcr bench codec + dcr bench construct (JSON to out/)"
+	@echo "make bench      dcr bench codec + construct + relay (JSON to out/)"
+	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
 	@echo "make docs       regenerate generated docs (protocol state diagram)"
 
 $(STAMP): pyproject.toml
@@ -47,6 +48,13 @@ bench: $(STAMP)
 	mkdir -p out
 	$(BIN)/dcr bench codec --json | tee out/bench-codec.json
 	$(BIN)/dcr bench construct --json | tee out/bench-construct.json
+	$(BIN)/dcr bench relay --json | tee out/bench-relay.json
+
+SOAK_REFITS ?= 60
+soak: $(STAMP)
+	mkdir -p out
+	$(BIN)/dcr demo --faults random --refits $(SOAK_REFITS) --seed 7 --dir out/soak --json \
+		| tee out/soak.json
 
 docs: $(STAMP)
 	$(BIN)/python scripts/gen_protocol_doc.py

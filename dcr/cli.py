@@ -125,9 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default="out/demo", help="fleet file, logs and commit store")
     demo.add_argument(
         "--faults",
-        action="store_true",
-        help="SIGKILL one process mid-refit in refits 2..N: a receiver, a trainer rank, the "
-        "active coordinator, a relay node (cycling); each is restarted and recovers",
+        nargs="?",
+        const="plan",
+        choices=["plan", "random"],
+        help="SIGKILL one process mid-refit in refits 2..N: 'plan' (the default) cycles a "
+        "receiver, a trainer rank, the active coordinator, a relay node; 'random' draws the "
+        "role each refit (seeded by --seed); each process is restarted and recovers",
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -142,7 +145,11 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     fleet.add_argument("--fleet", required=True, help="the fleet file (TOML)")
-    fleet.add_argument("--faults", action="store_true", help="the demo's SIGKILL plan")
+    fleet.add_argument(
+        "--faults", nargs="?", const="plan", choices=["plan", "random"],
+        help="SIGKILL one process mid-refit per refit (see dcr demo --faults)",
+    )  # fmt: skip
+    fleet.add_argument("--seed", type=int, default=0, help="seed of --faults random")
     fleet.add_argument("--json", action="store_true", help="print one JSON object")
 
     roles = (
@@ -251,11 +258,11 @@ def _fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dcr.fleet.config import load_fleet
-    from dcr.fleet.launcher import Launcher, default_faults
+    from dcr.fleet.launcher import Launcher, fault_plan
 
     cfg = load_fleet(args.fleet)
     console = Console(stderr=True, quiet=args.json)
-    launcher = Launcher(cfg, faults=default_faults(cfg) if args.faults else [], say=console.print)
+    launcher = Launcher(cfg, faults=fault_plan(cfg, args.faults, args.seed), say=console.print)
     report = launcher.run()
     print(json.dumps(report) if args.json else json.dumps(report, indent=1))
     return 0 if report["bit_exact"] else 1

@@ -8,9 +8,10 @@ on disk.  Receivers start empty and restore version 0 by a dense refit the owner
 the relay tree; then each optimizer step is refit in place.  After every commit each receiver
 reports digests of its parameter bits, compared with a dense load of that version.
 
-With ``faults=True`` refits 2, 3, ... each SIGKILL one process mid-refit: a receiver, a
-trainer rank (the whole trainer restarts), the active coordinator (the standby takes over
-with the next epoch) and a relay node -- and show how each transition recovered.
+With ``faults=True`` (or ``"plan"``) refits 2, 3, ... each SIGKILL one process mid-refit: a
+receiver, a trainer rank (the whole trainer restarts), the active coordinator (the standby
+takes over with the next epoch) and a relay node -- and show how each transition recovered;
+``faults="random"`` draws the role of each refit (seeded by ``seed``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dcr.fleet.config import load_fleet
-from dcr.fleet.launcher import Launcher, default_faults
+from dcr.fleet.launcher import Launcher, fault_plan
 
 __all__ = ["demo_fleet_file", "run_demo"]
 
@@ -99,7 +100,7 @@ def run_demo(
     refits: int = 5,
     rate: float = 0.01,
     seed: int = 0,
-    faults: bool = False,
+    faults: bool | str = False,
     quiet: bool = False,
     model_overrides: dict[str, Any] | None = None,
     chunk_mb: float = 8.0,
@@ -113,7 +114,7 @@ def run_demo(
         model_overrides=model_overrides, chunk_mb=chunk_mb, bucket_mb=bucket_mb,
     )  # fmt: skip
     cfg = load_fleet(path)
-    plan = default_faults(cfg) if faults else []
+    plan = fault_plan(cfg, "plan" if faults is True else (faults or None), seed)
     launcher = Launcher(cfg, faults=plan, say=console.print, deadline_s=deadline_s)
     ckpt = launcher.model.checkpoint_bytes
     console.print(

@@ -28,9 +28,10 @@ import anyio.from_thread
 
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.commit.memory import MemoryCommitStore
-from dcr.adapters.control.memory import MemoryControl
+from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.registry import load
 from dcr.adapters.sources.base import Source
-from dcr.adapters.transport.memory import MemoryTransport
+from dcr.adapters.transport.base import Transport
 from dcr.apply.loader import Loader
 from dcr.apply.receiver import ApplyConfig, Receiver, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
@@ -134,6 +135,11 @@ class TransitionFailed(DcrError):
         super().__init__(f"the transition ended {outcome.value}: {reason}", check=outcome.value)
 
 
+async def _construct(cls: type, **kwargs: Any) -> Any:
+    """Build an adapter inside the engine's event loop (sockets bind to that loop)."""
+    return cls(**kwargs)
+
+
 def _mode(mode: Mode | str) -> Mode:
     try:
         return mode if isinstance(mode, Mode) else Mode(mode)
@@ -198,8 +204,10 @@ class LocalRefit(_Base):
     ``"overwrite"`` sends absolute values only.  ``store`` is the commit store (default
     in-memory; pass e.g. :class:`~dcr.adapters.commit.SqliteCommitStore` for a durable one);
     ``hooks`` maps receiver names (``r0``, ``r1``, ...) to request-gate and KV-cache actions.
-    Owners are named ``o<rank>``.  Close it (or use it as a context manager) to stop the
-    engines.
+    ``transport`` and ``control`` are adapter objects or registered names (``"memory"``, the
+    default; ``control="zmq"`` runs every call and reply through real ZeroMQ sockets and the
+    control codec on 127.0.0.1).  Owners are named ``o<rank>``.  Close it (or use it as a
+    context manager) to stop the engines.
     """
 
     def __init__(
@@ -211,6 +219,8 @@ class LocalRefit(_Base):
         config: RefitConfig | None = None,
         store: CommitStore | None = None,
         hooks: Mapping[str, ReceiverHooks] | None = None,
+        transport: Transport | str = "memory",
+        control: ControlChannel | str = "memory",
     ) -> None:
         super().__init__(source, receivers, mode=mode, config=config)
         self.store = store or MemoryCommitStore()
@@ -225,6 +235,7 @@ class LocalRefit(_Base):
         )
         self.receiver_names = tuple(f"r{i}" for i in range(len(self.receivers)))
         self._hooks = dict(hooks or {})
+        self._built: list[Any] = []
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._closed = False
@@ -235,8 +246,8 @@ class LocalRefit(_Base):
                 receivers=dict(zip(self.receiver_names, self.receivers, strict=True)),
                 integration=self.integration,
                 store=self.store,
-                control=MemoryControl(),
-                transport=MemoryTransport(),
+                control=self._adapter("control", control),
+                transport=self._adapter("transport", transport),
                 sync=self.config.sync,
                 timeouts=self.config.timeouts,
                 queue=self.config.queue,
@@ -250,6 +261,20 @@ class LocalRefit(_Base):
             self._portal_cm.__exit__(None, None, None)
             raise
 
+    def _adapter(self, kind: str, given: object) -> Any:
+        """An adapter given as an object, or by its registered name (``dcr.adapters.registry``);
+        by name, in-process adapters take no options (``zmq`` control finds the coordinator
+        through this refit's commit store)."""
+        if not isinstance(given, str):
+            return given
+        cls = load(kind, given)
+        if kind == "control" and given == "zmq":
+            adapter = self._portal.call(lambda: _construct(cls, store=self.store))
+        else:
+            adapter = self._portal.call(lambda: _construct(cls))
+        self._built.append(adapter)
+        return adapter
+
     async def _read_record(self) -> Any:
         return (await self.store.read()).record
 
@@ -261,12 +286,18 @@ class LocalRefit(_Base):
 
     @asynccontextmanager
     async def _serve(self) -> AsyncIterator[None]:
-        async with anyio.create_task_group() as tg:
-            await self.cluster.start(tg, self._committed)
-            try:
-                yield
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await self.cluster.start(tg, self._committed)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            # Adapters built here by name are this refit's to close.
+            with anyio.CancelScope(shield=True):
+                for adapter in self._built:
+                    await adapter.aclose()
 
     def close(self) -> None:
         """Stop every engine and the event loop thread."""

@@ -54,46 +54,19 @@ def test_bad_arguments_exit_with_usage(capsys):
     assert "modes are X, P and F" in capsys.readouterr().err
 
 
-def test_demo_is_bit_exact(capsys):
-    out = run_json(capsys, "demo", "--size-mb", "8", "--refits", "2")
-    assert out["bit_exact"] is True
+def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
+    out = run_json(
+        capsys, "demo", "--size-mb", "0", "--refits", "2", "--rate", "0.05", "--dir",
+        str(tmp_path),
+    )  # fmt: skip
+    assert out["bit_exact"] is True and out["mismatches"] == []
+    assert out["processes"] == 11  # 2 relays, coordinator + standby, 3 receivers, 4 owners
     assert [r["version"] for r in out["refits"]] == [1, 2]
-    assert all(r["bit_exact"] and r["changed_elements"] > 0 for r in out["refits"])
-    assert out["owners"] == 4 and out["receiver_ranks"] == 3
-
-
-def test_demo_exits_nonzero_when_a_receiver_misses_a_payload(capsys, monkeypatch):
-    """A receiver engine that silently skips its first payload yet acknowledges: the demo's
-    dense check must catch it and the command must fail."""
-    from dcr.engine.receiver import ReceiverService
-
-    real = ReceiverService._apply_group
-    skipped: list[object] = []
-
-    def skip_first(self, attempt, keys):
-        if not skipped and self.name == "r0":
-            skipped.append(keys[0])
-            self._decoded.pop(keys[0])
-            keys = keys[1:]
-        return real(self, attempt, keys)
-
-    monkeypatch.setattr(ReceiverService, "_apply_group", skip_first)
-    assert cli.main(["demo", "--size-mb", "8", "--refits", "1", "--json"]) == 1
-    out = json.loads(capsys.readouterr().out)
-    assert out["bit_exact"] is False and skipped
-
-
-def test_demo_with_faults_recovers_bit_exactly(capsys):
-    out = run_json(capsys, "demo", "--size-mb", "8", "--refits", "5", "--faults")
-    assert out["bit_exact"] is True
-    rows = out["refits"]
-    assert rows[0]["attempts"] == ["mixed"]
-    # refit 2: a receiver killed mid-refit -> overwrite retry, restarted by dense refit
-    assert rows[1]["attempts"] == ["mixed", "overwrite"]
-    assert rows[1]["faults"]["killed"] == ["r1"] and rows[1]["faults"]["restarted"] == ["r1"]
-    # refit 3: damaged deliveries fail the mixed attempt; the retry repairs
-    assert rows[2]["attempts"] == ["mixed", "overwrite"] and rows[2]["faults"]["dropped"] == 1
-    # refit 4: a lost commit reply is resolved by read_commit, no retry needed
-    assert rows[3]["attempts"] == ["mixed"] and rows[3]["faults"]["lost_commit_replies"] == 1
-    # refit 5: failover; the new coordinator retries in overwrite mode
-    assert rows[4]["faults"]["failovers"] == 1 and rows[4]["attempts"][-1] == "overwrite"
+    for row in out["refits"]:
+        assert set(row) >= {"version", "bit_exact", "payload_bytes", "attempts", "killed",
+                            "seconds"}  # fmt: skip
+        assert row["bit_exact"] and row["payload_bytes"] > 0 and row["attempts"] == ["mixed"]
+        assert row["receivers_checked"] == ["r0", "r1", "r2"] and row["killed"] == []
+        # Fault-free: each payload crossed into the relay tree exactly once.
+        assert row["v_cross"] == row["v_payload"] == row["payload_bytes"]
+    assert (tmp_path / "fleet.toml").exists() and (tmp_path / "run" / "commit.db").exists()

@@ -30,7 +30,7 @@ from dcr.fleet.config import FleetConfig, free_port
 from dcr.fleet.events import EventReader
 from dcr.fleet.model import FleetModel
 
-__all__ = ["Fault", "Launcher", "RefitRow", "default_faults"]
+__all__ = ["Fault", "Launcher", "RefitRow", "default_faults", "fault_plan", "random_faults"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +66,31 @@ def default_faults(cfg: FleetConfig) -> list[Fault]:
         Fault(version=v, target=plan[(v - 2) % len(plan)][0], after=plan[(v - 2) % len(plan)][1])
         for v in range(2, cfg.model.refits + 1)
     ]
+
+
+def random_faults(cfg: FleetConfig, seed: int, *, per_refit: int = 1) -> list[Fault]:
+    """``per_refit`` SIGKILLs in every refit from 2 on, each of a role drawn at random
+    (receivers, trainer ranks, the active coordinator, relay nodes), at its fault point."""
+    import random
+
+    rng = random.Random(seed)
+    choices = [(r.name, "applied") for r in cfg.receivers]
+    choices += [(o, "sent") for o in cfg.owners]
+    choices += [("coordinator", "replied")]
+    choices += [(f"relay-{n.name}", "applied") for n in cfg.rollout]
+    plan = []
+    for v in range(2, cfg.model.refits + 1):
+        for target, after in rng.sample(choices, per_refit):
+            plan.append(Fault(version=v, target=target, after=after))
+    return plan
+
+
+def fault_plan(cfg: FleetConfig, kind: str | None, seed: int = 0) -> list[Fault]:
+    """``None``: no faults; ``"plan"``: :func:`default_faults`; ``"random"``:
+    :func:`random_faults` seeded by ``seed``."""
+    if kind is None:
+        return []
+    return default_faults(cfg) if kind == "plan" else random_faults(cfg, seed)
 
 
 @dataclass(slots=True)
@@ -293,6 +318,7 @@ class Launcher:
             if e["outcome"] in ("committed", "conflict") and int(e["record"]) > int(e["base"]):
                 row.ended = e["t"]
                 self._committed = max(self._committed, int(e["record"]))
+                self._advance_faults()
                 self.say(
                     f"refit {row.version}: {e['outcome']} after "
                     f"{' → '.join(a['mode'] for a in row.attempts) or 'takeover'}"
@@ -321,10 +347,21 @@ class Launcher:
             self.mismatches.append(f"{receiver} v{version}: {bad[:3]}")
             self.say(f"[red]{receiver} holds v{version} with {len(bad)} mismatching tensors")
 
+    def _advance_faults(self) -> None:
+        """A fault whose refit was committed before its moment came moves to the next one."""
+        version = self._committed + 1
+        late = [i for i, f in enumerate(self.faults) if f.version < version]
+        for i in late:
+            f = self.faults[i]
+            self.faults[i] = Fault(version=version, target=f.target, after=f.after)
+        if late:
+            self._write_faults()
+
     def _strike(self, e: dict[str, Any]) -> None:
         """A process stopped at a planned fault point: SIGKILL it there.  A relay node is
         killed when a receiver applies a payload of its refit."""
         who, kind = e["who"], e["event"]
+        self._advance_faults()
         for fault in list(self.faults):
             if kind == "fault-point":
                 hit = fault.version == e["version"] and fault.after == e["point"]

@@ -36,14 +36,26 @@ async def run_relay(cfg: FleetConfig, node: str) -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(relay.serve)
             log.emit("started", role="relay", node=node, parent=parent, address=relay.address)
-            if parent is None:
-                reported: dict[int, tuple[int, int]] = {}
-                while True:  # the root reports what crossed into the tree, per attempt
+            reported: dict[int, tuple[int, int]] = {}
+            last_state: dict[str, object] = {}
+            while True:
+                if parent is None:  # the root reports what crossed into the tree, per attempt
                     now = relay.attempt_traffic()
                     changed = {a: t for a, t in now.items() if reported.get(a) != t}
                     if changed:
                         log.emit("traffic", attempts={str(a): list(t) for a, t in changed.items()})
                         reported.update(changed)
-                    await anyio.sleep(0.25)
+                held = relay.held()
+                state: dict[str, object] = {
+                    "held": held.count,
+                    "held_bytes": held.bytes,
+                    "receivers": sorted(relay.receivers()),
+                    "peers_lost": relay.peers_lost,
+                    "drops": dict(relay.drops),
+                }
+                if state != last_state:  # what an operator watches: buffers, peers, drops
+                    log.emit("state", **state)
+                    last_state = state
+                await anyio.sleep(0.25)
     finally:
         log.close()

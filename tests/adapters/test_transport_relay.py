@@ -638,3 +638,38 @@ async def test_relay_throughput_reports_positive_rates() -> None:
     assert result["raw_bytes_per_s"] > 0 and result["relay_bytes_per_s"] > 0
     assert result["relay_min_bytes_per_s"] <= result["relay_bytes_per_s"]
     assert result["ratio"] == pytest.approx(result["relay_bytes_per_s"] / result["raw_bytes_per_s"])
+
+
+async def test_a_send_routed_to_a_receiver_that_just_died_completes() -> None:
+    """A receiver dies (no goodbye) and a payload is routed to it before the pings notice:
+    the failed hand-over must release the payload at once, not leave the owner's send
+    waiting forever (a SIGKILLed relay node or receiver mid-refit)."""
+    slow = RelayConfig(
+        max_buffered=4, max_buffered_bytes=128 << 10, receiver_window=2,
+        ping_interval_s=5.0, peer_timeout_s=30.0, max_payload_bytes=4 << 20,
+    )  # fmt: skip
+    async with AsyncExitStack() as stack:
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        root = RelayNode("n0", config=slow)
+        await tg.start(root.serve)
+        owner = RelayTransport(root=root.address, config=slow)
+        ra = RelayTransport(node=root.address, config=slow)
+        rb = RelayTransport(node=root.address, config=slow)
+        for t in (owner, ra):
+            stack.push_async_callback(t.aclose)
+
+        async def take(name: str, t: RelayTransport) -> None:
+            async for d in t.subscribe(name):
+                await t.taken(name, d.key)
+
+        tg.start_soon(take, "ra", ra)
+        tg.start_soon(take, "rb", rb)
+        await _wait(lambda: root.receivers() == {"ra", "rb"}, 5, "both receivers")
+        with anyio.fail_after(5):
+            await owner.send(_key(1, "o0", 0), b"p")
+        await rb.aclose()  # rb's process dies: its connection is gone, no unsubscribe
+        await anyio.sleep(0.2)
+        with anyio.fail_after(5):  # pings are 5 s apart: only the failed hand-over tells
+            await owner.send(_key(1, "o0", 1), b"q")
+        assert root.receivers() == {"ra"}

@@ -658,11 +658,13 @@ class RelayNode:
                 continue
             if not link.has_credit(t.size):
                 return
-            link.queue.popleft()
             frame = Payload(origin=t.origin, seq=t.seq, key=t.key, size=t.size, to=t.to)
             if not self._emit(link.ident, frame, t.body):
+                # The peer is gone: losing the link releases every transfer waiting for it,
+                # this one included (it is still at the head of the queue).
                 self._lose(link)
                 return
+            link.queue.popleft()
             link.inflight[t.seq] = (t.key.attempt, t.size)
             link.inflight_bytes += t.size
 

@@ -1,0 +1,77 @@
+"""The fleet file: defaults, validation with clear errors, ports chosen by the launcher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcr.errors import ConfigError
+from dcr.fleet.config import load_fleet
+from dcr.fleet.model import FleetModel
+from dcr.fleet.runtime import make_transport
+
+MINIMAL = """
+[model]
+size_mb = 0
+refits = 2
+
+[[rollout]]
+name = "a"
+receivers = [{ name = "r0", tp = 1, rank = 0 }]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fleet.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
+    cfg = load_fleet(write(tmp_path, MINIMAL))
+    assert cfg.run_dir == tmp_path / "run"
+    assert cfg.owners == ("o0", "o1", "o2", "o3")  # TP=2 x DP=2 by default
+    assert cfg.commit_store["kind"] == "sqlite" and cfg.control["kind"] == "zmq"
+    assert cfg.transport == {"kind": "relay", "fanout": 2}
+    assert cfg.coordinator.standbys == 1 and cfg.coordinator.timeouts.baseline_s == 3.0
+    assert cfg.node_of("r0").name == "a"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[model]\nrefits = 1\n", "at least one [[rollout]]"),
+        (MINIMAL + "[trainer]\ntpp = 2\n", "unknown keys ['tpp']"),
+        (MINIMAL + "[nonsense]\n", "unknown sections"),
+        (MINIMAL.replace("rank = 0", "rank = 3"), "rank 3 outside tp=1"),
+        (MINIMAL + '[[rollout]]\nname = "b"\nreceivers = [{ name = "r0" }]\n', "unique"),
+        ("[model\n", "not valid TOML"),
+        (MINIMAL + "[coordinator.timeouts]\nprepare_s = -1\n", "prepare_s must be positive"),
+    ],
+)
+def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        load_fleet(write(tmp_path, text))
+    assert needle in str(info.value)
+
+
+def test_roles_need_the_ports_the_launcher_chose(tmp_path: Path) -> None:
+    cfg = load_fleet(write(tmp_path, MINIMAL))
+    with pytest.raises(ConfigError, match="dcr fleet"):
+        make_transport(cfg)
+    cfg.run_dir.mkdir()
+    cfg.ports_file.write_text('{"a": 41234}')
+    assert cfg.address("a") == "tcp://127.0.0.1:41234"
+
+
+def test_mixed_mode_xors_what_every_serving_layout_preserves(tmp_path: Path) -> None:
+    text = MINIMAL.replace(
+        'receivers = [{ name = "r0", tp = 1, rank = 0 }]',
+        'receivers = [{ name = "r0", tp = 1, rank = 0 }, { name = "r1", tp = 2, rank = 1 }]',
+    )
+    model = FleetModel(load_fleet(write(tmp_path, text)))
+    xor = model.xor_names
+    # The reference ranks keep the final norm in float32 (a cast): never XOR-encoded.
+    assert "model.norm.weight" not in xor
+    assert "model.layers.0.self_attn.q_proj.weight" in xor and len(xor) > 10
