@@ -37,7 +37,9 @@ def fleet(family: str = "llama", **config: object):  # type: ignore[no-untyped-d
 
 def exact(cfg, w, ranks) -> bool:  # type: ignore[no-untyped-def]
     fresh = [ShardedReferenceLoader.dense(cfg, "llama", w, tp_size=2, tp_rank=r) for r in (0, 1)]
-    return all(module_bit_mismatches(a.module, b.module) == [] for a, b in zip(ranks, fresh))
+    return all(
+        module_bit_mismatches(a.module, b.module) == [] for a, b in zip(ranks, fresh, strict=True)
+    )
 
 
 def failure_reasons(refit: LocalRefit) -> list[str]:
