@@ -406,10 +406,21 @@ class Launcher:
                     self._on_event(e)
                 self._supervise()
                 time.sleep(0.05)
+            # The root reports its traffic every quarter second: wait (briefly) for the last.
+            settle = time.monotonic() + 5.0
+            while not self._traffic_complete() and time.monotonic() < settle:
+                for e in self._reader.poll():
+                    self._on_event(e)
+                time.sleep(0.05)
         finally:
             self.stop()
             signal.signal(signal.SIGTERM, previous)
         return self.report(time.monotonic() - t0)
+
+    def _traffic_complete(self) -> bool:
+        return all(
+            a["attempt"] in self._traffic for row in self.rows.values() for a in row.attempts
+        )
 
     def report(self, seconds: float) -> dict[str, Any]:
         rows = []
