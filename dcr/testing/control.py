@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from dcr.adapters.control.base import PENDING_CALLS, CoordinatorLink, EndpointLink
 from dcr.protocol import messages as msg
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
+from dcr.testing.conformance import run_named_check
 
 __all__ = [
     "CHECKS",
@@ -426,16 +427,6 @@ CHECKS: dict[str, Callable[[ControlHarness], Awaitable[None]]] = {
 
 
 async def run_check(name: str, harness: ControlHarness) -> str | None:
-    """Run check ``name`` on ``harness`` within its time bound.
-
-    Returns ``None`` when the check ran and passed, or the harness's stated reason when the
-    check does not apply to the channel.
-    """
-    reason = harness.not_applicable.get(name)
-    if reason is not None:
-        if not reason.strip():
-            raise AssertionError(f"{name} is marked not applicable without a reason")
-        return reason
-    with anyio.fail_after(harness.timeout_s):
-        await CHECKS[name](harness)
-    return None
+    """Run check ``name`` on ``harness`` within its time bound; ``None`` when it passed, or
+    the harness's stated reason when the check does not apply to the channel."""
+    return await run_named_check(CHECKS, name, harness)

@@ -31,6 +31,7 @@ import anyio.abc
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.errors import TransportError
 from dcr.protocol.types import PayloadKey
+from dcr.testing.conformance import run_named_check
 
 __all__ = ["CHECKS", "HeldLike", "Inbox", "TransportHarness", "run_check"]
 
@@ -482,16 +483,6 @@ CHECKS: dict[str, Callable[[TransportHarness], Awaitable[None]]] = {
 
 
 async def run_check(name: str, harness: TransportHarness) -> str | None:
-    """Run check ``name`` on ``harness`` within its time bound.
-
-    Returns ``None`` when the check ran and passed, or the harness's stated reason when the
-    check does not apply to the transport.
-    """
-    reason = harness.not_applicable.get(name)
-    if reason is not None:
-        if not reason.strip():
-            raise AssertionError(f"{name} is marked not applicable without a reason")
-        return reason
-    with anyio.fail_after(harness.timeout_s):
-        await CHECKS[name](harness)
-    return None
+    """Run check ``name`` on ``harness`` within its time bound; ``None`` when it passed, or
+    the harness's stated reason when the check does not apply to the transport."""
+    return await run_named_check(CHECKS, name, harness)
