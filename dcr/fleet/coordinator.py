@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -50,6 +51,8 @@ class _Job:
     job: int
     record: CommitRecord
     deadline: float
+    sent: dict[str, int] = field(default_factory=dict)
+    """Owner -> payloads it sent (its :class:`~dcr.protocol.messages.SendsDone`)."""
 
 
 @dataclass(slots=True)
@@ -266,6 +269,8 @@ class FleetCoordinator:
                     self.log.emit("restored", receiver=reply.receiver, version=reply.record.version)
             elif isinstance(reply, msg.AttemptFailed):
                 self._on_job_failed(reply)
+            elif isinstance(reply, msg.SendsDone) and self._on_job_sent(reply):
+                continue
             service = self._service
             info = service.core.attempt if service is not None and service.core else None
             replied = isinstance(reply, msg.GateClosed | msg.Acked)
@@ -295,6 +300,23 @@ class FleetCoordinator:
                 job.deadline = min(job.deadline, anyio.current_time() + 1.0)
                 self.log.emit("dense-failed", receiver=receiver, job=job.job,
                               endpoint=failure.endpoint, check=failure.check)  # fmt: skip
+
+    def _on_job_sent(self, done: msg.SendsDone) -> bool:
+        """An owner sent its last payload of a dense job; once every owner has, the receiver
+        checks arrival against their sent lists (a payload lost with a relay node fails the
+        job within the transport's arrival grace instead of at ``dense_timeout_s``)."""
+        for receiver, job in self._jobs.items():
+            if job.job == done.attempt:
+                job.sent[done.owner] = done.payload_count
+                if set(job.sent) >= set(self.owners):
+                    call = msg.CheckArrival(attempt=job.job, expected=tuple(job.sent.items()))
+                    self._spawn(partial(self._call, receiver, call))
+                return True
+        return False
+
+    async def _call(self, endpoint: str, call: msg.Call) -> None:
+        assert self._link is not None
+        await self._link.call(endpoint, call, epoch=self._current_epoch())
 
     # -- dense refits of joining receivers --------------------------------------------------
 
@@ -326,12 +348,10 @@ class FleetCoordinator:
         call = msg.DenseRefit(
             job=job, record=record, owners=self.owners, receivers=frozenset({receiver})
         )
-        assert self._link is not None
-        link = self._link
 
         async def send() -> None:
             for name in (*self.owners, receiver):
-                await link.call(name, call, epoch=self._current_epoch())
+                await self._call(name, call)
 
         self._spawn(send)
 

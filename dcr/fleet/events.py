@@ -74,18 +74,34 @@ class FaultPoints:
         self.log = log
         self.wait_s = wait_s
 
-    def reached(self, point: str, version: int, *, role: str = "") -> None:
-        """Called at ``point`` of the refit to ``version`` (from any thread)."""
+    def reached(
+        self, point: str, version: int, *, role: str = "", also: tuple[str, ...] = ()
+    ) -> None:
+        """Called at ``point`` of the refit to ``version`` (from a worker thread: it blocks).
+
+        A fault matches when its target is this process, its role, or one of ``also`` (a
+        relay node this process depends on: the launcher kills that one instead).  The
+        process waits until the launcher has struck (the fault leaves the plan) or
+        ``wait_s`` passed.
+        """
+        fault = self._planned(point, version, (self.who, role, *also))
+        if fault is None:
+            return
+        self.log.emit("fault-point", point=point, version=version, target=fault["target"])
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline and self._planned(point, version, (fault["target"],)):
+            time.sleep(0.02)
+
+    def _planned(self, point: str, version: int, targets: tuple[str, ...]) -> dict | None:  # type: ignore[type-arg]
         try:
             plan = json.loads(self.path.read_text())
         except (OSError, json.JSONDecodeError):
-            return
+            return None
         for fault in plan:
             if (
                 fault.get("point") == point
                 and fault.get("version") == version
-                and fault.get("target") in (self.who, role)
+                and fault.get("target") in targets
             ):
-                self.log.emit("fault-point", point=point, version=version)
-                time.sleep(self.wait_s)
-                return
+                return dict(fault)
+        return None

@@ -39,10 +39,12 @@ class Fault:
 
     ``after`` is where: ``"applied"`` (receiver ``target`` applied a payload of that refit),
     ``"sent"`` (owner ``target`` sent one), ``"replied"`` (the active coordinator --
-    ``target="coordinator"`` -- got an endpoint's reply in that refit).  The process stops at
-    that point and reports it (:class:`~dcr.fleet.events.FaultPoints`), so the SIGKILL lands
-    exactly there.  A relay node (``target="relay-<node>"``) is killed when any receiver
-    reports ``"applied"`` in that refit.
+    ``target="coordinator"`` -- got an endpoint's reply in that refit), ``"dense"`` (a
+    receiver applied a payload of the dense refit restoring ``version`` after it joined).
+    The process stops at that point and reports it (:class:`~dcr.fleet.events.FaultPoints`),
+    so the SIGKILL lands exactly there.  A relay node (``target="relay-<node>"``) is killed
+    when any receiver reports ``"applied"`` in that refit, or, with ``after="dense"``, when
+    a receiver it hosts stops mid-restore.
     """
 
     version: int
@@ -193,7 +195,7 @@ class Launcher:
         planned = [
             {"target": f.target, "version": f.version, "point": f.after}
             for f in self.faults
-            if not f.target.startswith("relay-")
+            if not (f.target.startswith("relay-") and f.after == "applied")
         ]
         tmp = self.cfg.run_dir / "faults.json.tmp"
         tmp.write_text(json.dumps(planned))
@@ -349,13 +351,17 @@ class Launcher:
 
     def _advance_faults(self) -> None:
         """A fault whose refit was committed before its moment came moves to the next one."""
-        version = self._committed + 1
-        late = [i for i, f in enumerate(self.faults) if f.version < version]
+        late = [i for i, f in enumerate(self.faults) if f.version < self._next(f)]
         for i in late:
             f = self.faults[i]
-            self.faults[i] = Fault(version=version, target=f.target, after=f.after)
+            self.faults[i] = Fault(version=self._next(f), target=f.target, after=f.after)
         if late:
             self._write_faults()
+
+    def _next(self, fault: Fault) -> int:
+        """The earliest version ``fault`` can still strike at: the next refit, or for a
+        restore the committed version (a receiver restores it after a commit)."""
+        return self._committed if fault.after == "dense" else self._committed + 1
 
     def _strike(self, e: dict[str, Any]) -> None:
         """A process stopped at a planned fault point: SIGKILL it there.  A relay node is
@@ -365,9 +371,9 @@ class Launcher:
         for fault in list(self.faults):
             if kind == "fault-point":
                 hit = fault.version == e["version"] and fault.after == e["point"]
-                hit = hit and fault.target in (who, self.procs[who].role)
+                hit = hit and fault.target == e.get("target", who)
             else:
-                relay = fault.target.startswith("relay-")
+                relay = fault.target.startswith("relay-") and fault.after == "applied"
                 hit = relay and kind == "applied" and fault.version == self._committed + 1
             if hit:
                 self.faults.remove(fault)

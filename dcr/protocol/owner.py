@@ -126,8 +126,8 @@ class OwnerCore:
                 self._on_baseline_written(record, failure, out)
             case msg.DenseRefit():
                 self._on_dense_refit(event, out)
-            case ev.DenseSent(job=job, failure=failure):
-                self._on_dense_sent(job, failure, out)
+            case ev.DenseSent(job=job, payloads=payloads, failure=failure):
+                self._on_dense_sent(job, payloads, failure, out)
             case _:
                 pass  # calls meant for receivers
         return out
@@ -361,18 +361,21 @@ class OwnerCore:
         self._dense.add(call.job)
         out.append(cmd.SendDense(job=call.job, record=call.record, to=call.receivers))
 
-    def _on_dense_sent(self, job: int, failure: str | None, out: list[cmd.OwnerCommand]) -> None:
+    def _on_dense_sent(
+        self, job: int, payloads: int, failure: str | None, out: list[cmd.OwnerCommand]
+    ) -> None:
+        """Report the job's sent list (the receiver's arrival check) or its failure."""
         if job not in self._dense:
             return
         self._dense.discard(job)
+        message: msg.Reply
         if failure is not None:
-            out.append(
-                cmd.Notify(
-                    message=msg.AttemptFailed(
-                        attempt=job, endpoint=self.name, check="dense", message=failure
-                    )
-                )
+            message = msg.AttemptFailed(
+                attempt=job, endpoint=self.name, check="dense", message=failure
             )
+        else:
+            message = msg.SendsDone(attempt=job, owner=self.name, payload_count=payloads)
+        out.append(cmd.Notify(message=message))
         if not self._dense and self._updating is not None:
             out.append(cmd.UpdateBaseline(record=self._updating))
 

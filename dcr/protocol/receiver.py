@@ -256,6 +256,11 @@ class ReceiverCore:
         return self._dense.attempt if self._dense else None
 
     @property
+    def restoring(self) -> CommitRecord | None:
+        """The committed record the dense-refit job in progress restores, if any."""
+        return self._dense.info.base if self._dense else None
+
+    @property
     def applied(self) -> tuple[tuple[str, int], ...]:
         return self._ingest.counts() if self._ingest else ()
 
@@ -301,6 +306,10 @@ class ReceiverCore:
                     assert self._ingest is not None
                     self._ingest.apply_open = True
                     self._pump(self._ingest, out)
+            case msg.CheckArrival(attempt=tau, expected=expected) if self._is_dense(tau):
+                assert self._dense is not None
+                if self._declare(self._dense, dict(expected), out):
+                    self._pump(self._dense, out)
             case msg.CheckArrival(attempt=tau, expected=expected):
                 s = self._ingest
                 if (
@@ -658,9 +667,14 @@ class ReceiverCore:
             )
         return True
 
+    def _is_dense(self, tau: int) -> bool:
+        return self._dense is not None and self._dense.attempt == tau and not self._dense.failed
+
     def _on_arrival_deadline(self, tau: int, out: list[cmd.ReceiverCommand]) -> None:
-        s = self._ingest
-        if s is None or s.attempt != tau or s.failed or self.phase not in _RUNNING:
+        s = self._dense if self._is_dense(tau) else self._ingest
+        if s is None or s.attempt != tau or s.failed:
+            return
+        if not s.dense and self.phase not in _RUNNING:
             return
         missing = s.missing()
         if missing:

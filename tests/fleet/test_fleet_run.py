@@ -81,3 +81,31 @@ def test_a_missed_fault_moves_to_the_next_refit(tmp_path: Path) -> None:
     (cfg.run_dir).mkdir(parents=True)
     launcher._strike({"who": "r0", "event": "applied"})
     assert killed == [("relay-node1", 3)]
+
+
+def test_a_relay_node_killed_while_a_receiver_restores_fails_the_restore_fast(
+    tmp_path: Path,
+) -> None:
+    """Dense payloads lost with a relay node: the receiver's arrival check against the owners'
+    sent lists fails the restore within the transport's arrival grace, the coordinator sends
+    it again, and the next refit does not start without the receiver."""
+    cfg = small_fleet(tmp_path, refits=3)
+    plan = [Fault(version=2, target="r1"), Fault(version=2, target="relay-node1", after="dense")]
+    launcher = Launcher(cfg, faults=plan, deadline_s=600)
+    report = launcher.run()
+    assert report["bit_exact"] is True, report["mismatches"]
+    assert [(k["version"], k["process"]) for k in report["sigkills"]] == [
+        (2, "r1"), (2, "relay-node1"),
+    ]  # fmt: skip
+    assert all(r["receivers_checked"] == ["r0", "r1", "r2"] for r in report["refits"])
+    events = [
+        json.loads(line)
+        for path in sorted((cfg.run_dir / "events").glob("coordinator*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    failed = [e for e in events if e["event"] == "dense-failed" and e["receiver"] == "r1"]
+    assert failed and failed[0]["check"] == "missing", failed
+    restored = [e["version"] for e in events if e["event"] == "restored" and e["receiver"] == "r1"]
+    assert restored[-1] == 2
+    assert not [e for e in events if e["event"] == "not-waiting"]
+    assert committed_versions(cfg.run_dir) == [(0, 1), (1, 2), (2, 3)]

@@ -143,3 +143,17 @@ def test_a_metadata_rejection_is_a_reject_not_a_failure() -> None:
         o.handle(ev.PrepareChecked(info=info(), rejection="schema")), msg.PrepareRejected
     )
     assert reject.check == "schema" and o.phase is OwnerPhase.IDLE
+
+
+def test_a_dense_job_reports_its_sent_list_or_its_failure() -> None:
+    o = OwnerCore("o", baseline=K0)
+    call = msg.DenseRefit(job=9, record=K0, owners=("o",), receivers=frozenset({"r"}))
+    [send] = of(o.handle(call), cmd.SendDense)
+    assert send.job == 9 and send.to == frozenset({"r"})
+    assert o.handle(call) == []  # a repeated call while the job runs
+    [done] = notified(o.handle(ev.DenseSent(job=9, payloads=3)), msg.SendsDone)
+    assert (done.attempt, done.owner, done.payload_count) == (9, "o", 3)
+    o.handle(msg.DenseRefit(job=10, record=K0, owners=("o",), receivers=frozenset({"r"})))
+    out = o.handle(ev.DenseSent(job=10, payloads=1, failure="relay root restarted"))
+    [failed] = notified(out, msg.AttemptFailed)
+    assert failed.attempt == 10 and failed.check == "dense" and not notified(out, msg.SendsDone)

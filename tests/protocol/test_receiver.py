@@ -380,6 +380,29 @@ def test_a_dense_job_with_a_corrupt_payload_fails_and_a_newer_job_replaces_it() 
     assert notified(_dense(e, 2, K0, {"a": 1}), msg.ReceiverReady)
 
 
+def test_a_dense_payload_lost_in_transit_fails_the_job_once_the_arrival_grace_passed() -> None:
+    e = Engine(ReceiverCore("r", held=None, arrival_grace_s=1.0))
+    e.handle(msg.DenseRefit(job=3, record=K0, owners=("a", "b"), receivers=frozenset({"r"})))
+    e.arrive(3, "a", 0, final=True)  # b's only payload was lost with a relay node
+    out = e.handle(msg.CheckArrival(attempt=3, expected=(("a", 1), ("b", 1))))
+    [deadline] = of(out, cmd.ArmDeadline)
+    assert deadline.stage is Stage.ARRIVAL and not notified(out, msg.AttemptFailed)
+    out = e.handle(ev.DeadlineExpired(attempt=3, stage=Stage.ARRIVAL))
+    [failure] = notified(out, msg.AttemptFailed)
+    assert (failure.attempt, failure.check) == (3, "missing") and "b/0" in failure.message
+    assert of(out, cmd.Release) and e.core.dense_job is None and e.core.held is None
+
+
+def test_a_dense_job_whose_payloads_all_arrived_passes_the_arrival_check() -> None:
+    e = Engine(ReceiverCore("r", held=None, arrival_grace_s=1.0))
+    e.handle(msg.DenseRefit(job=3, record=K0, owners=("a",), receivers=frozenset({"r"})))
+    out = e.handle(msg.CheckArrival(attempt=3, expected=(("a", 2),)))
+    assert of(out, cmd.ArmDeadline)  # nothing arrived yet: wait for the grace
+    out = _dense(e, 3, K0, {"a": 2})
+    assert notified(out, msg.ReceiverReady) and e.core.held == K0
+    assert e.handle(ev.DeadlineExpired(attempt=3, stage=Stage.ARRIVAL)) == []
+
+
 def test_a_receiver_in_an_attempt_refuses_a_dense_refit() -> None:
     e = prepared()
     call = msg.DenseRefit(job=9, record=K0, owners=("a",), receivers=frozenset({"r"}))
