@@ -38,8 +38,10 @@ def demo_fleet_file(
     model_overrides: dict[str, Any] | None = None,
     chunk_mb: float = 8.0,
     bucket_mb: float = 16.0,
+    extra: str = "",
 ) -> Path:
-    """Write the demo's fleet file into ``directory`` and return its path."""
+    """Write the demo's fleet file into ``directory`` and return its path; ``extra`` is
+    TOML appended to it (more sections)."""
     directory.mkdir(parents=True, exist_ok=True)
     overrides = "".join(
         f"{k} = {v!r}\n" if not isinstance(v, bool) else f"{k} = {str(v).lower()}\n"
@@ -89,7 +91,7 @@ name = "node1"
 receivers = [{{ name = "r1", tp = 2, rank = 0 }}, {{ name = "r2", tp = 2, rank = 1 }}]
 """
     path = directory / "fleet.toml"
-    path.write_text(text)
+    path.write_text(text + extra)
     return path
 
 

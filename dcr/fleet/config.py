@@ -18,6 +18,10 @@ same description.  Adapters are chosen by their registered names (``commit_store
     tp = 2
     dp = 2
 
+    [queue]                        # every receiver's bounded apply queue (optional)
+    groups = 32
+    group_size = 8
+
     [[rollout]]                    # one rollout node: a relay node and its receivers
     name = "node0"
     receivers = [{ name = "r0", tp = 1, rank = 0 }]
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr.errors import ConfigError
+from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import Timeouts
 
 __all__ = [
@@ -140,6 +145,8 @@ class FleetConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: tuple[RolloutNode, ...] = ()
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    """Every receiver's bounded apply queue (``[queue]``: ``groups``, ``group_size``)."""
     commit_store: dict[str, Any] = field(default_factory=lambda: {"kind": "sqlite"})
     control: dict[str, Any] = field(default_factory=lambda: {"kind": "zmq"})
     transport: dict[str, Any] = field(default_factory=lambda: {"kind": "relay", "fanout": 2})
@@ -220,8 +227,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     top = raw.get("fleet", {})
-    allowed = {"fleet", "model", "trainer", "rollout", "coordinator", "commit_store", "control",
-               "transport"}  # fmt: skip
+    allowed = {"fleet", "model", "trainer", "rollout", "coordinator", "queue", "commit_store",
+               "control", "transport"}  # fmt: skip
     if set(raw) - allowed:
         raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
     coord_raw = dict(raw.get("coordinator", {}))
@@ -250,6 +257,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
         rollout=tuple(nodes),
         coordinator=coordinator,
+        queue=_section(QueueConfig, raw.get("queue"), "queue"),
         commit_store={"kind": "sqlite", **raw.get("commit_store", {})},
         control={"kind": "zmq", **raw.get("control", {})},
         transport={"kind": "relay", "fanout": 2, **raw.get("transport", {})},

@@ -376,12 +376,11 @@ class Launcher:
                 relay = fault.target.startswith("relay-") and fault.after == "applied"
                 hit = relay and kind == "applied" and fault.version == self._committed + 1
             if hit:
+                # Kill first: a process waiting at its fault point resumes once the fault
+                # leaves the plan, and a relay node must be gone by then.
+                self.kill(fault.target if fault.target.startswith("relay-") else who, fault.version)
                 self.faults.remove(fault)
                 self._write_faults()
-                if fault.target.startswith("relay-"):
-                    self.kill(fault.target, fault.version)
-                else:
-                    self.kill(who, fault.version)
                 return
 
     # -- the run -----------------------------------------------------------------------------

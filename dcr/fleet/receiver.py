@@ -58,6 +58,7 @@ async def run_receiver(cfg: FleetConfig, name: str) -> None:
         control=control,
         transport=transport,
         held=None,
+        queue=cfg.queue,
         hooks=ReceiverHooks(holds=holds),
         on_applied=applied,
     )

@@ -141,8 +141,10 @@ class DenseRefit:
     """Restore ``record`` on ``receivers`` by a dense refit sent over the transport.
 
     Owners send every element they own at ``record`` (overwrite, run-coded) as payloads of
-    ``job`` addressed to ``receivers``; each receiver applies them through its native loader
-    and answers :class:`ReceiverReady` (paper App. B.2, joining receivers).
+    ``job`` addressed to ``receivers`` and answer :class:`SendsDone` with ``attempt=job``;
+    each receiver applies them through its native loader and answers :class:`ReceiverReady`
+    (paper App. B.2, joining receivers).  A :class:`CheckArrival` of ``job`` fails a restore
+    whose payloads were lost on the way.
     """
 
     job: int

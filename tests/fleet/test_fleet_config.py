@@ -36,6 +36,9 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
     assert cfg.transport == {"kind": "relay", "fanout": 2}
     assert cfg.coordinator.standbys == 1 and cfg.coordinator.timeouts.baseline_s == 3.0
     assert cfg.node_of("r0").name == "a"
+    assert (cfg.queue.groups, cfg.queue.group_size) == (32, 8)  # paper App. C
+    small = load_fleet(write(tmp_path, MINIMAL + "[queue]\ngroups = 2\ngroup_size = 4\n"))
+    assert (small.queue.groups, small.queue.group_size, small.queue.capacity) == (2, 4, 12)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,8 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + '[[rollout]]\nname = "b"\nreceivers = [{ name = "r0" }]\n', "unique"),
         ("[model\n", "not valid TOML"),
         (MINIMAL + "[coordinator.timeouts]\nprepare_s = -1\n", "prepare_s must be positive"),
+        (MINIMAL + "[queue]\ngroups = 0\n", "groups"),
+        (MINIMAL + "[queue]\ndepth = 4\n", "unknown keys ['depth']"),
     ],
 )
 def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:

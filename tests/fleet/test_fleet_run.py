@@ -89,7 +89,9 @@ def test_a_relay_node_killed_while_a_receiver_restores_fails_the_restore_fast(
     """Dense payloads lost with a relay node: the receiver's arrival check against the owners'
     sent lists fails the restore within the transport's arrival grace, the coordinator sends
     it again, and the next refit does not start without the receiver."""
-    cfg = small_fleet(tmp_path, refits=3)
+    # A queue of two payloads: while r1 waits at its fault point (its first dense payload
+    # applied), the relay node still holds most of the others, and they die with it.
+    cfg = small_fleet(tmp_path, refits=3, extra="[queue]\ngroups = 1\ngroup_size = 1\n")
     plan = [Fault(version=2, target="r1"), Fault(version=2, target="relay-node1", after="dense")]
     launcher = Launcher(cfg, faults=plan, deadline_s=600)
     report = launcher.run()
