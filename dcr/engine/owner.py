@@ -116,6 +116,9 @@ class OwnerService:
     link: EndpointLink | None = None
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
     _stopped: set[int] = field(default_factory=set)
+    _sending: dict[int, set[anyio.CancelScope]] = field(default_factory=dict)
+    """Attempt -> the sends in flight; a stopped attempt's sends are cancelled (a send to a
+    peer that died may otherwise wait forever, and the stop waits for every send)."""
     _events: MemoryObjectSendStream[object] | None = None
     _staged: bool = False
     _waiting: msg.Prepare | None = None
@@ -218,7 +221,7 @@ class OwnerService:
             case cmd.SendPayload(attempt=tau, payload_id=pid):
                 tg.start_soon(self._send, tau, pid)
             case cmd.StopStreaming(attempt=tau):
-                self._stopped.add(tau)
+                self._stop_sends(tau)
             case cmd.FetchRecord():
                 tg.start_soon(self._fetch_record)
             case cmd.UpdateBaseline(record=record):
@@ -226,9 +229,14 @@ class OwnerService:
             case cmd.SendDense(job=job, to=to):
                 tg.start_soon(self._send_dense, job, to)
             case cmd.Release(attempt=tau):
-                self._stopped.add(tau)
+                self._stop_sends(tau)
                 for key in [k for k in self._payloads if k[0] == tau]:
                     del self._payloads[key]
+
+    def _stop_sends(self, attempt: int) -> None:
+        self._stopped.add(attempt)
+        for scope in self._sending.pop(attempt, ()):
+            scope.cancel()
 
     def _encode(self, attempt: int, payload_id: int, bucket: Bucket) -> bytes:
         header = PayloadHeader(
@@ -275,13 +283,23 @@ class OwnerService:
         data = self._payloads.get((attempt, payload_id))
         failure = None
         key = PayloadKey(attempt=attempt, owner=self.name, payload_id=payload_id)
-        if data is None:
-            failure = "released"
+        if data is None or attempt in self._stopped:
+            failure = "released" if data is None else "stopped"
         else:
-            try:
-                await self.transport.send(key, data)
-            except TransportError as exc:
-                failure = f"transport: {exc}"
+            with anyio.CancelScope() as scope:
+                self._sending.setdefault(attempt, set()).add(scope)
+                try:
+                    await self.transport.send(key, data)
+                except TransportError as exc:
+                    failure = f"transport: {exc}"
+                finally:
+                    scopes = self._sending.get(attempt)
+                    if scopes is not None:
+                        scopes.discard(scope)
+                        if not scopes:
+                            del self._sending[attempt]
+            if scope.cancelled_caught:
+                failure = "stopped"
         await self._local(ev.PayloadSent(attempt=attempt, payload_id=payload_id, failure=failure))
         if failure is None and self.on_sent is not None and data is not None:
             self.on_sent(key, len(data))

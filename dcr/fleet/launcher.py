@@ -423,8 +423,12 @@ class Launcher:
         return self.report(time.monotonic() - t0)
 
     def _traffic_complete(self) -> bool:
+        """Whether the root reported, for every attempt, at least the payload bytes the
+        owners said they sent (a report taken mid-attempt is partial)."""
         return all(
-            a["attempt"] in self._traffic for row in self.rows.values() for a in row.attempts
+            self._traffic.get(a["attempt"], (0, -1))[1] >= self._sizes.get(a["attempt"], 0)
+            for row in self.rows.values()
+            for a in row.attempts
         )
 
     def report(self, seconds: float) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class Faults:
     """Payloads with one byte flipped (the digest check rejects them)."""
     conflicting: int = 0
     """Payloads re-sent under the same id with other, valid bytes (fails the attempt)."""
+    stall: int = 0
+    """Sends that never return, as to a peer that died holding them (the attempt fails by
+    its deadline; stopping it must cancel them)."""
     kill_receiver: str | None = None
     """Receiver killed once receivers applied ``kill_receiver_after`` payloads of the attempt;
     it restarts and rejoins by dense refit."""
@@ -69,6 +72,7 @@ class Faults:
             "duplicate",
             "corrupt",
             "conflicting",
+            "stall",
             "kill_receiver_after",
             "kill_owner_after",
             "failover_after",
@@ -89,6 +93,7 @@ class FaultReport:
     duplicated: int = 0
     corrupted: int = 0
     conflicting: int = 0
+    stalled: int = 0
     reordered: int = 0
     lost_commit_replies: int = 0
     late_commits: int = 0
@@ -113,6 +118,7 @@ class FaultLog:
     duplicated: list[PayloadKey] = field(default_factory=list)
     corrupted: list[PayloadKey] = field(default_factory=list)
     conflicting: list[PayloadKey] = field(default_factory=list)
+    stalled: list[PayloadKey] = field(default_factory=list)
     reordered: int = 0
     killed: list[str] = field(default_factory=list)
     restarted: list[str] = field(default_factory=list)
@@ -127,6 +133,7 @@ class FaultLog:
             duplicated=len(self.duplicated),
             corrupted=len(self.corrupted),
             conflicting=len(self.conflicting),
+            stalled=len(self.stalled),
             reordered=self.reordered,
             lost_commit_replies=self.lost_commit_replies,
             late_commits=self.late_commits,
@@ -169,6 +176,9 @@ class FaultyTransport(Transport):
         if len(log.dropped) < f.drop:
             log.dropped.append(key)
             return
+        if len(log.stalled) < f.stall:
+            log.stalled.append(key)
+            await anyio.sleep_forever()
         if len(log.corrupted) < f.corrupt and len(data) > 80:
             log.corrupted.append(key)
             broken = bytearray(data)

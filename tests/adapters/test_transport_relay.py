@@ -36,10 +36,12 @@ from dcr.adapters.transport.relay_wire import (
     Data,
     Frame,
     FrameError,
+    Grant,
     Join,
     Offer,
     Payload,
     Ping,
+    Pong,
     Refused,
     Stop,
     Subscribe,
@@ -673,3 +675,57 @@ async def test_a_send_routed_to_a_receiver_that_just_died_completes() -> None:
         with anyio.fail_after(5):  # pings are 5 s apart: only the failed hand-over tells
             await owner.send(_key(1, "o0", 1), b"q")
         assert root.receivers() == {"ra"}
+
+
+async def test_a_send_to_a_root_that_died_before_any_ping_fails_once_it_restarts() -> None:
+    """A root grants a fresh owner's payload and dies before the owner's first keepalive; a
+    new root comes up at the same address and answers pings.  The owner knew the old root's
+    incarnation before its first request (the handshake), so the new one's ``PONG`` fails the
+    send as retryable instead of leaving it waiting for an answer that died with the old root
+    (a SIGKILLed root mid-refit stalled a whole fleet this way)."""
+    slow = RelayConfig(
+        max_buffered=4, max_buffered_bytes=128 << 10, receiver_window=2,
+        ping_interval_s=0.5, peer_timeout_s=30.0, max_payload_bytes=4 << 20,
+    )  # fmt: skip
+    ctx = zmq.asyncio.Context()
+    old = ctx.socket(zmq.ROUTER)
+    port = old.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    owner = RelayTransport(root=address, config=slow)
+    errors: list[TransportError] = []
+
+    async def send() -> None:
+        try:
+            await owner.send(_key(1, "o0", 0), b"payload")
+        except TransportError as exc:
+            errors.append(exc)
+
+    async def old_root() -> None:
+        """Answer the handshake, grant the offer, take the data, then vanish."""
+        while True:
+            ident, header, *rest = await old.recv_multipart()
+            frame = decode_header(header)
+            if isinstance(frame, Ping):
+                await old.send_multipart([ident, encode(Pong(nonce=12345))])
+            elif isinstance(frame, Offer):
+                await old.send_multipart([ident, encode(Grant(seq=frame.seq))])
+            elif isinstance(frame, Data):
+                return
+
+    try:
+        async with anyio.create_task_group() as tg:
+            with anyio.fail_after(5):
+                tg.start_soon(send)
+                await old_root()
+            old.close(linger=0)
+            new = RelayNode("n0", bind=address, config=slow)
+            await tg.start(new.serve)
+            with anyio.fail_after(10):  # a couple of ping intervals, not the peer timeout
+                while not errors:
+                    await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+        assert [(e.check, e.retryable) for e in errors] == [("root-restarted", True)]
+    finally:
+        await owner.aclose()
+        old.close(linger=0)
+        ctx.term()

@@ -7,6 +7,7 @@ import random
 from dataclasses import replace
 
 import anyio
+import pytest
 
 from dcr import LocalRefit, StateDictSource, TrainLayout
 from dcr.adapters.commit.base import CommitState, Transaction
@@ -118,3 +119,18 @@ def test_local_refit_takes_adapters_by_registered_name_zmq_control_included() ->
                 w, faults=Faults(kill_receiver="r1", kill_receiver_after=1) if v == 2 else None
             )
             assert exact(cfg, w, ranks)
+
+
+@pytest.mark.timeout(30, method="thread")  # a regression hangs: end it, with stacks
+def test_a_send_that_never_returns_is_cancelled_when_its_attempt_stops() -> None:
+    """A send to a peer that died holding the payload never returns.  The attempt fails by
+    its flush deadline, and the stop that follows cancels the send: an owner that waited for
+    it would never acknowledge the stop, and the fleet would wait forever."""
+    cfg, w, ranks, source, config = fleet(timeouts=replace(SLOW, flush_s=2.0))
+    with LocalRefit(source, ranks, config=config) as refit:
+        w = perturb(w, rate=0.03, seed=1)
+        report = refit.refit(w, faults=Faults(stall=1))
+        assert report.faults.stalled == 1
+        assert [a.mode.value for a in report.attempts] == ["mixed", "overwrite"]
+        assert "flush deadline expired" in " ".join(failure_reasons(refit))
+        assert exact(cfg, w, ranks)

@@ -139,9 +139,12 @@ class _RootClient:
     """A DEALER to the root: offers, data, stop and cleanup requests, queries.
 
     Every frame leaves through one writer in the order it was queued, so a process's sends
-    reach the root in the order ``send`` was called.  While a request waits the client pings
-    the root; silence for ``peer_timeout_s`` or a changed root incarnation fails every waiting
-    request as retryable (the attempt fails and is retried, paper App. B.2).
+    reach the root in the order ``send`` was called.  The client pings the root every
+    ``ping_interval_s``, also while idle, and learns the root's incarnation (its nonce) before
+    its first request leaves, so a root that restarted is always noticed: silence for
+    ``peer_timeout_s`` while a request waits, or a changed root incarnation, fails every
+    waiting request as retryable (the attempt fails and is retried, paper App. B.2) instead of
+    leaving it waiting for an answer that died with the old root.
     """
 
     def __init__(
@@ -163,6 +166,8 @@ class _RootClient:
         self.outbox, self._outbox_recv = anyio.create_memory_object_stream[list[Any]](math.inf)
         self.heard = time.monotonic()
         self.root_nonce: int | None = None
+        self.hello = anyio.Event()
+        """Set once the root's incarnation is known (its first ``PONG``)."""
         self.broken: TransportError | None = None
         self.drops: Counter[str] = Counter()
 
@@ -205,6 +210,8 @@ class _RootClient:
         """Queue the frame ``make(seq)`` and wait for the root's answer (and grant)."""
         if self.broken is not None:
             raise self.broken
+        if not self.hello.is_set():
+            await self._handshake(req)
         seq = next(self.seq)
         try:
             header = encode(make(seq))
@@ -230,6 +237,22 @@ class _RootClient:
             if req.data is not None and not req.granted.is_set():
                 self._queue([encode(Cancel(seq=seq))])  # the caller gave up before a grant
 
+    async def _handshake(self, req: _Request) -> None:
+        """Wait for the root's incarnation (the keepalive pings until it answers)."""
+        self._queue([encode(Ping(nonce=0))])
+        with anyio.move_on_after(self.config.peer_timeout_s):
+            await self.hello.wait()
+        if self.broken is not None:
+            raise self.broken
+        if not self.hello.is_set():
+            raise TransportError(
+                f"the relay root {self.address} did not answer for "
+                f"{self.config.peer_timeout_s} s",
+                retryable=True,
+                attempt=req.attempt,
+                check="peer-lost",
+            )
+
     async def _write(self) -> None:
         async for parts in self._outbox_recv:
             await self.sock.send_multipart(parts, copy=False)
@@ -238,10 +261,8 @@ class _RootClient:
         ping = encode(Ping(nonce=0))
         while True:
             await anyio.sleep(self.config.ping_interval_s)
-            if not self.pending:
-                continue
-            self._queue([ping])
-            if time.monotonic() - self.heard > self.config.peer_timeout_s:
+            self._queue([ping])  # also while idle: a restarted root is noticed before a call
+            if self.pending and time.monotonic() - self.heard > self.config.peer_timeout_s:
                 self._fail_all(
                     TransportError(
                         f"the relay root {self.address} did not answer for "
@@ -273,6 +294,7 @@ class _RootClient:
                     )
                 )
             self.root_nonce = frame.nonce
+            self.hello.set()
             return
         if not isinstance(frame, Grant | Delivered | Done | Answer | Refused):
             self.drops["direction"] += 1
