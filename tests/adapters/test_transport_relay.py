@@ -703,7 +703,7 @@ async def test_a_send_to_a_root_that_died_before_any_ping_fails_once_it_restarts
     async def old_root() -> None:
         """Answer the handshake, grant the offer, take the data, then vanish."""
         while True:
-            ident, header, *rest = await old.recv_multipart()
+            ident, header, *_ = await old.recv_multipart()
             frame = decode_header(header)
             if isinstance(frame, Ping):
                 await old.send_multipart([ident, encode(Pong(nonce=12345))])

@@ -245,13 +245,15 @@ class _RootClient:
         if self.broken is not None:
             raise self.broken
         if not self.hello.is_set():
-            raise TransportError(
-                f"the relay root {self.address} did not answer for "
-                f"{self.config.peer_timeout_s} s",
-                retryable=True,
-                attempt=req.attempt,
-                check="peer-lost",
-            )
+            raise self._silent(req.attempt)
+
+    def _silent(self, attempt: int | None = None) -> TransportError:
+        return TransportError(
+            f"the relay root {self.address} did not answer for {self.config.peer_timeout_s} s",
+            retryable=True,
+            attempt=attempt,
+            check="peer-lost",
+        )
 
     async def _write(self) -> None:
         async for parts in self._outbox_recv:
@@ -263,14 +265,7 @@ class _RootClient:
             await anyio.sleep(self.config.ping_interval_s)
             self._queue([ping])  # also while idle: a restarted root is noticed before a call
             if self.pending and time.monotonic() - self.heard > self.config.peer_timeout_s:
-                self._fail_all(
-                    TransportError(
-                        f"the relay root {self.address} did not answer for "
-                        f"{self.config.peer_timeout_s} s",
-                        retryable=True,
-                        check="peer-lost",
-                    )
-                )
+                self._fail_all(self._silent())
 
     async def _read(self) -> None:
         while True:
