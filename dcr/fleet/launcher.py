@@ -175,6 +175,8 @@ class Launcher:
         """Attempt -> (V_cross, V_payload) the root counted."""
         self._committed = 0
         self._stopping = False
+        self._last: dict[str, dict[str, Any]] = {}
+        """Process -> its latest event (what a timeout reports)."""
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -308,6 +310,7 @@ class Launcher:
 
     def _on_event(self, e: dict[str, Any]) -> None:
         who, kind = e["who"], e["event"]
+        self._last[who] = e
         if kind == "active":
             self._active = who
             self.say(f"{who} is the active coordinator (epoch {e['epoch']})")
@@ -406,7 +409,7 @@ class Launcher:
         try:
             while not self.done():
                 if time.monotonic() - t0 > self.deadline_s:
-                    raise TimeoutError(f"the fleet did not finish within {self.deadline_s:.0f} s")
+                    raise TimeoutError(self._stalled())
                 for e in self._reader.poll():
                     self._on_event(e)
                 self._supervise()
@@ -421,6 +424,19 @@ class Launcher:
             self.stop()
             signal.signal(signal.SIGTERM, previous)
         return self.report(time.monotonic() - t0)
+
+    def _stalled(self) -> str:
+        """Where the fleet stands, for an operator (or a test log) when it did not finish."""
+        now = time.time()
+        last = "; ".join(
+            f"{who}: {e['event']} {now - e['t']:.0f} s ago"
+            for who, e in sorted(self._last.items())
+        )
+        return (
+            f"the fleet did not finish within {self.deadline_s:.0f} s: version "
+            f"{self._committed} of {self.cfg.model.refits} committed, active coordinator "
+            f"{self._active}; latest events: {last}; logs and events in {self.cfg.run_dir}"
+        )
 
     def _traffic_complete(self) -> bool:
         """Whether the root reported, for every attempt, at least the payload bytes the

@@ -111,3 +111,13 @@ def test_a_relay_node_killed_while_a_receiver_restores_fails_the_restore_fast(
     assert restored[-1] == 2
     assert not [e for e in events if e["event"] == "not-waiting"]
     assert committed_versions(cfg.run_dir) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_a_fleet_that_does_not_finish_says_where_it_stands(tmp_path: Path) -> None:
+    cfg = small_fleet(tmp_path, refits=3)
+    launcher = Launcher(cfg, deadline_s=5)
+    launcher._on_event({"t": 0.0, "who": "coordinator", "event": "active", "epoch": 2})
+    launcher._on_event({"t": 0.0, "who": "r1", "event": "applied", "attempt": 7})
+    message = launcher._stalled()
+    assert "within 5 s: version 0 of 3 committed, active coordinator coordinator" in message
+    assert "r1: applied" in message and str(cfg.run_dir) in message
