@@ -43,8 +43,8 @@ class Fault:
     receiver applied a payload of the dense refit restoring ``version`` after it joined).
     The process stops at that point and reports it (:class:`~dcr.fleet.events.FaultPoints`),
     so the SIGKILL lands exactly there.  A relay node (``target="relay-<node>"``) is killed
-    when any receiver reports ``"applied"`` in that refit, or, with ``after="dense"``, when
-    a receiver it hosts stops mid-restore.
+    while a receiver it hosts stops at its point (``"applied"`` or ``"dense"``): the rest of
+    the refit is still in flight through that node.
     """
 
     version: int
@@ -195,9 +195,7 @@ class Launcher:
     def _write_faults(self) -> None:
         """The planned fault points the processes offer themselves up to (atomically)."""
         planned = [
-            {"target": f.target, "version": f.version, "point": f.after}
-            for f in self.faults
-            if not (f.target.startswith("relay-") and f.after == "applied")
+            {"target": f.target, "version": f.version, "point": f.after} for f in self.faults
         ]
         tmp = self.cfg.run_dir / "faults.json.tmp"
         tmp.write_text(json.dumps(planned))
@@ -339,7 +337,7 @@ class Launcher:
             self._check(who, int(e["version"]), e["digests"])
         elif kind in ("restarted", "dense-failed", "replaced"):
             self.say(f"{who}: {kind} {e.get('endpoint') or e.get('receiver') or ''}".rstrip())
-        if kind in ("fault-point", "applied"):
+        if kind == "fault-point":
             self._strike(e)
 
     def _check(self, receiver: str, version: int, found: dict[str, str]) -> None:
@@ -367,18 +365,13 @@ class Launcher:
         return self._committed if fault.after == "dense" else self._committed + 1
 
     def _strike(self, e: dict[str, Any]) -> None:
-        """A process stopped at a planned fault point: SIGKILL it there.  A relay node is
-        killed when a receiver applies a payload of its refit."""
-        who, kind = e["who"], e["event"]
+        """A process stopped at a planned fault point: SIGKILL it there (or the relay node
+        the fault names, while the receiver waits)."""
+        who = e["who"]
         self._advance_faults()
         for fault in list(self.faults):
-            if kind == "fault-point":
-                hit = fault.version == e["version"] and fault.after == e["point"]
-                hit = hit and fault.target == e.get("target", who)
-            else:
-                relay = fault.target.startswith("relay-") and fault.after == "applied"
-                hit = relay and kind == "applied" and fault.version == self._committed + 1
-            if hit:
+            hit = fault.version == e["version"] and fault.after == e["point"]
+            if hit and fault.target == e.get("target", who):
                 # Kill first: a process waiting at its fault point resumes once the fault
                 # leaves the plan, and a relay node must be gone by then.
                 self.kill(fault.target if fault.target.startswith("relay-") else who, fault.version)
@@ -429,8 +422,7 @@ class Launcher:
         """Where the fleet stands, for an operator (or a test log) when it did not finish."""
         now = time.time()
         last = "; ".join(
-            f"{who}: {e['event']} {now - e['t']:.0f} s ago"
-            for who, e in sorted(self._last.items())
+            f"{who}: {e['event']} {now - e['t']:.0f} s ago" for who, e in sorted(self._last.items())
         )
         return (
             f"the fleet did not finish within {self.deadline_s:.0f} s: version "

@@ -40,13 +40,13 @@ async def run_receiver(cfg: FleetConfig, name: str) -> None:
         log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
 
     faults = FaultPoints(cfg.run_dir / "faults.json", name, log)
-    relay = f"relay-{cfg.node_of(name).name}"  # a planned fault may strike it mid-restore
+    relay = f"relay-{cfg.node_of(name).name}"  # a planned fault may strike it meanwhile
 
     def applied(key: PayloadKey) -> None:  # runs in the apply worker thread
         log.emit("applied", attempt=key.attempt, owner=key.owner, payload=key.payload_id)
         info = service.core.attempt
         if info is not None and info.attempt == key.attempt:
-            faults.reached("applied", info.base.version + 1, role="receiver")
+            faults.reached("applied", info.base.version + 1, role="receiver", also=(relay,))
         restoring = service.core.restoring
         if restoring is not None and service.core.dense_job == key.attempt:
             faults.reached("dense", restoring.version, role="receiver", also=(relay,))

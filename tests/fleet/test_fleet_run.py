@@ -79,8 +79,13 @@ def test_a_missed_fault_moves_to_the_next_refit(tmp_path: Path) -> None:
     killed: list[tuple[str, int]] = []
     launcher.kill = lambda name, version: killed.append((name, version))  # type: ignore[method-assign]
     (cfg.run_dir).mkdir(parents=True)
-    launcher._strike({"who": "r0", "event": "applied"})
-    assert killed == [("relay-node1", 3)]
+    launcher._advance_faults()
+    planned = json.loads((cfg.run_dir / "faults.json").read_text())
+    assert planned == [{"target": "relay-node1", "version": 3, "point": "applied"}]
+    # A receiver of node1 stops after applying a payload of refit 3: its relay node dies.
+    point = {"who": "r1", "event": "fault-point", "point": "applied", "version": 3}
+    launcher._strike({**point, "target": "relay-node1"})
+    assert killed == [("relay-node1", 3)] and launcher.faults == []
 
 
 def test_a_relay_node_killed_while_a_receiver_restores_fails_the_restore_fast(
