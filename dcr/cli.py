@@ -230,7 +230,8 @@ def _bench_relay(args: argparse.Namespace) -> int:
         print(
             f"raw ZeroMQ {result['raw_bytes_per_s'] / 1e9:.2f} GB/s | relay tree "
             f"{result['relay_bytes_per_s'] / 1e9:.2f} GB/s per receiver | ratio "
-            f"{result['ratio']:.3f} (median of {args.repeats})"
+            f"{result['ratio']:.3f} | {result['hops']:.0f} link transfers per payload in one "
+            f"thread: {result['link_ratio']:.2f} of raw (median of {args.repeats})"
         )
     return 0
 

@@ -5,7 +5,10 @@ dominates refit latency, so its throughput bounds the refit's).
 ``size`` bytes to one ROUTER that acknowledges the last, and (b) owners sending ``count``
 payloads of ``size`` bytes through a root and a balanced tree of relay nodes to receivers that
 take each delivery at once, counted as payload bytes delivered per second at each receiver.
-Everything runs in the calling event loop (asyncio), on 127.0.0.1.
+Everything runs in the calling event loop (asyncio), on 127.0.0.1, so the tree's links share
+one thread: :func:`tree_hops` counts the link transfers each payload makes (owner to root, the
+tree edges down to the receivers' nodes, node to receiver), and ``link_ratio`` compares the
+bytes all links moved per second with the raw rate.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import anyio
 import zmq
 import zmq.asyncio
 
-from dcr.adapters.transport.relay import RelayConfig, RelayTransport, start_tree
+from dcr.adapters.transport.relay import RelayConfig, RelayTransport, balanced_tree, start_tree
 from dcr.errors import ConfigError
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["raw_zmq_throughput", "relay_throughput"]
+__all__ = ["raw_zmq_throughput", "relay_throughput", "tree_hops"]
 
 
 async def raw_zmq_throughput(*, count: int = 64, size: int = 4 << 20) -> float:
@@ -57,6 +60,26 @@ async def raw_zmq_throughput(*, count: int = 64, size: int = 4 << 20) -> float:
         ctx.term()
 
 
+def _hosts(names: list[str], receivers: int) -> list[str]:
+    """The node of each receiver: spread over the non-root nodes (the root with one node)."""
+    hosts = names[1:] or names
+    return [hosts[i % len(hosts)] for i in range(receivers)]
+
+
+def tree_hops(*, nodes: int, fanout: int, receivers: int) -> int:
+    """Link transfers per payload in :func:`relay_tree_throughput`'s tree: owner to root,
+    each tree edge on a path from the root to a receiver's node, and node to receiver."""
+    names = [f"n{i}" for i in range(nodes)]
+    parent = balanced_tree(names, fanout)
+    edges: set[str] = set()
+    for host in _hosts(names, receivers):
+        node: str | None = host
+        while node is not None and parent[node] is not None:
+            edges.add(node)
+            node = parent[node]
+    return 1 + len(edges) + receivers
+
+
 async def relay_tree_throughput(
     *,
     count: int = 64,
@@ -76,17 +99,13 @@ async def relay_tree_throughput(
     payload = os.urandom(size)
     per_owner = [count // owners + (1 if i < count % owners else 0) for i in range(owners)]
     async with anyio.create_task_group() as tg:
-        tree = list(
-            (
-                await start_tree(tg, [f"n{i}" for i in range(nodes)], fanout=fanout, config=config)
-            ).values()
-        )
-        hosts = tree[1:] or tree
+        names = [f"n{i}" for i in range(nodes)]
+        tree = await start_tree(tg, names, fanout=fanout, config=config)
         rx = [
-            RelayTransport(node=hosts[i % len(hosts)].address, config=config)
-            for i in range(receivers)
+            RelayTransport(node=tree[host].address, config=config)
+            for host in _hosts(names, receivers)
         ]
-        tx = [RelayTransport(root=tree[0].address, config=config) for _ in range(owners)]
+        tx = [RelayTransport(root=tree[names[0]].address, config=config) for _ in range(owners)]
         last: dict[str, float] = {}
         got: dict[str, int] = {}
         try:
@@ -149,7 +168,8 @@ async def relay_throughput(
     """Raw ZeroMQ vs relay-tree throughput on loopback, in bytes per second, and their ratio.
 
     ``relay_bytes_per_s`` is the mean over receivers of the payload bytes each received per
-    second; ``relay_min_bytes_per_s`` the slowest receiver's.
+    second; ``relay_min_bytes_per_s`` the slowest receiver's; ``link_ratio`` is
+    ``hops * relay_bytes_per_s / raw_bytes_per_s`` (every link shares this one thread).
     """
     raw = await raw_zmq_throughput(count=count, size=size)
     per_receiver = await relay_tree_throughput(
@@ -162,6 +182,7 @@ async def relay_throughput(
         inflight=inflight,
     )
     relay = sum(per_receiver) / len(per_receiver)
+    hops = tree_hops(nodes=nodes, fanout=fanout, receivers=receivers)
     return {
         "count": float(count),
         "size": float(size),
@@ -172,4 +193,6 @@ async def relay_throughput(
         "relay_bytes_per_s": relay,
         "relay_min_bytes_per_s": min(per_receiver),
         "ratio": relay / raw,
+        "hops": float(hops),
+        "link_ratio": hops * relay / raw,
     }

@@ -50,7 +50,7 @@ from dcr.adapters.transport.relay_wire import (
     decode_header,
     encode,
 )
-from dcr.bench.relay import relay_throughput
+from dcr.bench.relay import relay_throughput, tree_hops
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
 from dcr.testing.transport import CHECKS, HeldLike, TransportHarness, run_check
@@ -640,6 +640,16 @@ async def test_relay_throughput_reports_positive_rates() -> None:
     assert result["raw_bytes_per_s"] > 0 and result["relay_bytes_per_s"] > 0
     assert result["relay_min_bytes_per_s"] <= result["relay_bytes_per_s"]
     assert result["ratio"] == pytest.approx(result["relay_bytes_per_s"] / result["raw_bytes_per_s"])
+    assert result["hops"] == 5  # owner -> n0, n0 -> n1, n0 -> n2, n1 -> r0, n2 -> r1
+    assert result["link_ratio"] == pytest.approx(5 * result["ratio"])
+
+
+def test_tree_hops_count_the_links_each_payload_crosses() -> None:
+    assert tree_hops(nodes=1, fanout=2, receivers=1) == 2  # owner -> root -> receiver
+    assert tree_hops(nodes=3, fanout=2, receivers=1) == 3  # n1 only
+    assert tree_hops(nodes=5, fanout=2, receivers=4) == 1 + 4 + 4  # every edge, 4 receivers
+    assert tree_hops(nodes=4, fanout=1, receivers=1) == 3  # r0 on n1 below n0
+    assert tree_hops(nodes=4, fanout=1, receivers=3) == 1 + 3 + 3  # a chain n0-n1-n2-n3
 
 
 async def test_a_send_routed_to_a_receiver_that_just_died_completes() -> None:
