@@ -8,19 +8,25 @@ change-flag OR-reduce and the residual gather run in the trainer's own group
 (:class:`~dcr.delta.dist.DistTrainingGroup`).
 
 The demo trainer is synthetic (:class:`~dcr.testing.synthetic.SyntheticRun`): step ``k``
-updates about ``rate`` of the elements, deterministically, so a trainer restarted after a
-crash resumes at the committed version exactly as a real one would from its checkpoint.
+updates about ``rate`` of the elements, deterministically.  Like a real trainer it writes a
+checkpoint of its shards after each committed step (``<run_dir>/trainer/o<rank>.npz``, bit
+patterns only), and a rank restarted after a crash resumes from it at the committed version
+(replaying the steps the checkpoint is missing, at most one when it died mid-write).
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import anyio
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from dcr.delta.bits import bits
 from dcr.delta.dist import DistTrainingGroup
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.fleet.config import FleetConfig
@@ -49,6 +55,50 @@ def _optimizer_step(model: FleetModel, weights: dict[str, torch.Tensor], step: i
         model.run.advance_shard(model.plan[key], t, step)
 
 
+def _checkpoint_path(cfg: FleetConfig, rank: int) -> Path:
+    return cfg.run_dir / "trainer" / f"o{rank}.npz"
+
+
+def _save_checkpoint(path: Path, version: int, weights: dict[str, torch.Tensor]) -> None:
+    """Write the rank's shards at ``version`` (their bit patterns), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = sorted(weights)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    arrays: dict[str, Any] = {f"t{i}": bits(weights[k]).reshape(-1) for i, k in enumerate(keys)}
+    np.savez(tmp, version=np.array(version), keys=np.array(keys), **arrays)
+    os.replace(tmp, path)
+
+
+def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str, torch.Tensor]:
+    """The rank's shards at the committed ``version``: from its checkpoint when it has one
+    at or below ``version`` (the missing steps replayed), else computed from scratch."""
+    plan = {s.key: s for s in model.plan.shards if rank in s.replicas}
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            start = int(f["version"])
+            keys = [str(k) for k in f["keys"]]
+            if start > version or set(keys) != set(plan):
+                raise ValueError("a checkpoint of another run")
+            shards = {}
+            for i, key in enumerate(keys):
+                spec = plan[key]
+                t = torch.empty(spec.shape, dtype=spec.dtype)
+                stored, view = f[f"t{i}"], bits(t).reshape(-1)
+                if stored.dtype != view.dtype or stored.shape != view.shape:
+                    raise ValueError(f"a checkpoint of another layout ({key})")
+                view[:] = stored
+                shards[key] = t
+    except (OSError, ValueError, KeyError):
+        return model.run.shards(model.plan, rank, version)
+    _optimizer_steps(model, shards, range(start + 1, version + 1))
+    return shards
+
+
+def _optimizer_steps(model: FleetModel, weights: dict[str, torch.Tensor], steps: range) -> None:
+    for step in steps:
+        _optimizer_step(model, weights, step)
+
+
 async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
     """Run trainer rank ``rank`` and its owner: publish every step, then keep serving (dense
     refits of joining receivers) until cancelled."""
@@ -62,8 +112,9 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
     try:
         await anyio.to_thread.run_sync(_join_trainer, cfg, rank, store_port)
         record = (await store.read()).record
-        # The committed version is where a (re)started trainer resumes, as from a checkpoint.
-        shards = await anyio.to_thread.run_sync(model.run.shards, model.plan, rank, record.version)
+        # The committed version is where a (re)started trainer resumes, from its checkpoint.
+        checkpoint = _checkpoint_path(cfg, rank)
+        shards = await anyio.to_thread.run_sync(_resume, model, rank, record.version, checkpoint)
         group = await anyio.to_thread.run_sync(
             lambda: DistTrainingGroup(
                 model.plan, rank, shards, config=model.build, timeout_s=cfg.trainer.timeout_s
@@ -102,6 +153,9 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
                 candidate = {k: t.clone() for k, t in weights.items()}
                 traffic.update(payloads=0, bytes=0)
                 committed = await service.publish(candidate)
+                await anyio.to_thread.run_sync(
+                    _save_checkpoint, checkpoint, committed.version, weights
+                )
                 log.emit(
                     "committed",
                     version=committed.version,

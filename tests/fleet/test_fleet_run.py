@@ -126,3 +126,31 @@ def test_a_fleet_that_does_not_finish_says_where_it_stands(tmp_path: Path) -> No
     message = launcher._stalled()
     assert "within 5 s: version 0 of 3 committed, active coordinator coordinator" in message
     assert "r1: applied" in message and str(cfg.run_dir) in message
+
+
+def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(tmp_path: Path) -> None:
+    """The rank's checkpoint at the committed version, one behind it (killed before the write),
+    or unusable (another layout, damaged): every way gives the shards of that version."""
+    from dcr.fleet.owner import _checkpoint_path, _resume, _save_checkpoint
+
+    cfg = small_fleet(tmp_path, refits=3)
+    model = FleetModel(cfg)
+    path = _checkpoint_path(cfg, 1)
+    want = model.run.shards(model.plan, 1, 3)
+
+    def same(got: dict) -> bool:  # type: ignore[type-arg]
+        return got.keys() == want.keys() and all(
+            (bits(got[k]) == bits(want[k])).all() for k in want
+        )
+
+    assert same(_resume(model, 1, 3, path))  # no checkpoint yet: computed from scratch
+    _save_checkpoint(path, 3, want)
+    assert same(_resume(model, 1, 3, path))
+    _save_checkpoint(path, 2, model.run.shards(model.plan, 1, 2))
+    assert same(_resume(model, 1, 3, path))  # one step replayed
+    other = model.run.shards(model.plan, 0, 3)  # the other TP rank's shards
+    assert other.keys() != want.keys()
+    _save_checkpoint(path, 3, other)
+    assert same(_resume(model, 1, 3, path))
+    path.write_bytes(b"not a checkpoint")
+    assert same(_resume(model, 1, 3, path))
