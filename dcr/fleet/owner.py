@@ -34,6 +34,7 @@ from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol.types import PayloadKey
+from dcr.testing.synthetic import held_by
 
 __all__ = ["run_owner"]
 
@@ -72,7 +73,7 @@ def _save_checkpoint(path: Path, version: int, weights: dict[str, torch.Tensor])
 def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str, torch.Tensor]:
     """The rank's shards at the committed ``version``: from its checkpoint when it has one
     at or below ``version`` (the missing steps replayed), else computed from scratch."""
-    plan = {s.key: s for s in model.plan.shards if rank in s.replicas}
+    plan = {s.key: s for s in held_by(model.plan, rank)}
     try:
         with np.load(path, allow_pickle=False) as f:
             start = int(f["version"])
@@ -90,13 +91,9 @@ def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str,
                 shards[key] = t
     except (OSError, ValueError, KeyError):
         return model.run.shards(model.plan, rank, version)
-    _optimizer_steps(model, shards, range(start + 1, version + 1))
+    for step in range(start + 1, version + 1):
+        _optimizer_step(model, shards, step)
     return shards
-
-
-def _optimizer_steps(model: FleetModel, weights: dict[str, torch.Tensor], steps: range) -> None:
-    for step in steps:
-        _optimizer_step(model, weights, step)
 
 
 async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from fleet_helpers import alive, small_fleet
 
 from dcr.delta.bits import bits
 from dcr.fleet.launcher import Fault, Launcher, default_faults
 from dcr.fleet.model import FleetModel, digests
 from dcr.testing.reference import ShardedReferenceLoader
+from dcr.testing.synthetic import SyntheticRun
 
 
 def committed_versions(run_dir: Path) -> list[tuple[int, int]]:
@@ -128,7 +130,9 @@ def test_a_fleet_that_does_not_finish_says_where_it_stands(tmp_path: Path) -> No
     assert "r1: applied" in message and str(cfg.run_dir) in message
 
 
-def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(tmp_path: Path) -> None:
+def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rank's checkpoint at the committed version, one behind it (killed before the write),
     or unusable (another layout, damaged): every way gives the shards of that version."""
     from dcr.fleet.owner import _checkpoint_path, _resume, _save_checkpoint
@@ -144,12 +148,22 @@ def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(tmp_pa
         )
 
     assert same(_resume(model, 1, 3, path))  # no checkpoint yet: computed from scratch
-    _save_checkpoint(path, 3, want)
-    assert same(_resume(model, 1, 3, path))
-    _save_checkpoint(path, 2, model.run.shards(model.plan, 1, 2))
-    assert same(_resume(model, 1, 3, path))  # one step replayed
+    behind = model.run.shards(model.plan, 1, 2)
     other = model.run.shards(model.plan, 0, 3)  # the other TP rank's shards
     assert other.keys() != want.keys()
+    # The checkpoint is what is read: a bit flipped in it comes back.
+    key = sorted(want)[0]
+    marked = {k: t.clone() for k, t in want.items()}
+    bits(marked[key]).reshape(-1)[0] ^= 1
+    _save_checkpoint(path, 3, marked)
+    first = bits(_resume(model, 1, 3, path)[key]).reshape(-1)[0]
+    assert first == bits(marked[key]).reshape(-1)[0] != bits(want[key]).reshape(-1)[0]
+    with monkeypatch.context() as m:  # from here on, recomputing from scratch is an error
+        m.setattr(SyntheticRun, "shards", lambda *a: pytest.fail("recomputed from scratch"))
+        _save_checkpoint(path, 3, want)
+        assert same(_resume(model, 1, 3, path))
+        _save_checkpoint(path, 2, behind)
+        assert same(_resume(model, 1, 3, path))  # one step replayed
     _save_checkpoint(path, 3, other)
     assert same(_resume(model, 1, 3, path))
     path.write_bytes(b"not a checkpoint")
