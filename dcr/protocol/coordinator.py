@@ -284,6 +284,9 @@ class CoordinatorCore:
                             seconds=self._timeout(Stage.STOP),
                         )
                     )
+                    # Stops and retirements may all have arrived while the attempt was being
+                    # marked obsolete: then nothing else would complete the stop.
+                    self._after_stopped(out)
             case msg.Stopped(endpoint=endpoint, dirty=dirty):
                 if endpoint in a.endpoints:
                     a.stopped.add(endpoint)

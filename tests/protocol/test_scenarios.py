@@ -264,3 +264,35 @@ def test_failure_after_admission_retries_in_overwrite_mode_and_repairs_partial_w
     assert [p.info.mode for p in attempts(w)] == [Mode.MIXED, Mode.OVERWRITE]
     assert w.outcome() is TransitionOutcome.COMMITTED
     committed_everywhere(w, w.receiver_names)
+
+
+def test_a_takeover_whose_endpoints_all_stopped_before_the_obsolete_mark_reads_the_commit() -> None:
+    """Stops and retirements of the old attempt may all arrive while the new coordinator is
+    still marking it obsolete (replies to the replaced coordinator's stop): entering the stop
+    must see that nothing is left to wait for, or the takeover waits forever (found by the
+    heavy state machine)."""
+    from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
+    from dcr.protocol.types import AttemptInfo, CounterIds, Timeouts
+
+    base = CommitRecord(version=0, candidate="g0")
+    old = AttemptInfo(
+        attempt=100, candidate="g1.100", base=base, mode=Mode.MIXED, sync=False,
+        coordinator=1, owners=("o0",), receivers=frozenset({"r0", "r1"}),
+    )  # fmt: skip
+    core = CoordinatorCore(
+        CoordinatorConfig(base=base, owners=("o0",), receivers=("r0", "r1"), epoch=2,
+                          sync=False, timeouts=Timeouts()),
+        CounterIds(first=200, prefix="g2."),
+    )  # fmt: skip
+    out = core.handle(ev.TakeOver(old=old))
+    assert any(isinstance(c, cmd.RecordObsolete) for c in out)
+    for event in (
+        msg.Retired(attempt=100, endpoint="o0"),
+        msg.Stopped(attempt=100, endpoint="r0"),
+        msg.Stopped(attempt=100, endpoint="r1"),
+    ):
+        assert not any(isinstance(c, cmd.ReadCommit) for c in core.handle(event))
+    assert core.attempt_phase is AttemptPhase.OBSOLETE
+    out = core.handle(ev.ObsoleteMarked(attempt=100))
+    assert [c for c in out if isinstance(c, cmd.ReadCommit)] == [cmd.ReadCommit(attempt=100)]
+    assert core.phase is TransitionPhase.RESOLVING  # reading the commit record
