@@ -31,6 +31,15 @@ class Encoding(enum.IntEnum):
     """``stored ^= mask``; only on bit-preserving paths with no overlapping writes."""
     OVERWRITE = 1
     """``stored = value`` (cast/transformed by the loader like a dense load would)."""
+    ULP = 2
+    """``stored = unordered(ordered(stored) + delta)`` modulo the word width
+    (:mod:`dcr.delta.ordered`); like XOR relative to the base, only on bit-preserving paths
+    with no overlapping writes, and only for float dtypes."""
+
+    @property
+    def relative(self) -> bool:
+        """Whether the value is relative to the stored base bits (applied at most once)."""
+        return self is not Encoding.OVERWRITE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
