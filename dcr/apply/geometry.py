@@ -187,12 +187,31 @@ class IndexMap:
 
     def map(self, indices: Int64Array) -> tuple[Int64Array, Int64Array]:
         """``(entry numbers, destination element offsets)`` of the sorted ``indices`` in view."""
+        sel, pos = self.select(indices)
+        if isinstance(sel, slice):
+            return np.arange(sel.start, sel.stop, dtype=np.int64), pos
+        return sel, pos
+
+    def select(self, indices: Int64Array) -> tuple[slice | Int64Array, Int64Array]:
+        """Like :meth:`map`, but a run of consecutive entries comes back as a ``slice``.
+
+        One run of consecutive elements (a row block, a whole tensor) costs one pass over the
+        entries, or none when source and destination offsets agree (a view of ``indices``).
+        """
         lo = int(np.searchsorted(indices, self.src_offset, side="left"))
         hi = int(np.searchsorted(indices, self.src_offset + self.src_span, side="right"))
-        rest = indices[lo:hi] - self.src_offset
         if len(self.dims) == 1 and self.dims[0][0] == 1:
             # One run of consecutive elements: every index in the span is in the view.
-            return np.arange(lo, hi, dtype=np.int64), rest * self.dims[0][2] + self.dst_offset
+            step = self.dims[0][2]
+            if step == 1 and self.src_offset == self.dst_offset:
+                return slice(lo, hi), indices[lo:hi]
+            pos = indices[lo:hi] - self.src_offset
+            if step != 1:
+                pos *= step
+            if self.dst_offset:
+                pos += self.dst_offset
+            return slice(lo, hi), pos
+        rest = indices[lo:hi] - self.src_offset
         pos = np.full(rest.shape, self.dst_offset, dtype=np.int64)
         inside = np.ones(rest.shape, dtype=bool)
         for n, (stride, size, dst_stride) in enumerate(self.dims):

@@ -23,24 +23,34 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from dcr.apply.call import Fail, LoaderCall, run_loader
+from dcr.apply.geometry import IndexMap
 from dcr.apply.hook import SourceKind
 from dcr.apply.loader import Loader
 from dcr.apply.paths import CopyStrategy, LoaderPath, PathKind, matches
-from dcr.apply.prewarm import classify, copy_strategy, find_overlaps, with_overlaps
-from dcr.apply.scratch import Scratch, torch_bits
+from dcr.apply.prewarm import classify, find_overlaps, with_overlaps
+from dcr.apply.scratch import Scratch
 from dcr.apply.storage import StorageGuard
 from dcr.apply.writes import (
+    Entries,
+    Stage,
     WritePlan,
     active_mask,
+    copies_overlap,
+    entries_of,
     execute,
     irregular,
-    plan_mapped,
+    plan_enumerated,
+    plan_in_layout,
     plan_masked,
-    xor_overlap,
+    plan_sparse,
 )
+from dcr.delta.bits import numpy_bits_dtype
+from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import (
     ConfigError,
@@ -81,12 +91,20 @@ class ApplyConfig:
     ``post_apply_checks`` (default off) re-reads every written position (paper App. A.2).
     ``placeholder`` (default NaN, the paper's default) picks the scheme for transforming paths.
     ``scratch_device`` (default: the device of the loader's first parameter) places the
-    scratch buffer.
+    scratch buffer.  ``threads`` (default: every core, at most 8) bounds the cores one apply
+    writes with.
     """
 
     post_apply_checks: bool = False
     placeholder: PlaceholderScheme = PlaceholderScheme.NAN
     scratch_device: str | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(
+                f"ApplyConfig.threads must be a positive int or None, got {self.threads!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,8 +123,9 @@ class PrewarmReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ItemReport:
-    """One applied item: entries received, destination elements written and how.
+    """One applied group: a name's items of one encoding in one call, merged.
 
+    ``entries`` counts the group's entries and ``merged`` the items they came in.
     ``written`` counts destination elements (an entry can land 0 times -- another rank's rows
     -- or several times -- a replicated copy); ``checked`` counts post-apply-checked positions.
     ``dense`` says whether some copy was reproduced over its whole view (the placeholder path,
@@ -117,6 +136,7 @@ class ItemReport:
     encoding: Encoding
     kind: PathKind
     entries: int
+    merged: int
     written: int
     copies: int
     bytes_written: int
@@ -176,6 +196,7 @@ class Receiver:
         self._report: PrewarmReport | None = None
         self._guard: StorageGuard | None = None
         self._scratch: Scratch | None = None
+        self._imaps: dict[tuple[str, int], IndexMap | None] = {}
 
     # -- prewarm ---------------------------------------------------------------------------
 
@@ -260,20 +281,56 @@ class Receiver:
 
     def apply_item(self, item: Item, *, attempt: int | None = None) -> ItemReport:
         """Apply one item in place; raises before any write lands when a check fails."""
-        guard = self._require_prewarm()[0]
-        with torch.no_grad(), _restoring(guard, self._violation(attempt, item.name)):
-            report = self._apply(item, attempt)
-        guard.check(self._violation(attempt, None), full=True)
-        return report
+        return self.apply_items([item], attempt=attempt).items[0]
 
     def apply_items(self, items: Iterable[Item], *, attempt: int | None = None) -> ApplyReport:
-        """Apply items in the given (declared) order; the first failure stops the sequence."""
+        """Apply a payload's items in place, all or nothing.
+
+        Three phases.  *Admit*: every item is checked against the catalog (name, shape,
+        dtype), its own arrays (bounds, strictly increasing indices) and the prewarm paths
+        (XOR and ULP only where :meth:`xor_allowed`; ULP only for float dtypes); items of one
+        name and encoding are merged into one group, and two items of one name that share a
+        position are refused (:class:`PayloadRejected`, check ``"overlap"``), whatever their
+        encodings, since their order would decide the result.  *Plan*: the native loader runs
+        once per group under the dispatch hook and every loader condition is checked
+        (:class:`LoaderConditionViolated`).  *Write*: only then do the planned writes land.  A
+        payload rejected in the first two phases leaves every stored bit as it was, whichever
+        item is at fault; only a post-apply check (``config.post_apply_checks``) or a write
+        that bypassed the hook can fail after writes have landed.
+
+        The report has one :class:`ItemReport` per group, in order of first appearance.
+        """
         start = time.perf_counter()
         guard = self._require_prewarm()[0]
+        groups = self._admit_all(list(items), attempt)
         with torch.no_grad(), _restoring(guard, self._violation(attempt, None)):
-            done = [self._apply(item, attempt) for item in items]
+            planned = [self._plan(group, attempt) for group in groups]
+            written = execute(
+                self._stages(groups, planned),
+                check=self._config.post_apply_checks,
+                fail=self._violation(attempt, None),
+                threads=self._config.threads,
+            )
         guard.check(self._violation(attempt, None), full=True)
-        return ApplyReport.of(done, time.perf_counter() - start)
+        check = self._config.post_apply_checks
+        reports = [
+            ItemReport(
+                name=g.spec.name,
+                encoding=g.encoding,
+                kind=g.path.kind,
+                entries=g.entries.count,
+                merged=g.merged,
+                written=sum(written[p] for p in plan.writes),
+                copies=len(plan.writes),
+                bytes_written=sum(written[p] * p.itemsize for p in plan.writes),
+                loader_calls=plan.calls,
+                dense=plan.dense,
+                checked=sum(written[p] for p in plan.writes) if check else 0,
+                seconds=plan.seconds,
+            )
+            for g, plan in zip(groups, planned, strict=True)
+        ]
+        return ApplyReport.of(reports, time.perf_counter() - start)
 
     def dense_load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Restore resident weights by a dense refit through the native loader (no hook).
@@ -307,81 +364,160 @@ class Receiver:
 
         return fail
 
-    def _admit(self, item: Item, attempt: int | None) -> tuple[TensorSpec, LoaderPath]:
-        """Check the item against the catalog and the path's classification."""
+    def _admit_all(self, items: list[Item], attempt: int | None) -> list[_Group]:
+        """Check every item and merge items of one name and encoding (no loader call)."""
         self._require_prewarm()
+        by_key: dict[tuple[str, Encoding], list[Item]] = {}
+        for item in items:
+            self._admit(item, attempt)
+            by_key.setdefault((item.name, item.encoding), []).append(item)
+        groups = [self._merge(key[0], key[1], members, attempt) for key, members in by_key.items()]
+        encodings: dict[str, list[_Group]] = {}
+        for g in groups:
+            encodings.setdefault(g.spec.name, []).append(g)
+        for name, same in encodings.items():
+            if len(same) > 1:
+                _refuse_shared(name, [g.entries.indices for g in same], attempt)
+        return groups
+
+    def _admit(self, item: Item, attempt: int | None) -> None:
+        """Check one item against the catalog and the path's classification (O(1))."""
+
+        def reject(message: str, check: str) -> PayloadRejected:
+            return PayloadRejected(message, attempt=attempt, tensor=item.name, check=check)
+
         spec = self._catalog.get(item.name)
         if spec is None:
-            raise PayloadRejected(
-                "no such canonical tensor in the catalog",
-                attempt=attempt,
-                tensor=item.name,
-                check="name",
-            )
+            raise reject("no such canonical tensor in the catalog", "name")
         if tuple(item.shape) != spec.shape:
-            raise PayloadRejected(
-                f"shape {list(item.shape)} differs from the catalog's {list(spec.shape)}",
-                attempt=attempt,
-                tensor=item.name,
-                check="shape",
+            raise reject(
+                f"shape {list(item.shape)} differs from the catalog's {list(spec.shape)}", "shape"
             )
         if item.dtype != spec.dtype:
-            raise PayloadRejected(
-                f"dtype {item.dtype} differs from the catalog's {spec.dtype}",
-                attempt=attempt,
-                tensor=item.name,
-                check="dtype",
-            )
-        try:
-            item.validate()
-        except ConfigError as exc:
-            raise PayloadRejected(
-                exc.message, attempt=attempt, tensor=item.name, check=exc.check or "schema"
-            ) from exc
+            raise reject(f"dtype {item.dtype} differs from the catalog's {spec.dtype}", "dtype")
+        if not isinstance(item.encoding, Encoding):
+            raise reject(f"unknown encoding {item.encoding!r}", "encoding")
+        want = numpy_bits_dtype(spec.dtype)
+        if (
+            not isinstance(item.indices, np.ndarray)
+            or item.indices.dtype != np.int64
+            or item.indices.ndim != 1
+        ):
+            raise reject("indices must be a 1-D int64 array", "schema")
+        if (
+            not isinstance(item.values, np.ndarray)
+            or item.values.dtype != want
+            or item.values.shape != item.indices.shape
+        ):
+            raise reject(f"values must be {np.dtype(want).name}[{item.count}]", "schema")
         path = self._paths[item.name]
-        if item.encoding is Encoding.XOR and not path.xor_allowed:
+        if item.encoding.relative and not path.xor_allowed:
             why = (
                 f"it overlaps {sorted(path.overlaps)}"
                 if path.overlaps
                 else f"its loader path is {path.kind.value}"
             )
-            raise PayloadRejected(
-                f"XOR entries are not allowed on this tensor: {why}",
-                attempt=attempt,
-                tensor=item.name,
-                check="classification",
+            raise reject(
+                f"{item.encoding.name} entries are not allowed on this tensor: {why}",
+                "classification",
             )
-        return spec, path
+        if item.encoding is Encoding.ULP and spec.dtype not in ULP_DTYPES:
+            raise reject(f"ULP entries need a float dtype, not {spec.dtype}", "encoding")
 
-    def _apply(self, item: Item, attempt: int | None) -> ItemReport:
+    def _merge(
+        self, name: str, encoding: Encoding, items: list[Item], attempt: int | None
+    ) -> _Group:
+        """One group of a name's items of one encoding: bounds, order and shared positions.
+
+        Each item's indices must be strictly increasing and inside the tensor; the merged
+        indices are sorted, and a position held by two items is refused.  Vectorized over the
+        concatenation, so many small items cost about as much as one item of their entries.
+        """
+        spec = self._catalog[name]
+
+        def reject(message: str, check: str) -> PayloadRejected:
+            return PayloadRejected(message, attempt=attempt, tensor=name, check=check)
+
+        if len(items) == 1:
+            indices, values = items[0].indices, items[0].values
+        else:
+            indices = np.concatenate([i.indices for i in items])
+            values = np.concatenate([i.values for i in items])
+        if indices.size:
+            rising = indices[1:] > indices[:-1]
+            ordered = bool(rising.all())
+            if not ordered and len(items) > 1:
+                # Item boundaries may fall anywhere; inside each item the order is strict.
+                ends = np.cumsum([i.count for i in items])[:-1] - 1
+                rising[ends[(ends >= 0) & (ends < rising.size)]] = True
+            if not ordered and not bool(rising.all()):
+                raise reject("indices must be strictly increasing", "schema")
+            if not ordered:
+                order = np.argsort(indices, kind="stable")
+                indices, values = indices[order], values[order]
+                if not bool((indices[1:] > indices[:-1]).all()):
+                    raise reject(
+                        f"two {encoding.name} items of this tensor write the same position",
+                        "overlap",
+                    )
+            if int(indices[0]) < 0 or int(indices[-1]) >= spec.numel:
+                raise reject("index out of range", "bounds")
+        return _Group(
+            spec=spec,
+            path=self._paths[name],
+            encoding=encoding,
+            entries=entries_of(indices, values, spec.dtype),
+            numpy_values=values,
+            merged=len(items),
+        )
+
+    def _stages(self, groups: list[_Group], planned: list[_Planned]) -> list[Stage]:
+        """Writes that may run concurrently, in payload order where order matters.
+
+        Groups of names without overlapping writes (no tied storage) touch pairwise disjoint
+        bytes -- prewarm proved it -- and share one stage; a group of a name that overlaps
+        another name's writes gets its own stage, so overwrites of tied storage land in
+        payload order (the last one wins, as in a dense load).
+        """
+        stages: list[Stage] = []
+        free: list[tuple[WritePlan, Encoding]] = []
+        tied: list[list[tuple[WritePlan, Encoding]]] = []
+        for g, plan in zip(groups, planned, strict=True):
+            writes = [(w, g.encoding) for w in plan.writes]
+            if g.path.overlaps:
+                tied.append(writes)
+            else:
+                free.extend(writes)
+        if free:
+            stages.append(free)
+        stages.extend(tied)
+        return stages
+
+    def _imap(self, path: LoaderPath, n: int) -> IndexMap | None:
+        """The index map of the path's ``n``-th copy, built once from its prewarm geometry."""
+        key = (path.name, n)
+        if key not in self._imaps:
+            copy = path.copies[n]
+            self._imaps[key] = IndexMap.build(copy.src, copy.dst)
+        return self._imaps[key]
+
+    def _plan(self, group: _Group, attempt: int | None) -> _Planned:
         start = time.perf_counter()
-        spec, path = self._admit(item, attempt)
-        xor = item.encoding is Encoding.XOR
+        writes: list[WritePlan] = []
         calls = 0
-        plans: list[WritePlan] = []
         dense = False
-        checked = 0
-        if item.count:
-            fail = self._violation(attempt, item.name)
-            if not xor and any(c.strategy is CopyStrategy.PLACEHOLDER for c in path.copies):
-                plans, calls = self._plan_placeholder(spec, path, item, fail)
+        if group.entries.count:
+            fail = self._violation(attempt, group.spec.name)
+            if group.encoding is Encoding.OVERWRITE and any(
+                c.strategy is CopyStrategy.PLACEHOLDER for c in group.path.copies
+            ):
+                writes, calls = self._plan_placeholder(group, fail)
                 dense = True
             else:
-                plans, dense = self._plan_mapped(spec, path, item, xor, fail)
+                writes, dense = self._plan_mapped(group, fail)
                 calls = 1
-            checked = execute(plans, xor=xor, check=self._config.post_apply_checks, fail=fail)
-        return ItemReport(
-            name=item.name,
-            encoding=item.encoding,
-            kind=path.kind,
-            entries=item.count,
-            written=sum(p.count for p in plans),
-            copies=len(plans),
-            bytes_written=sum(p.nbytes for p in plans),
-            loader_calls=calls,
-            dense=dense,
-            checked=checked,
-            seconds=time.perf_counter() - start,
+        return _Planned(
+            writes=writes, calls=calls, dense=dense, seconds=time.perf_counter() - start
         )
 
     def _call(self, path: LoaderPath, view: torch.Tensor, fail: Fail) -> LoaderCall:
@@ -409,90 +545,91 @@ class Receiver:
 
     @staticmethod
     def _check_pattern(path: LoaderPath, call: LoaderCall, fail: Fail) -> None:
-        # Constant fills must recur here but are never executed: they rewrite a constant the
-        # dense load already wrote, and prewarm proved they never overlap a copy.
-        if len(call.writes) != len(path.writes) or not all(
-            matches(r, w) for r, w in zip(path.writes, call.writes, strict=True)
-        ):
+        if not _repeats(path, call):
             raise fail(
                 f"the loader made {len(call.writes)} writes that differ from the "
                 f"{len(path.writes)} recorded at prewarm (count, destination, source or value)",
                 "pattern",
             )
 
-    def _plan_mapped(
-        self, spec: TensorSpec, path: LoaderPath, item: Item, xor: bool, fail: Fail
-    ) -> tuple[list[WritePlan], bool]:
+    def _plan_mapped(self, group: _Group, fail: Fail) -> tuple[list[WritePlan], bool]:
         """Sparse path: scratch is handed over unfilled; only the copy geometry matters.
 
+        The loader call witnesses that the loader still makes the writes recorded at prewarm;
+        the index maps themselves come from the prewarm geometry (built once per copy).
         Overwrite values that torch casts position-dependently (:func:`irregular`) are
         scattered into scratch and cast in the destination's layout instead (O(view)).
         """
+        spec, path, entries = group.spec, group.path, group.entries
+        relative = group.encoding.relative
         scratch = self._require_prewarm()[1]
         in_place = (
-            not xor
+            not relative
             and any(c.src.dtype != c.dst.dtype for c in path.copies)
-            and irregular(item.values, item.dtype)
+            and irregular(group.numpy_values, spec.dtype)
         )
         view = (
-            scratch.fill(spec, None, item.indices, torch_bits(item.values))
+            scratch.fill(spec, None, entries.indices, entries.values)
             if in_place
             else scratch.view(spec)
         )
         call = self._call(path, view, fail)
-        if xor:
+        if relative:
+            what = group.encoding.name
             for copy in call.copies:
                 if copy.src_geometry.dtype != copy.dst_geometry.dtype:
                     raise fail(
                         f"the copy into {copy.storage.label!r} changes dtype "
-                        f"({copy.src_geometry.dtype} -> {copy.dst_geometry.dtype}) on an XOR "
-                        "path",
+                        f"({copy.src_geometry.dtype} -> {copy.dst_geometry.dtype}) on an "
+                        f"{what} path",
                         "xor-dtype",
                     )
                 if copy.source is not SourceKind.SCRATCH:
                     raise fail(
                         f"the copy into {copy.storage.label!r} does not read scratch storage "
-                        "on an XOR path",
+                        f"on an {what} path",
                         "xor-source",
                     )
-            plans = [
-                plan_mapped(c, copy_strategy(spec, c, False, fail), item, xor=True, in_place=False)
-                for c in call.copies
-            ]
-            if xor_overlap(plans):
-                raise fail("two XOR writes of the item share destination bytes", "xor-overlap")
+        if not _repeats(path, call):
+            if relative and copies_overlap(call.copies):
+                raise fail(
+                    f"two {group.encoding.name} writes of the item share destination bytes",
+                    "xor-overlap",
+                )
             self._check_pattern(path, call, fail)
-            return plans, False
-        self._check_pattern(path, call, fail)
-        plans = [
-            plan_mapped(c, r.strategy, item, xor=False, in_place=in_place)
-            for r, c in zip(path.copies, call.copies, strict=True)
-        ]
+        plans = []
+        for n, (record, copy) in enumerate(zip(path.copies, call.copies, strict=True)):
+            imap = self._imap(path, n) if record.strategy is CopyStrategy.SPARSE else None
+            if in_place:
+                plans.append(plan_in_layout(copy, imap, entries))
+            elif imap is not None:
+                plans.append(plan_sparse(copy, imap, entries, relative=relative))
+            else:
+                plans.append(plan_enumerated(copy, entries, relative=relative))
         return plans, in_place
 
-    def _plan_placeholder(
-        self, spec: TensorSpec, path: LoaderPath, item: Item, fail: Fail
-    ) -> tuple[list[WritePlan], int]:
+    def _plan_placeholder(self, group: _Group, fail: Fail) -> tuple[list[WritePlan], int]:
         """Dense path for overwrite items on transforming paths (paper §6.1, App. A.2).
 
         Scratch holds NaN at inactive positions; each masked copy's active mask is the non-NaN
         positions of its input.  Items holding NaN values (or every item, with the two-pass
         scheme) first run with actives 0.0 for the mask, then with the real values.
         """
+        spec, path, entries = group.spec, group.path, group.entries
         scratch = self._require_prewarm()[1]
-        values = torch_bits(item.values)
+        values = entries.values
         two_pass = self._config.placeholder is PlaceholderScheme.TWO_PASS or bool(
             torch.isnan(values.view(spec.dtype)).any()
         )
         calls = 1
         masks: list[torch.Tensor | None] = []
         if two_pass:
-            view = scratch.fill(spec, math.nan, item.indices, torch.zeros_like(values))
+            view = scratch.fill(spec, math.nan, entries.indices, torch.zeros_like(values))
             first = self._call(path, view, fail)
             self._check_pattern(path, first, fail)
             masks = self._masks(path, first)
             calls = 2
-        view = scratch.fill(spec, math.nan, item.indices, values)
+        view = scratch.fill(spec, math.nan, entries.indices, values)
         call = self._call(path, view, fail)
         self._check_pattern(path, call, fail)
         if not two_pass:
@@ -500,8 +637,10 @@ class Receiver:
         plans = [
             plan_masked(c, mask)
             if mask is not None
-            else plan_mapped(c, r.strategy, item, xor=False, in_place=True)
-            for r, c, mask in zip(path.copies, call.copies, masks, strict=True)
+            else plan_in_layout(
+                c, self._imap(path, n) if r.strategy is CopyStrategy.SPARSE else None, entries
+            )
+            for n, (r, c, mask) in enumerate(zip(path.copies, call.copies, masks, strict=True))
         ]
         return plans, calls
 
@@ -522,6 +661,51 @@ def _restoring(guard: StorageGuard, fail: Fail) -> Iterator[None]:
     except DcrError:
         guard.check(fail)
         raise
+
+
+def _repeats(path: LoaderPath, call: LoaderCall) -> bool:
+    """Whether the call made exactly the writes recorded at prewarm.
+
+    Constant fills must recur too but are never executed: they rewrite a constant the dense
+    load already wrote, and prewarm proved they never overlap a copy.
+    """
+    return len(call.writes) == len(path.writes) and all(
+        matches(r, w) for r, w in zip(path.writes, call.writes, strict=True)
+    )
+
+
+def _refuse_shared(name: str, groups: list[npt.NDArray[np.int64]], attempt: int | None) -> None:
+    """Refuse a payload whose groups of one name (different encodings) share a position."""
+    seen = np.concatenate(groups)
+    if seen.size != np.unique(seen).size:
+        raise PayloadRejected(
+            "items of this tensor with different encodings write the same position",
+            attempt=attempt,
+            tensor=name,
+            check="overlap",
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Group:
+    """A name's merged items of one encoding in one apply call."""
+
+    spec: TensorSpec
+    path: LoaderPath
+    encoding: Encoding
+    entries: Entries
+    numpy_values: npt.NDArray[np.generic]
+    merged: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Planned:
+    """A group's checked writes, not yet executed."""
+
+    writes: list[WritePlan]
+    calls: int
+    dense: bool
+    seconds: float
 
 
 def xor_allowed_across(receivers: Iterable[Receiver]) -> frozenset[str]:

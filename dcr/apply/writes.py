@@ -1,15 +1,25 @@
 """Planned writes: the bits each intercepted copy puts into resident storage, and where.
 
 Apply never executes the loader's dense ``copy_``.  Each intercepted copy becomes a
-:class:`WritePlan` -- element positions in the destination storage and one value per position
--- computed either from the item's entries through the copy's source geometry (bit-preserving
-copies, cost ~ entries) or from the placeholder-masked copy input (transforming copies).  All
-plans of an item are built and checked before the first one is executed (deferred writes).
+:class:`WritePlan`: element positions in the destination storage and one value per position.
+On bit-preserving copies the plan keeps the entries and the copy's :class:`IndexMap` and maps
+them chunk by chunk while it writes (cost ~ entries, no position array for the whole item);
+transforming copies, broadcasts and in-layout casts are planned with their positions and values
+already computed (they depend on the loader's output, which the next loader call replaces).
+
+Every plan of a payload is built and checked before the first write (deferred writes, paper
+App. A.2); :func:`execute` then performs them as fused read-modify-write chunks -- a chunk's
+cache lines are read and written while they are hot -- on up to ``threads`` cores.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,44 +27,120 @@ import numpy.typing as npt
 import torch
 
 from dcr.apply.call import Fail
-from dcr.apply.geometry import IndexMap, enumerate_map
+from dcr.apply.geometry import IndexMap, byte_intervals, enumerate_map, overlapping_groups
 from dcr.apply.hook import InterceptedCopy
-from dcr.apply.paths import CopyStrategy
 from dcr.apply.scratch import torch_bits, torch_index
 from dcr.delta.bits import bits_dtype
-from dcr.delta.records import Item
+from dcr.delta.ordered import add_ordered
+from dcr.delta.records import Encoding
 
 __all__ = [
+    "CHUNK",
+    "Entries",
     "WritePlan",
     "active_mask",
     "cast_bits",
+    "copies_overlap",
+    "default_threads",
+    "entries_of",
     "execute",
     "irregular",
-    "plan_mapped",
+    "plan_enumerated",
+    "plan_in_layout",
     "plan_masked",
-    "xor_overlap",
+    "plan_sparse",
 ]
+
+CHUNK = 1 << 16
+"""Entries per read-modify-write chunk: big enough to amortize the per-op cost (~1 ns per
+entry), small enough that the chunk's destination cache lines stay in cache between the read
+and the write."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Entries:
+    """A group's sorted flat canonical indices and their value bits (torch, item dtype width)."""
+
+    indices: npt.NDArray[np.int64]
+    values: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def count(self) -> int:
+        return int(self.indices.shape[0])
+
+
+def _flat_bits(dst: torch.Tensor) -> torch.Tensor:
+    """The whole storage behind ``dst`` as a 1-D integer view of ``dst``'s width."""
+    n = int(dst.untyped_storage().nbytes()) // dst.element_size()
+    return dst.detach().as_strided((n,), (1,), 0).view(bits_dtype(dst.dtype))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class WritePlan:
-    """Positions (elements of the destination dtype, from the storage start) and their bits.
+    """The writes of one intercepted copy into one resident storage.
 
-    ``values`` are XOR masks on the XOR path and new stored bits on the overwrite path, in the
-    integer type of the destination's width.
+    Either *mapped* (``imap`` and ``entries``: positions are computed per chunk at execution;
+    ``cast`` converts overwrite values to the destination dtype) or *materialized*
+    (``positions`` and ``values``).  ``values`` are XOR masks, ULP deltas or new stored bits,
+    in the integer type of the destination's width.
     """
 
-    copy: InterceptedCopy
-    positions: npt.NDArray[np.int64]
-    values: torch.Tensor
+    label: str
+    flat: torch.Tensor
+    itemsize: int
+    imap: IndexMap | None = None
+    entries: Entries | None = None
+    cast: torch.dtype | None = None
+    positions: npt.NDArray[np.int64] | None = None
+    values: torch.Tensor | None = None
 
     @property
-    def count(self) -> int:
+    def size(self) -> int:
+        """Entries (mapped) or positions (materialized) the plan iterates over."""
+        if self.entries is not None:
+            return self.entries.count
+        assert self.positions is not None
         return int(self.positions.shape[0])
 
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.copy.dst_geometry.itemsize
+    def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Destination positions (storage elements) and their values for one chunk."""
+        device = self.flat.device
+        if self.entries is None:
+            assert self.positions is not None and self.values is not None
+            pos = torch_index(self.positions[start:stop], device)
+            return pos, self.values[start:stop].to(device)
+        assert self.imap is not None
+        sel, where = self.imap.select(self.entries.indices[start:stop])
+        values = self.entries.values[start:stop]
+        if isinstance(sel, slice):  # a run of entries: no gather
+            values = values[sel]
+        else:
+            values = values.index_select(0, torch.from_numpy(sel))
+        if self.cast is not None:
+            values = cast_bits(values, self.entries.dtype, self.cast)
+        return torch_index(where, device), values.to(device)
+
+
+def _plan(
+    copy: InterceptedCopy,
+    *,
+    imap: IndexMap | None = None,
+    entries: Entries | None = None,
+    cast: torch.dtype | None = None,
+    positions: npt.NDArray[np.int64] | None = None,
+    values: torch.Tensor | None = None,
+) -> WritePlan:
+    return WritePlan(
+        label=copy.storage.label,
+        flat=_flat_bits(copy.dst),
+        itemsize=copy.dst_geometry.itemsize,
+        imap=imap,
+        entries=entries,
+        cast=cast,
+        positions=positions,
+        values=values,
+    )
 
 
 def cast_bits(values: torch.Tensor, src: torch.dtype, dst: torch.dtype) -> torch.Tensor:
@@ -99,33 +185,41 @@ def _cast_in_place_of(copy: InterceptedCopy, src: torch.Tensor) -> torch.Tensor:
     return out.as_strided((n,), (1,), 0).view(bits_dtype(g.dtype))
 
 
-def plan_mapped(
-    copy: InterceptedCopy, strategy: CopyStrategy, item: Item, *, xor: bool, in_place: bool
+def plan_sparse(
+    copy: InterceptedCopy, imap: IndexMap, entries: Entries, *, relative: bool
 ) -> WritePlan:
-    """Map the item's entries through a scratch-view source straight to destinations.
+    """A mapped plan: the entries go through ``imap`` straight to destinations at execution.
 
-    An overwrite through a cast converts the entries on their own, unless ``in_place``: then
-    the copy input (scratch holding the entries) is cast as a whole in the destination's
-    layout -- needed for :func:`irregular` values, and costing O(view).
+    Relative values (XOR masks, ULP deltas) are written as they are (the path preserves the
+    dtype); overwrite values through a cast are converted on their own, entry by entry.
     """
-    imap = (
-        IndexMap.build(copy.src_geometry, copy.dst_geometry)
-        if strategy is CopyStrategy.SPARSE
-        else None
-    )
+    dst = copy.dst_geometry.dtype
+    cast = None if relative or dst == entries.dtype else dst
+    return _plan(copy, imap=imap, entries=entries, cast=cast)
+
+
+def plan_enumerated(copy: InterceptedCopy, entries: Entries, *, relative: bool) -> WritePlan:
+    """A materialized plan for a scratch source of another geometry (a broadcast): O(view)."""
+    sel, pos = enumerate_map(copy.src_geometry, copy.dst_geometry, entries.indices)
+    values = entries.values.index_select(0, torch.from_numpy(sel))
+    if not relative:
+        values = cast_bits(values, entries.dtype, copy.dst_geometry.dtype)
+    return _plan(copy, positions=pos, values=values)
+
+
+def plan_in_layout(copy: InterceptedCopy, imap: IndexMap | None, entries: Entries) -> WritePlan:
+    """Overwrite values cast as a whole in the destination's layout (scratch holds them).
+
+    Needed for :func:`irregular` values through a cast; costs O(view).  Materialized now,
+    while the copy input still holds this item's values.
+    """
     if imap is not None:
-        sel, pos = imap.map(item.indices)
+        _, pos = imap.map(entries.indices)
     else:
-        sel, pos = enumerate_map(copy.src_geometry, copy.dst_geometry, item.indices)
-    g = copy.dst_geometry
-    if xor or g.dtype == item.dtype:
-        values = torch_bits(item.values[sel])
-    elif in_place:
-        cast = _cast_in_place_of(copy, copy.src)
-        values = cast[torch_index(pos - g.offset, cast.device)]
-    else:
-        values = cast_bits(torch_bits(item.values[sel]), item.dtype, g.dtype)
-    return WritePlan(copy=copy, positions=pos, values=values)
+        _, pos = enumerate_map(copy.src_geometry, copy.dst_geometry, entries.indices)
+    cast = _cast_in_place_of(copy, copy.src)
+    values = cast[torch_index(pos - copy.dst_geometry.offset, cast.device)]
+    return _plan(copy, positions=pos, values=values)
 
 
 def active_mask(copy: InterceptedCopy) -> torch.Tensor:
@@ -144,82 +238,136 @@ def plan_masked(copy: InterceptedCopy, active: torch.Tensor) -> WritePlan:
     stride = torch.tensor(g.stride, dtype=torch.int64, device=where.device)
     rel = (where * stride).sum(dim=1)
     cast = _cast_in_place_of(copy, copy.src)
-    return WritePlan(
-        copy=copy,
-        positions=rel.cpu().numpy() + g.offset,
-        values=cast[rel.to(cast.device)],
-    )
+    return _plan(copy, positions=rel.cpu().numpy() + g.offset, values=cast[rel.to(cast.device)])
 
 
-def xor_overlap(plans: list[WritePlan]) -> bool:
-    """Whether two planned writes share a destination byte (the runtime XOR overlap check)."""
-    if len(plans) < 2:
+def copies_overlap(copies: Sequence[InterceptedCopy]) -> bool:
+    """Whether two of the copies' destination views share a byte (from geometry alone)."""
+    if len(copies) < 2:
         return False
-    big = max(p.copy.storage.nbytes for p in plans) + 1
-    starts = np.concatenate(
-        [p.copy.storage.index * big + p.positions * p.copy.dst_geometry.itemsize for p in plans]
-    )
-    ends = starts + np.concatenate(
-        [np.full(p.count, p.copy.dst_geometry.itemsize, dtype=np.int64) for p in plans]
-    )
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    return bool(np.any(starts[1:] < np.maximum.accumulate(ends)[:-1]))
+    big = max(c.storage.nbytes for c in copies) + 1
+    starts, ends = [], []
+    for c in copies:
+        s, e = byte_intervals(c.dst_geometry)
+        starts.append(s + c.storage.index * big)
+        ends.append(e + c.storage.index * big)
+    start, end = np.concatenate(starts), np.concatenate(ends)
+    return bool(overlapping_groups(start, end, np.zeros(start.shape, dtype=np.int64)))
 
 
-def _flat_bits(dst: torch.Tensor) -> torch.Tensor:
-    """The whole storage behind ``dst`` as a 1-D integer view of ``dst``'s width."""
-    n = int(dst.untyped_storage().nbytes()) // dst.element_size()
-    return dst.detach().as_strided((n,), (1,), 0).view(bits_dtype(dst.dtype))
+# -- execution ---------------------------------------------------------------------------------
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
-def execute(plans: list[WritePlan], *, xor: bool, check: bool, fail: Fail) -> int:
-    """Perform the planned writes in order; returns how many positions were post-checked.
-
-    With ``check`` (paper App. A.2 "Post-apply checks"): on the XOR path, XORing the mask into
-    the written bits must restore the saved pre-copy bits; on the overwrite path, the written
-    bits must equal the loader-transformed values.
-    """
-    checked = 0
-    with torch.no_grad():
-        for plan in plans:
-            if not plan.count:
-                continue
-            flat = _flat_bits(plan.copy.dst)
-            if flat.device.type == "cpu":
-                bad = _write_numpy(flat.numpy(), plan, xor=xor, check=check)
-            else:
-                bad = _write_torch(flat, plan, xor=xor, check=check)
-            if check:
-                checked += plan.count
-                if bad:
-                    raise fail(
-                        f"{bad} written positions of {plan.copy.storage.label!r} do not hold "
-                        "the expected bits",
-                        "post-apply",
-                    )
-    return checked
+def default_threads() -> int:
+    """Cores one apply uses by default: every core, at most 8."""
+    return max(1, min(os.cpu_count() or 1, 8))
 
 
-def _write_numpy(flat: npt.NDArray[np.generic], plan: WritePlan, *, xor: bool, check: bool) -> int:
-    # numpy's take/put is several times faster than torch's advanced indexing on CPU.
-    pos = plan.positions
-    values = plan.values.cpu().numpy()
-    before = np.take(flat, pos) if xor else None
-    np.put(flat, pos, before ^ values if before is not None else values)
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="dcr-apply"
+            )
+        return _POOL
+
+
+Stage = Sequence[tuple[WritePlan, Encoding]]
+"""Plans whose destinations are pairwise disjoint: their chunks may run in any order."""
+
+
+def _write(
+    flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor, encoding: Encoding, check: bool
+) -> int:
+    """One fused read-modify-write chunk; returns the positions that fail the post-check."""
+    if encoding is Encoding.OVERWRITE:
+        flat.scatter_(0, pos, values)
+        return int((flat.index_select(0, pos) != values).sum()) if check else 0
+    before = flat.index_select(0, pos)
+    after = before ^ values if encoding is Encoding.XOR else add_ordered(before, values)
+    flat.scatter_(0, pos, after)
     if not check:
         return 0
-    now = np.take(flat, pos)
-    return int(np.count_nonzero((now ^ values) != before if before is not None else now != values))
-
-
-def _write_torch(flat: torch.Tensor, plan: WritePlan, *, xor: bool, check: bool) -> int:
-    pos = torch_index(plan.positions, flat.device)
-    values = plan.values.to(flat.device)
-    before = flat.index_select(0, pos) if xor else None
-    flat.index_copy_(0, pos, torch.bitwise_xor(before, values) if before is not None else values)
-    if not check:
-        return 0
+    # Paper App. A.2 "Post-apply checks": undoing the relative value restores the saved bits.
     now = flat.index_select(0, pos)
-    wrong = torch.bitwise_xor(now, values) != before if before is not None else now != values
-    return int(wrong.sum())
+    undone = now ^ values if encoding is Encoding.XOR else add_ordered(now, values.neg())
+    return int((undone != before).sum())
+
+
+def _run_chunk(
+    plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
+) -> tuple[int, int]:
+    pos, values = plan.chunk(start, stop)
+    if not pos.numel():
+        return 0, 0
+    return int(pos.numel()), _write(plan.flat, pos, values, encoding, check)
+
+
+def execute(
+    stages: Sequence[Stage], *, check: bool, fail: Fail, threads: int | None = None
+) -> dict[WritePlan, int]:
+    """Perform the planned writes; returns the positions written per plan.
+
+    Stages run one after the other; the chunks of one stage are spread over ``threads`` cores
+    (the caller's thread plus pool workers; torch and numpy release the GIL).  With ``check``
+    (paper App. A.2 "Post-apply checks") every written position is re-read: undoing the XOR
+    mask or ULP delta must restore the saved pre-write bits, and an overwrite must hold the
+    planned bits.  A failed check raises ``fail(..., "post-apply")`` once the stage is written.
+    """
+    written: dict[WritePlan, int] = {}
+    workers = threads or default_threads()
+    with torch.no_grad():
+        for stage in stages:
+            tasks: deque[tuple[WritePlan, Encoding, int, int]] = deque(
+                (plan, encoding, a, min(a + CHUNK, plan.size))
+                for plan, encoding in stage
+                for a in range(0, plan.size, CHUNK)
+            )
+            for plan, _ in stage:
+                written.setdefault(plan, 0)
+            bad: dict[str, int] = {}
+            lock = threading.Lock()
+
+            def drain(
+                tasks: deque[tuple[WritePlan, Encoding, int, int]] = tasks,
+                bad: dict[str, int] = bad,
+                lock: threading.Lock = lock,
+            ) -> None:
+                while True:
+                    try:
+                        plan, encoding, a, b = tasks.popleft()
+                    except IndexError:
+                        return
+                    n, wrong = _run_chunk(plan, encoding, a, b, check)
+                    with lock:
+                        written[plan] += n
+                        if wrong:
+                            bad[plan.label] = bad.get(plan.label, 0) + wrong
+
+            helpers = min(workers, len(tasks)) - 1
+            futures: list[Future[None]] = (
+                [_pool().submit(drain) for _ in range(helpers)] if helpers > 0 else []
+            )
+            try:
+                drain()
+            finally:
+                for f in futures:
+                    f.result()
+            if bad:
+                label, count = next(iter(bad.items()))
+                raise fail(
+                    f"{count} written positions of {label!r} do not hold the expected bits",
+                    "post-apply",
+                )
+    return written
+
+
+def entries_of(
+    indices: npt.NDArray[np.int64], values: npt.NDArray[np.generic], dtype: torch.dtype
+) -> Entries:
+    """:class:`Entries` from an item's (or a merged group's) numpy arrays."""
+    return Entries(indices=indices, values=torch_bits(values), dtype=dtype)
