@@ -197,6 +197,7 @@ class Receiver:
         self._guard: StorageGuard | None = None
         self._scratch: Scratch | None = None
         self._imaps: dict[tuple[str, int], IndexMap | None] = {}
+        self._words = {n: np.dtype(numpy_bits_dtype(s.dtype)) for n, s in self._catalog.items()}
 
     # -- prewarm ---------------------------------------------------------------------------
 
@@ -397,32 +398,30 @@ class Receiver:
             raise reject(f"dtype {item.dtype} differs from the catalog's {spec.dtype}", "dtype")
         if not isinstance(item.encoding, Encoding):
             raise reject(f"unknown encoding {item.encoding!r}", "encoding")
-        want = numpy_bits_dtype(spec.dtype)
-        if (
-            not isinstance(item.indices, np.ndarray)
-            or item.indices.dtype != np.int64
-            or item.indices.ndim != 1
-        ):
+        want = self._words[item.name]
+        indices, values = item.indices, item.values
+        if not isinstance(indices, np.ndarray) or indices.dtype != np.int64 or indices.ndim != 1:
             raise reject("indices must be a 1-D int64 array", "schema")
         if (
-            not isinstance(item.values, np.ndarray)
-            or item.values.dtype != want
-            or item.values.shape != item.indices.shape
+            not isinstance(values, np.ndarray)
+            or values.dtype != want
+            or values.shape != indices.shape
         ):
-            raise reject(f"values must be {np.dtype(want).name}[{item.count}]", "schema")
-        path = self._paths[item.name]
-        if item.encoding.relative and not path.xor_allowed:
-            why = (
-                f"it overlaps {sorted(path.overlaps)}"
-                if path.overlaps
-                else f"its loader path is {path.kind.value}"
-            )
-            raise reject(
-                f"{item.encoding.name} entries are not allowed on this tensor: {why}",
-                "classification",
-            )
-        if item.encoding is Encoding.ULP and spec.dtype not in ULP_DTYPES:
-            raise reject(f"ULP entries need a float dtype, not {spec.dtype}", "encoding")
+            raise reject(f"values must be {want.name}[{indices.shape[0]}]", "schema")
+        if item.encoding is not Encoding.OVERWRITE:
+            if item.name not in self._xor_allowed:
+                path = self._paths[item.name]
+                why = (
+                    f"it overlaps {sorted(path.overlaps)}"
+                    if path.overlaps
+                    else f"its loader path is {path.kind.value}"
+                )
+                raise reject(
+                    f"{item.encoding.name} entries are not allowed on this tensor: {why}",
+                    "classification",
+                )
+            if item.encoding is Encoding.ULP and spec.dtype not in ULP_DTYPES:
+                raise reject(f"ULP entries need a float dtype, not {spec.dtype}", "encoding")
 
     def _merge(
         self, name: str, encoding: Encoding, items: list[Item], attempt: int | None
@@ -448,7 +447,7 @@ class Receiver:
             ordered = bool(rising.all())
             if not ordered and len(items) > 1:
                 # Item boundaries may fall anywhere; inside each item the order is strict.
-                ends = np.cumsum([i.count for i in items])[:-1] - 1
+                ends = np.cumsum([len(i.indices) for i in items])[:-1] - 1
                 rising[ends[(ends >= 0) & (ends < rising.size)]] = True
             if not ordered and not bool(rising.all()):
                 raise reject("indices must be strictly increasing", "schema")

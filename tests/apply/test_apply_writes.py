@@ -1,0 +1,85 @@
+"""The write executor: fused read-modify-write chunks on worker threads, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from apply_helpers import catalog_of
+
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply import ApplyConfig, Receiver
+from dcr.apply.writes import CHUNK, _write
+from dcr.delta.bits import bits
+from dcr.delta.ordered import ordered, unordered
+from dcr.delta.records import Encoding, Item
+from dcr.errors import ConfigError
+
+
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_one_chunk_write_matches_the_definition(encoding: Encoding) -> None:
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 1 << 16, size=256, dtype=np.uint64).astype(np.uint16)
+    pos = np.sort(rng.choice(256, size=40, replace=False)).astype(np.int64)
+    vals = rng.integers(0, 1 << 16, size=40, dtype=np.uint64).astype(np.uint16)
+    flat = torch.from_numpy(words.copy()).view(torch.int16)
+    bad = _write(
+        flat, torch.from_numpy(pos), torch.from_numpy(vals.view(np.int16)), encoding, check=True
+    )
+    assert bad == 0
+    want = words.copy()
+    if encoding is Encoding.XOR:
+        want[pos] ^= vals
+    elif encoding is Encoding.ULP:
+        want[pos] = unordered(ordered(want[pos]) + vals)
+    else:
+        want[pos] = vals
+    assert np.array_equal(flat.numpy().view(np.uint16), want)
+
+
+class Wide(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+        self.b = torch.nn.Parameter(torch.zeros(n // 2, 2, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chunks_on_several_threads_give_the_same_bits(threads: int) -> None:
+    n = 5 * CHUNK + 123
+    gen = torch.Generator().manual_seed(1)
+    w0 = {
+        "a": torch.randn(n, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(n // 2, 2, generator=gen).to(torch.bfloat16),
+    }
+    module = Wide(n)
+    loader = TorchModuleLoader(module)
+    loader.dense_load(w0)
+    receiver = Receiver(
+        loader, catalog_of(w0), ApplyConfig(threads=threads, post_apply_checks=True)
+    )
+    receiver.prewarm()
+    assert receiver.xor_allowed() == {"a"}  # b is stored as float32: overwrite only
+    rng = np.random.default_rng(2)
+    idx = np.sort(rng.choice(n, size=3 * CHUNK, replace=False)).astype(np.int64)
+    mask = rng.integers(1, 1 << 16, size=idx.size, dtype=np.uint64).astype(np.uint16)
+    b_new = rng.integers(0, 1 << 14, size=idx.size, dtype=np.uint64).astype(np.uint16)
+    items = [
+        Item(name="a", shape=(n,), dtype=torch.bfloat16, encoding=Encoding.XOR,
+             indices=idx, values=mask),
+        Item(name="b", shape=(n // 2, 2), dtype=torch.bfloat16, encoding=Encoding.OVERWRITE,
+             indices=idx[idx < n // 2 * 2], values=b_new[idx < n // 2 * 2]),
+    ]  # fmt: skip
+    report = receiver.apply_items(items)
+    assert report.written == report.checked == items[0].count + items[1].count
+    want_a = bits(w0["a"]).copy()
+    want_a[idx] ^= mask
+    want_b = w0["b"].clone().reshape(-1)
+    bits(want_b)[items[1].indices] = items[1].values
+    assert np.array_equal(bits(module.a), want_a)
+    assert np.array_equal(bits(module.b).reshape(-1), bits(want_b.float()))
+
+
+def test_threads_must_be_positive() -> None:
+    with pytest.raises(ConfigError):
+        ApplyConfig(threads=0)
