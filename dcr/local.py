@@ -40,6 +40,7 @@ from dcr.delta.records import Mode, TensorSpec
 from dcr.engine.receiver import ReceiverHooks
 from dcr.engine.setup import Integration
 from dcr.errors import ConfigError, DcrError
+from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
 from dcr.testing.cluster import AttemptSummary, LocalCluster, TransitionResult
@@ -80,6 +81,10 @@ class RefitConfig:
     sync: bool = True
     """Synchronous RL (apply while payloads stream) or asynchronous RL (stage compressed
     payloads while serving, apply after the gate closes)."""
+    proof: ProofConfig | None = field(default_factory=ProofConfig)
+    """Proof of the base version (``LocalRefit`` only): a seeded sample of stored bits at
+    every prepare, the complete fingerprint when receivers start, restart or rejoin.  A
+    receiver that fails it is restored by dense refit; ``None`` trusts every receiver."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +121,9 @@ class RefitReport:
     committed_by: int | None = None
     """Epoch of the coordinator whose compare-and-set committed this version (a replaced
     coordinator that kept running may have committed it first)."""
+    proofs: tuple[Verdict, ...] = ()
+    """Proofs of the base version judged during the transition: receivers that failed
+    (they were restored by dense refit and did not take part), positions compared."""
 
     @property
     def bytes_per_changed_element(self) -> float:
@@ -199,8 +207,11 @@ class LocalRefit(_Base):
     """Refit ``receivers`` from ``source`` in this process, through the refit protocol.
 
     ``receivers`` are native loaders (e.g. :class:`~dcr.TorchModuleLoader`) or prebuilt
-    :class:`~dcr.apply.receiver.Receiver` objects; each must hold the source's current
-    version.  ``mode="mixed"`` XOR-encodes where every receiver's loader path preserves bits;
+    :class:`~dcr.apply.receiver.Receiver` objects; each should hold the source's current
+    version: with ``config.proof`` (the default) every prepare proves it (a seeded sample of
+    stored bits; the complete fingerprint at the first refit and whenever a receiver is
+    restored), and a receiver that fails the proof is restored by dense refit instead of
+    taking part (``RefitReport.proofs``).  ``mode="mixed"`` XOR-encodes where every receiver's loader path preserves bits;
     ``"overwrite"`` sends absolute values only.  ``store`` is the commit store (default
     in-memory; pass e.g. :class:`~dcr.adapters.commit.SqliteCommitStore` for a durable one);
     ``hooks`` maps receiver names (``r0``, ``r1``, ...) to request-gate and KV-cache actions.
@@ -253,6 +264,7 @@ class LocalRefit(_Base):
                 queue=self.config.queue,
                 hooks=self._hooks,
                 limiter=anyio.CapacityLimiter(self.threads),
+                proof=self.config.proof,
             )
             self.cluster.versions[self._committed] = source.base_shards()
             self._running = self._portal.wrap_async_context_manager(self._serve())
@@ -381,6 +393,7 @@ class LocalRefit(_Base):
             attempts=result.attempts,
             faults=result.faults.report(),
             committed_by=result.committed_by,
+            proofs=result.verdicts,
         )
 
 

@@ -29,6 +29,7 @@ from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
+from dcr.protocol.proof import ProofConfig
 from dcr.protocol.types import AttemptInfo, CommitRecord, CounterIds, Mode, Stage, Timeouts
 
 __all__ = ["CoordinatorService", "Supervisor", "open_coordinator"]
@@ -78,6 +79,10 @@ class CoordinatorService:
     require_post_apply: bool = False
     mode: Mode = Mode.MIXED
     """Mode of the first attempt (``OVERWRITE`` sends absolute values only)."""
+    proof: ProofConfig | None = None
+    """Proof of the base version at prepare (see :class:`~dcr.protocol.proof.ProofConfig`)."""
+    fingerprint: bool = False
+    """Request the complete fingerprint at the first prepare (fresh or restored receivers)."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
     link: CoordinatorLink | None = None
     reads_replies: bool = True
@@ -133,6 +138,8 @@ class CoordinatorService:
                 timeouts=self.timeouts,
                 require_post_apply=self.require_post_apply,
                 mode=self.mode,
+                proof=self.proof,
+                fingerprint=self.fingerprint,
             ),
             CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
         )
@@ -301,8 +308,14 @@ async def open_coordinator(
     timeouts: Timeouts | None = None,
     supervisor: Supervisor | None = None,
     mode: Mode = Mode.MIXED,
+    proof: ProofConfig | None = None,
+    fingerprint: bool = False,
 ) -> AsyncIterator[CoordinatorService]:
-    """A coordinator for one transition: ``result = await coord.run()`` inside the block."""
+    """A coordinator for one transition: ``result = await coord.run()`` inside the block.
+
+    ``proof`` turns on the proof of the base version at prepare (receivers that fail it are
+    handed to ``supervisor.dense_refit``); ``fingerprint`` requests the complete fingerprint
+    at the first prepare."""
     yield CoordinatorService(
         owners=tuple(owners),
         receivers=tuple(receivers),
@@ -313,4 +326,6 @@ async def open_coordinator(
         timeouts=timeouts or Timeouts(),
         supervisor=supervisor or _NoSupervisor(),
         mode=mode,
+        proof=proof,
+        fingerprint=fingerprint,
     )

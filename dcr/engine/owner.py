@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Transport
+from dcr.delta.fingerprint import owner_proof
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket, BuildStats
 from dcr.engine.setup import Integration, default_limiter
@@ -204,8 +205,24 @@ class OwnerService:
             # prepare deadline, instead of failing attempt after attempt.
             self._waiting = message
             return
+        if isinstance(message, msg.Prepare) and message.proof is not None:
+            tg.start_soon(self._prove, message)
+            return
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
+
+    async def _prove(self, message: msg.Prepare) -> None:
+        """This owner's proof of its committed version, computed in a worker thread."""
+        assert message.proof is not None
+        proof = None
+        try:
+            owner = self.side.group.owner(self.rank)
+            proof = await anyio.to_thread.run_sync(
+                owner_proof, owner, message.proof, limiter=self.limiter
+            )
+        except DcrError:
+            proof = None  # the tensors it owns go unchecked this time
+        await self._local(ev.PrepareChecked(info=message.info, proof=proof))
 
     async def _execute(self, c: cmd.OwnerCommand, tg: TaskGroup) -> None:
         match c:

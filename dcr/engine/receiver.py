@@ -25,6 +25,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Delivery, Transport
+from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
 from dcr.engine.setup import Integration, default_limiter
 from dcr.errors import DcrError, PayloadRejected
@@ -172,9 +173,29 @@ class ReceiverService:
     async def _handle(self, message: object, tg: TaskGroup) -> None:
         event = message
         if isinstance(message, msg.Prepare):
+            if message.proof is not None:
+                # Reading the proof back from storage is CPU work: a worker thread answers.
+                tg.start_soon(self._prove, message)
+                return
             event = ev.PrepareChecked(info=message.info, rejection=self._prepare_check(message))
         for c in self.core.handle(event):  # type: ignore[arg-type]
             await self._execute(c, tg)
+        if isinstance(message, msg.Disproved):
+            await self._report_status()
+
+    async def _prove(self, message: msg.Prepare) -> None:
+        """The prepare check plus this receiver's proof of the base version."""
+        assert message.proof is not None
+        rejection = self._prepare_check(message)
+        proof = None
+        if rejection is None:
+            try:
+                proof = await anyio.to_thread.run_sync(
+                    receiver_proof, self.receiver, message.proof, limiter=self.limiter
+                )
+            except DcrError:
+                proof = None  # no proof: the coordinator's verdict fails this receiver
+        await self._local(ev.PrepareChecked(info=message.info, rejection=rejection, proof=proof))
 
     def _prepare_check(self, message: msg.Prepare) -> str | None:
         """The engine's metadata and loader-classification check at prepare (a *reject*)."""

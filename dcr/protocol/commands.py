@@ -124,7 +124,8 @@ class CheckRetired:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestDenseRefit:
-    """Supervisor: these receivers need a dense refit to ``record`` before the gate reopens."""
+    """Supervisor: these receivers need a dense refit to ``record`` (after an abort, before
+    the gate reopens, or after their proof of the base version failed, before they rejoin)."""
 
     record: CommitRecord
     receivers: frozenset[str]

@@ -16,6 +16,7 @@ from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import AttemptPhase, TransitionPhase, Trigger
 from dcr.protocol.machine import StateMachine
+from dcr.protocol.proof import Proof, ProofConfig, ProofRequest, Verdict, judge, seed_for
 from dcr.protocol.types import (
     AttemptInfo,
     CommitOutcome,
@@ -45,7 +46,7 @@ _ATTEMPT_EVENTS = (
     msg.Staged, msg.GateClosed, msg.Acked, ev.CommitReplied, ev.CommitRead, ev.ObsoleteMarked,
     msg.Stopped, msg.Retired, ev.DeadlineExpired,
 )  # fmt: skip
-_NOT_A_MEMBER = frozenset({"joining", "version"})
+_NOT_A_MEMBER = frozenset({"joining", "version", "proof"})
 """Prepare failures after which a receiver must dense-refit and report ready to rejoin."""
 _STAGE_PHASES = {
     Stage.PREPARE: frozenset({_A.PREPARING}),
@@ -74,6 +75,12 @@ class CoordinatorConfig:
     """Fail an attempt whose ACKs do not report post-apply checks."""
     mode: Mode = Mode.MIXED
     """Mode of the first attempt; retries after admission always use overwrite mode."""
+    proof: ProofConfig | None = None
+    """Ask for a proof of the base version at every prepare before admission (``None``: no
+    proof).  Receivers whose proof fails leave the membership and are dense-refitted."""
+    fingerprint: bool = False
+    """Request the complete fingerprint at the first prepare (the supervisor sets it for
+    receivers started or restored since the last check); needs ``proof``."""
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -103,6 +110,9 @@ class _Attempt:
     commit_deadline_passed: bool = False
     arrival_checked: bool = False
     joined: frozenset[str] = frozenset()
+    proof: ProofRequest | None = None
+    proofs: dict[str, Proof | None] = field(default_factory=dict)
+    judged: bool = False
 
     @property
     def phase(self) -> AttemptPhase:
@@ -143,6 +153,11 @@ class CoordinatorCore:
         self._reason = ""
         self._last_attempt = 0
         self._outcome: TransitionOutcome | None = None
+        proof = config.proof
+        self._fingerprint_due = proof is not None and (
+            config.fingerprint or proof.fingerprint_each_commit
+        )
+        self._verdicts: list[Verdict] = []
         self._transition = StateMachine(
             TransitionPhase,
             name=f"coordinator {config.epoch}",
@@ -201,6 +216,11 @@ class CoordinatorCore:
     def outcome(self) -> TransitionOutcome | None:
         return self._outcome
 
+    @property
+    def verdicts(self) -> tuple[Verdict, ...]:
+        """The proofs of the base version judged so far, one per proving prepare."""
+        return tuple(self._verdicts)
+
     # -- events ----------------------------------------------------------------------------
 
     def handle(self, event: ev.CoordinatorEvent) -> list[cmd.CoordinatorCommand]:
@@ -239,10 +259,13 @@ class CoordinatorCore:
             case ev.Registered():
                 if a.phase is _A.PREPARING and not a.registered:
                     a.registered = True
-                    out.append(cmd.Call(to=a.everyone, message=msg.Prepare(info=a.info)))
-            case msg.PrepareAccepted(endpoint=endpoint):
+                    out.append(
+                        cmd.Call(to=a.everyone, message=msg.Prepare(info=a.info, proof=a.proof))
+                    )
+            case msg.PrepareAccepted(endpoint=endpoint, proof=proof):
                 if endpoint in a.endpoints:
                     a.accepted.add(endpoint)
+                    a.proofs[endpoint] = proof
                     self._admit_if_prepared(out)
             case msg.PrepareRejected(endpoint=endpoint, check=check, message=message):
                 self._on_rejected(
@@ -324,7 +347,12 @@ class CoordinatorCore:
             receivers=frozenset(self._members),
         )
         self._transition.fire(_X.PREPARE)
-        self._attempt = _Attempt(info=info, machine=self._attempt_machine(tau), joined=joined)
+        self._attempt = _Attempt(
+            info=info,
+            machine=self._attempt_machine(tau),
+            joined=joined,
+            proof=self._proof_request(tau, g, joined),
+        )
         self._fire(_X.PREPARE)
         # Endpoints learn the attempt only after the control plane registered it, so that no
         # endpoint binds an attempt of a coordinator that was already replaced.
@@ -333,10 +361,65 @@ class CoordinatorCore:
             cmd.ArmDeadline(attempt=tau, stage=Stage.PREPARE, seconds=self._timeout(Stage.PREPARE))
         )
 
+    def _proof_request(self, tau: int, g: str, joined: frozenset[str]) -> ProofRequest | None:
+        """What this prepare asks endpoints to prove (only before admission: after it,
+        receivers may hold the failed attempt's partial writes, which the overwrite retry
+        repairs)."""
+        proof = self.config.proof
+        if proof is None or self._admitted:
+            return None
+        fingerprint = self._fingerprint_due or (bool(joined) and proof.fingerprint_on_join)
+        if not proof.samples and not fingerprint:
+            return None
+        return ProofRequest(seed=seed_for(tau, g), samples=proof.samples, fingerprint=fingerprint)
+
+    def _disproved(self, out: list[cmd.CoordinatorCommand]) -> bool:
+        """Judge the proofs once every endpoint accepted; True when a receiver failed.
+
+        Receivers whose storage does not hold the base version are told so, leave the
+        membership, are restored by dense refit, and the attempt fails (before admission,
+        so the retry runs in mixed mode without them).
+        """
+        a = self._attempt
+        assert a is not None
+        if a.proof is None or a.judged:
+            return False
+        a.judged = True
+        owners = {o: a.proofs.get(o) for o in a.info.owners}
+        receivers = {r: a.proofs.get(r) for r in a.info.receivers}
+        verdict = judge(a.proof, owners, receivers)
+        self._verdicts.append(verdict)
+        if a.proof.fingerprint:
+            self._fingerprint_due = False
+        if not verdict.failed:
+            return False
+        failed = frozenset(verdict.failed)
+        self._members -= failed
+        tau = a.info.attempt
+        for r in sorted(failed):
+            out.append(
+                cmd.Call(
+                    to=(r,),
+                    message=msg.Disproved(
+                        attempt=tau, epoch=self.config.epoch, reason=verdict.failed[r]
+                    ),
+                )
+            )
+        out.append(cmd.RequestDenseRefit(record=self._record, receivers=failed))
+        first = min(failed)
+        self._fail(
+            out,
+            f"{len(failed)} receivers do not hold {self._record} ({first}: "
+            f"{verdict.failed[first]})",
+        )
+        return True
+
     def _admit_if_prepared(self, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
         if a.phase is not _A.PREPARING or not self._attempt_machine_allows(_X.SEND):
+            return
+        if self._disproved(out):
             return
         self._fire(_X.SEND)
         if self.phase is _T.ADMITTING:

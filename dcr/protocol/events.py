@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dcr.protocol import messages as msg
+from dcr.protocol.proof import Proof
 from dcr.protocol.types import AttemptInfo, CommitOutcome, CommitRecord, PayloadKey, Stage
 
 __all__ = [
@@ -131,6 +132,8 @@ class PrepareChecked:
 
     info: AttemptInfo
     rejection: str | None = None
+    proof: Proof | None = None
+    """The endpoint's answer to the prepare's proof request, computed by the engine."""
 
 
 # --- owners: data plane and commit record -------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dcr.protocol.proof import Proof, ProofRequest
 from dcr.protocol.types import AttemptInfo, CommitRecord
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CheckArrival",
     "Cleanup",
     "DenseRefit",
+    "Disproved",
     "EndpointStatus",
     "Flush",
     "GateClosed",
@@ -52,9 +54,14 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Prepare:
-    """Bind a fresh attempt (Algorithm B.1, admission); endpoints answer accepted or rejected."""
+    """Bind a fresh attempt (Algorithm B.1, admission); endpoints answer accepted or rejected.
+
+    ``proof`` asks every endpoint to prove the base version with its acceptance (a sample of
+    stored bits, and the fingerprint when requested; :mod:`dcr.protocol.proof`).
+    """
 
     info: AttemptInfo
+    proof: ProofRequest | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,9 +160,23 @@ class DenseRefit:
     receivers: frozenset[str]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Disproved:
+    """Receivers: your proof of the attempt's base version failed (``reason`` says where).
+
+    The receiver no longer claims to hold any committed record: it closes its request gate,
+    fails the attempt and waits for a dense refit, after which it joins again (paper App.
+    B.2, joining receivers).
+    """
+
+    attempt: int
+    epoch: int
+    reason: str = ""
+
+
 Call = (
     Prepare | StartStreaming | WaitForRequests | OpenApply | CheckArrival | Flush | MarkObsolete
-    | StopAndWait | Cleanup | ReopenGate | ReadRecord | DenseRefit
+    | StopAndWait | Cleanup | ReopenGate | ReadRecord | DenseRefit | Disproved
 )  # fmt: skip
 
 # --- replies: endpoints (and their supervisor) -> coordinators ------------------------------
@@ -163,10 +184,14 @@ Call = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrepareAccepted:
-    """An endpoint bound the attempt (its metadata and loader classification checks passed)."""
+    """An endpoint bound the attempt (its metadata and loader classification checks passed).
+
+    ``proof`` answers the prepare's proof request (``None`` when none was asked for).
+    """
 
     attempt: int
     endpoint: str
+    proof: Proof | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,7 +328,7 @@ Message = Call | Reply
 
 CALLS: tuple[type[Call], ...] = (
     Prepare, StartStreaming, WaitForRequests, OpenApply, CheckArrival, Flush, MarkObsolete,
-    StopAndWait, Cleanup, ReopenGate, ReadRecord, DenseRefit,
+    StopAndWait, Cleanup, ReopenGate, ReadRecord, DenseRefit, Disproved,
 )  # fmt: skip
 REPLIES: tuple[type[Reply], ...] = (
     PrepareAccepted, PrepareRejected, AttemptFailed, SendsDone, Staged, GateClosed, Acked,

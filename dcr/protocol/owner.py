@@ -16,6 +16,7 @@ from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import OwnerPhase, Trigger
 from dcr.protocol.machine import StateMachine
+from dcr.protocol.proof import Proof
 from dcr.protocol.types import AttemptInfo, CommitRecord
 
 __all__ = ["OwnerCore"]
@@ -30,6 +31,8 @@ class _Stream:
     """One attempt's pipeline: bucket ``l+1`` is built while payload ``l`` is sent (§7.2)."""
 
     info: AttemptInfo
+    proof: Proof | None = None
+    """This owner's proof of the base version, sent with its acceptance."""
     building: int | None = None
     built: list[int] = field(default_factory=list)
     sending: set[int] = field(default_factory=set)
@@ -93,7 +96,8 @@ class OwnerCore:
         match event:
             case msg.Prepare(info=info) | ev.PrepareChecked(info=info):
                 rejection = event.rejection if isinstance(event, ev.PrepareChecked) else None
-                self._on_prepare(info, rejection, out)
+                proof = event.proof if isinstance(event, ev.PrepareChecked) else None
+                self._on_prepare(info, rejection, proof, out)
             case msg.StartStreaming(attempt=tau):
                 if self._is_active(tau) and self.phase is _O.PREPARED:
                     self._m.fire(_X.SEND)
@@ -135,14 +139,21 @@ class OwnerCore:
     # -- admission and streaming -----------------------------------------------------------
 
     def _on_prepare(
-        self, info: AttemptInfo, rejection: str | None, out: list[cmd.OwnerCommand]
+        self,
+        info: AttemptInfo,
+        rejection: str | None,
+        proof: Proof | None,
+        out: list[cmd.OwnerCommand],
     ) -> None:
         if self._is_active(info.attempt):
             # A repeated call (the engine retries control calls): answer it again.
             if self.phase in _STREAMING:
+                assert self._stream is not None
                 out.append(
                     cmd.Notify(
-                        message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name)
+                        message=msg.PrepareAccepted(
+                            attempt=info.attempt, endpoint=self.name, proof=self._stream.proof
+                        )
                     )
                 )
             return
@@ -186,10 +197,12 @@ class OwnerCore:
             return
         self._see(info.attempt, info.coordinator)
         self._m.fire(_X.PREPARE)
-        self._stream = _Stream(info=info)
+        self._stream = _Stream(info=info, proof=proof)
         self._candidates.add(info.candidate)
         out.append(
-            cmd.Notify(message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+            cmd.Notify(
+                message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name, proof=proof)
+            )
         )
 
     def _pump(self, out: list[cmd.OwnerCommand]) -> None:

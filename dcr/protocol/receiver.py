@@ -35,6 +35,7 @@ from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import ReceiverPhase, Trigger
 from dcr.protocol.machine import StateMachine
+from dcr.protocol.proof import Proof
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode, PayloadKey, Stage
 
 __all__ = ["QueueConfig", "ReceiverCore"]
@@ -68,6 +69,8 @@ class _Ingest:
 
     info: AttemptInfo
     dense: bool = False
+    proof: Proof | None = None
+    """This receiver's proof of the base version, sent with its acceptance."""
     seen: dict[tuple[str, int], bytes] = field(default_factory=dict)
     received: set[PayloadKey] = field(default_factory=set)
     """Keys of every delivery the transport handed over, checked or not (arrival check)."""
@@ -281,9 +284,11 @@ class ReceiverCore:
         out: list[cmd.ReceiverCommand] = []
         match event:
             case msg.Prepare(info=info):
-                self._on_prepare(info, None, out)
-            case ev.PrepareChecked(info=info, rejection=rejection):
-                self._on_prepare(info, rejection, out)
+                self._on_prepare(info, None, None, out)
+            case ev.PrepareChecked(info=info, rejection=rejection, proof=proof):
+                self._on_prepare(info, rejection, proof, out)
+            case msg.Disproved(attempt=tau, epoch=epoch):
+                self._on_disproved(tau, epoch, out)
             case ev.PayloadReceived(delivery=delivery, key=key):
                 self._on_received(delivery, key, out)
             case ev.PayloadArrived():
@@ -352,7 +357,11 @@ class ReceiverCore:
     # -- admission -------------------------------------------------------------------------
 
     def _on_prepare(
-        self, info: AttemptInfo, rejection: str | None, out: list[cmd.ReceiverCommand]
+        self,
+        info: AttemptInfo,
+        rejection: str | None,
+        proof: Proof | None,
+        out: list[cmd.ReceiverCommand],
     ) -> None:
         s = self._ingest
         if s is not None and s.info.attempt == info.attempt:
@@ -360,7 +369,9 @@ class ReceiverCore:
             if self.phase in _RUNNING:
                 out.append(
                     cmd.Notify(
-                        message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name)
+                        message=msg.PrepareAccepted(
+                            attempt=info.attempt, endpoint=self.name, proof=s.proof
+                        )
                     )
                 )
             return
@@ -397,11 +408,30 @@ class ReceiverCore:
         self._see_epoch(info.coordinator)
         self._latest = info.attempt
         self._m.fire(_X.PREPARE)
-        self._ingest = _Ingest(info=info)
+        self._ingest = _Ingest(info=info, proof=proof)
         self._discard_parked(lambda key: key.attempt != info.attempt, "obsolete", out)
         out.append(
-            cmd.Notify(message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name))
+            cmd.Notify(
+                message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name, proof=proof)
+            )
         )
+
+    def _on_disproved(self, tau: int, epoch: int, out: list[cmd.ReceiverCommand]) -> None:
+        """The proof of the base version failed: the storage holds no committed record.
+
+        The receiver stops serving, fails the attempt if it still runs, and waits for a dense
+        refit (allowed once the attempt is cleaned up) before it joins again.
+        """
+        if epoch < self._epoch or not self._is_active(tau):
+            return
+        self._see_epoch(epoch)
+        self._held = None
+        self._acked = None
+        if self.phase is _R.PREPARED:
+            self._m.fire(_X.FAIL)
+        if self._gate_open:
+            self._gate_open = False
+            out.append(cmd.CloseGate(attempt=tau))
 
     def _prepare_problem(self, info: AttemptInfo) -> tuple[str, str] | None:
         if info.coordinator < self._epoch:

@@ -32,6 +32,7 @@ from dcr.errors import ConfigError
 from dcr.protocol import commands as cmd
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import ReceiverPhase
+from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
 from dcr.testing.faults import FaultLog, Faults, FaultyCommitStore, FaultyTransport
@@ -67,6 +68,8 @@ class TransitionResult:
     committed_by: int | None = None
     """Epoch of the coordinator whose compare-and-set committed the record (a replaced one
     that kept running may commit first); ``None`` when nothing was committed."""
+    verdicts: tuple[Verdict, ...] = ()
+    """Proofs of the base version judged during the transition (see ``docs/protocol.md``)."""
 
 
 @dataclass(slots=True)
@@ -91,6 +94,8 @@ class LocalCluster:
     queue: QueueConfig = field(default_factory=QueueConfig)
     hooks: Mapping[str, ReceiverHooks] = field(default_factory=dict)
     limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
+    proof: ProofConfig | None = None
+    """Proof of the base version at prepare (``None``: receivers are trusted to hold it)."""
     owners: dict[str, OwnerService] = field(default_factory=dict)
     receiver_services: dict[str, ReceiverService] = field(default_factory=dict)
     versions: dict[CommitRecord, Mapping[str, torch.Tensor]] = field(default_factory=dict)
@@ -112,6 +117,10 @@ class LocalCluster:
     progress: Callable[[str, int, int], None] | None = None
     """Called in the event loop as payloads are applied: ``("apply", applied, -1)``."""
     _applied: int = 0
+    _unverified: bool = True
+    """Receivers started or were restored since the last complete fingerprint."""
+    _refits: set[str] = field(default_factory=set)
+    """Receivers whose dense refit runs in the cluster's task group."""
 
     def __post_init__(self) -> None:
         self._transport = FaultyTransport(self.transport)
@@ -205,12 +214,36 @@ class LocalCluster:
         return tuple(self._dead)
 
     async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:
-        """Restore ``receivers`` to ``record`` by dense refit (operator request or rejoin)."""
+        """Restore ``receivers`` to ``record`` by dense refit (operator request or rejoin).
+
+        Runs in the cluster's task group, so it outlives the coordinator that asked; each
+        restore waits until the receiver may take it (a disproved receiver first finishes
+        the stop and cleanup of its failed attempt).
+        """
+        assert self._tg is not None
         state = self.canonical(record)
+        self._unverified = True
         for name in sorted(receivers):
-            svc = self.receiver_services.get(name)
-            if svc is not None and name not in self._dead:
-                await svc.dense_refit(state, record)
+            if name not in self._refits:
+                self._refits.add(name)
+                self._tg.start_soon(self._refit_when_ready, name, state, record)
+
+    async def _refit_when_ready(
+        self, name: str, state: Mapping[str, torch.Tensor], record: CommitRecord
+    ) -> None:
+        takes = (ReceiverPhase.JOINING, ReceiverPhase.REFITTED, ReceiverPhase.CLEANED)
+        try:
+            with anyio.move_on_after(self.timeouts.stop_s):
+                while True:
+                    svc = self.receiver_services.get(name)
+                    if svc is None or name in self._dead:
+                        return
+                    if svc.core.phase in takes:
+                        await svc.dense_refit(state, record)
+                        return
+                    await anyio.sleep(0.005)
+        finally:
+            self._refits.discard(name)
 
     def canonical(self, record: CommitRecord) -> dict[str, torch.Tensor]:
         """The canonical tensors of ``record``, exported from its shards.
@@ -228,6 +261,7 @@ class LocalCluster:
         self._dead.discard(name)
         self._log.restarted.append(name)
         if name in self.receivers:
+            self._unverified = True
             await self._start_receiver(name, None)
             await self.receiver_services[name].dense_refit(self.canonical(record), record)
         else:
@@ -250,7 +284,7 @@ class LocalCluster:
             )
 
         with anyio.move_on_after(self.timeouts.stop_s):
-            while not settled():
+            while self._refits or not settled():
                 await anyio.sleep(0.005)
 
     async def _catch_up(self) -> None:
@@ -261,7 +295,10 @@ class LocalCluster:
             core = svc.core
             if name in self._dead or core.held == record:
                 continue
-            if core.phase in (ReceiverPhase.JOINING, ReceiverPhase.REFITTED):
+            if core.phase in (ReceiverPhase.JOINING, ReceiverPhase.REFITTED) or (
+                core.held is None and core.phase is ReceiverPhase.CLEANED
+            ):
+                self._unverified = True
                 await svc.dense_refit(self.canonical(record), record)
 
     # -- fault triggers -------------------------------------------------------------------
@@ -349,6 +386,7 @@ class LocalCluster:
         sent_before = (self._bytes_sent(), self._payloads_sent())
         coordinators: list[CoordinatorService] = []
         self._coordinators = coordinators
+        fingerprint, self._unverified = self._unverified, False
 
         def coordinator() -> CoordinatorService:
             c = CoordinatorService(
@@ -361,6 +399,8 @@ class LocalCluster:
                 timeouts=self.timeouts,
                 supervisor=self,
                 mode=mode,
+                proof=self.proof,
+                fingerprint=fingerprint,
             )
             coordinators.append(c)
             return c
@@ -407,6 +447,7 @@ class LocalCluster:
             num_payloads=self._payloads_sent() - sent_before[1],
             faults=self._log,
             reason=ended.reason,
+            verdicts=tuple(v for co in coordinators if co.core for v in co.core.verdicts),
         )
 
     async def _with_failover(

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from dcr.adapters.control.base import PENDING_CALLS, CoordinatorLink, EndpointLink
 from dcr.protocol import messages as msg
+from dcr.protocol.proof import Proof, ProofRequest, TensorProof
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
 from dcr.testing.conformance import run_named_check
 
@@ -59,7 +60,7 @@ _INFO = AttemptInfo(
 _COUNTS = (("owner-0", 3), ("owner-1", 0))
 
 EXAMPLES: tuple[msg.Message, ...] = (
-    msg.Prepare(info=_INFO),
+    msg.Prepare(info=_INFO, proof=ProofRequest(seed=(1 << 63) - 1, samples=64, fingerprint=True)),
     msg.StartStreaming(attempt=1),
     msg.WaitForRequests(attempt=2, epoch=3),
     msg.OpenApply(attempt=2, epoch=3),
@@ -71,7 +72,19 @@ EXAMPLES: tuple[msg.Message, ...] = (
     msg.ReopenGate(attempt=2, epoch=3, record=_RECORD),
     msg.ReadRecord(),
     msg.DenseRefit(job=9, record=_RECORD, owners=("owner-0",), receivers=frozenset({"rx-1"})),
-    msg.PrepareAccepted(attempt=2, endpoint="rx-0"),
+    msg.Disproved(attempt=2, epoch=3, reason="q_proj: fingerprint differs"),
+    msg.PrepareAccepted(
+        attempt=2,
+        endpoint="rx-0",
+        proof=Proof(
+            seed=5,
+            tensors=(
+                TensorProof(name="q_proj", samples=(0, 65535, 3, 1), count=9, coverage=7, value=1),
+            ),
+            fingerprinted=True,
+            excluded=("norm",),
+        ),
+    ),
     msg.PrepareRejected(attempt=2, endpoint="rx-0", check="shape", message="q_proj: ∅"),
     msg.AttemptFailed(attempt=2, endpoint="owner-1", check="digest"),
     msg.SendsDone(attempt=2, owner="owner-0", payload_count=1 << 40),
