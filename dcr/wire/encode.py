@@ -1,8 +1,11 @@
 """The payload encoder: one owner's records for one bucket into payload bytes (paper App. D).
 
-Items are validated before anything is produced; locations are run- or gap-coded, location and
-value words are grouped into width classes (byte planes by default), the body is compressed
-with zstd and sealed with the BLAKE2b-128 digest (:mod:`dcr.wire.format`).
+Items are validated before anything is produced.  Version 2 (the default) writes a tensor list,
+fixed-size item records, gaps Rice-split into byte symbols and remainders, ULP deltas zigzagged
+and split into nibble symbols, and XOR / overwrite values as width classes; version 1 run- or
+gap-codes locations and groups location and value words into width classes.  Word classes are
+byte planes by default; the body is compressed with zstd and sealed with the BLAKE2b-128 digest
+(:mod:`dcr.wire.format`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy.typing as npt
 import zstandard
 
 from dcr.delta.bits import DTYPE_CODES
+from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
 from dcr.wire.format import (
@@ -27,9 +31,15 @@ from dcr.wire.format import (
     FORMAT_VERSION,
     HEADER_FIELDS,
     ITEM_ENTRY,
+    ITEM_RECORD,
     MAGIC,
+    PREAMBLE_V2,
+    SUPPORTED_VERSIONS,
+    TENSOR_ENTRY,
     U32,
     U64,
+    V1,
+    WINDOW_LOG_MAX,
     WORD_WIDTHS,
     PayloadHeader,
     ValueLayout,
@@ -37,6 +47,16 @@ from dcr.wire.format import (
 )
 from dcr.wire.locations import GAP_WIDTHS, LocationKind, encode_locations
 from dcr.wire.planes import split_planes, word_dtype
+from dcr.wire.split import (
+    GAP_CAP,
+    VALUE_CAP,
+    gap_k,
+    pack_bits,
+    pack_nibbles,
+    split,
+    value_k,
+    zigzag,
+)
 
 __all__ = ["encode_payload"]
 
@@ -50,7 +70,7 @@ def _check_level(level: int) -> None:
         )
 
 
-def _entry_metadata(item: Item, attempt: int) -> tuple[bytes, bytes]:
+def _entry_metadata(item: Item, attempt: int, version: int) -> tuple[bytes, bytes]:
     """Validated name bytes and packed shape of ``item``; raises :class:`ConfigError`."""
     item.validate()
     try:
@@ -73,9 +93,17 @@ def _entry_metadata(item: Item, attempt: int) -> tuple[bytes, bytes]:
             tensor=item.name,
             check="shape",
         )
-    if item.encoding not in (Encoding.XOR, Encoding.OVERWRITE):
+    allowed = (Encoding.XOR, Encoding.OVERWRITE) if version == V1 else tuple(Encoding)
+    if item.encoding not in allowed:
         raise ConfigError(
-            f"unknown encoding {item.encoding!r}",
+            f"encoding {item.encoding!r} cannot be written in format version {version}",
+            attempt=attempt,
+            tensor=item.name,
+            check="encoding",
+        )
+    if item.encoding is Encoding.ULP and item.dtype not in ULP_DTYPES:
+        raise ConfigError(
+            f"ULP encoding of a {item.dtype} tensor (floats only)",
             attempt=attempt,
             tensor=item.name,
             check="encoding",
@@ -88,11 +116,16 @@ def _write_classes(
     offset: int,
     classes: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]],
     layout: ValueLayout,
+    cuts: list[int] | None = None,
 ) -> int:
-    """Write each width class of ``classes`` at ``offset`` in ``layout``; returns the end."""
+    """Write each width class of ``classes`` at ``offset`` in ``layout``; returns the end.
+    ``cuts`` gets the end of every byte plane (of every class in the plain layout)."""
     for width in WORD_WIDTHS:
         arrays = classes[width]
         total = sum(int(a.shape[0]) for a in arrays)
+        if cuts is not None and total:
+            step = total if layout is ValueLayout.BYTEPLANE else total * width
+            cuts.extend(range(offset + step, offset + total * width + 1, step))
         region = body[offset : offset + total * width]
         start = 0
         if layout is ValueLayout.PLAIN:
@@ -111,17 +144,31 @@ def _write_classes(
     return offset
 
 
+Classes = dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]]
+
+
+def _classes() -> Classes:
+    return {w: [] for w in WORD_WIDTHS}
+
+
+def _class_bytes(classes: Classes) -> int:
+    return sum(w * sum(int(a.shape[0]) for a in arrays) for w, arrays in classes.items())
+
+
 def encode_payload(
     header: PayloadHeader,
     items: Sequence[Item],
     *,
     level: int = DEFAULT_LEVEL,
     layout: ValueLayout = DEFAULT_LAYOUT,
+    version: int = FORMAT_VERSION,
 ) -> bytes:
     """Encode ``items`` (in order) under ``header``'s identity into payload bytes.
 
     Each item is checked with ``Item.validate``; a bad item raises :class:`ConfigError` and
-    nothing is produced.  The fields of ``header`` after ``final`` are ignored.
+    nothing is produced.  The fields of ``header`` after ``final`` are ignored.  ``version``
+    selects the format (:data:`~dcr.wire.format.FORMAT_VERSION` by default; version 1 cannot
+    carry ULP items).
     """
     attempt = header.attempt
     _check_level(level)
@@ -129,20 +176,217 @@ def encode_payload(
         layout = ValueLayout(layout)
     except ValueError as exc:
         raise ConfigError(f"unknown value layout {layout!r}", attempt=attempt) from exc
+    if version not in SUPPORTED_VERSIONS:
+        raise ConfigError(f"unknown format version {version!r}", attempt=attempt)
     if len(items) > U32:
         raise ConfigError(f"{len(items)} items do not fit in one payload", attempt=attempt)
+    if version == V1:
+        body = _body_v1(items, layout, attempt)
+        compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        compressed = compressor.compress(body.data)
+    else:
+        body, cuts = _body_v2(items, layout, attempt)
+        compressed = _compress_sections(body, cuts, level)
+    fixed = HEADER_FIELDS.pack(
+        MAGIC,
+        version,
+        FLAG_FINAL if header.final else 0,
+        header.attempt,
+        header.owner,
+        header.payload_id,
+        CODEC_ZSTD,
+        int(layout),
+        0,
+        level,
+        len(items),
+        0,
+        body.shape[0],
+        len(compressed),
+    )
+    return b"".join((fixed, payload_digest(fixed, compressed), compressed))
 
+
+_FLUSH_MIN = 512
+"""Sections (byte planes, symbol streams) at least this long end a zstd block, so that each
+gets Huffman tables of its own instead of sharing one with a differently distributed
+neighbour."""
+
+
+def _compress_sections(body: npt.NDArray[np.uint8], cuts: list[int], level: int) -> bytes:
+    """One zstd frame (content size stated, window at most ``2**WINDOW_LOG_MAX``) of ``body``,
+    with a block boundary at each of the section ends ``cuts`` that follows enough data."""
+    size = int(body.shape[0])
+    params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size)
+    if params.window_log > WINDOW_LOG_MAX:
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, source_size=size, window_log=WINDOW_LOG_MAX
+        )
+    compressor = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
+    out: list[bytes] = []
+    view = body.data
+    done = pending = 0
+    for cut in [*cuts, size]:
+        if cut <= done:
+            continue
+        out.append(compressor.compress(view[done:cut]))
+        pending += cut - done
+        done = cut
+        if pending >= _FLUSH_MIN and cut < size:
+            out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            pending = 0
+    out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+    return b"".join(out)
+
+
+def _body_v2(
+    items: Sequence[Item], layout: ValueLayout, attempt: int
+) -> tuple[npt.NDArray[np.uint8], list[int]]:
+    """The uncompressed version 2 body of ``items`` and its section ends (byte planes
+    included)."""
+    tensors: dict[str, tuple[int, tuple[int, ...], Any]] = {}
+    tensor_list: list[bytes] = []
+    records = np.zeros(len(items), dtype=ITEM_RECORD)
+    tensor_ids = records["tensor"]
+    encodings = records["encoding"]
+    kinds = records["kind"]
+    location_ks = records["location_k"]
+    value_ks = records["value_k"]
+    counts = records["count"]
+    starts = records["start"]
+    location_symbols: list[npt.NDArray[np.uint8]] = []
+    location_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
+    location_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
+    value_words = _classes()
+    value_symbols: list[npt.NDArray[np.uint8]] = []
+    value_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
+    value_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
+    for i, item in enumerate(items):
+        name, shape = _entry_metadata(item, attempt, 2)
+        known = tensors.get(item.name)
+        if known is None:
+            known = (len(tensors), tuple(item.shape), item.dtype)
+            tensors[item.name] = known
+            tensor_list.append(
+                TENSOR_ENTRY.pack(len(name), DTYPE_CODES[item.dtype], len(item.shape))
+                + shape
+                + name
+            )
+        elif known[1:] != (tuple(item.shape), item.dtype):
+            raise ConfigError(
+                "one name with two shapes or dtypes in one payload",
+                attempt=attempt,
+                tensor=item.name,
+                check="name",
+            )
+        tensor_ids[i] = known[0]
+        encodings[i] = int(item.encoding)
+        count = item.count
+        counts[i] = count
+        idx = item.indices
+        if count:
+            first, last = int(idx[0]), int(idx[-1])
+            starts[i] = first
+            if last - first != count - 1:
+                kinds[i] = int(LocationKind.RICE)
+                k = gap_k(count, first, last)
+                location_ks[i] = k
+                gaps = np.subtract(idx[1:], idx[:-1]).view(np.uint64)
+                gaps -= np.uint64(1)
+                sym, esc, rem = split(gaps, k, GAP_CAP)
+                location_symbols.append(sym)
+                if esc.shape[0]:
+                    location_escapes.append(esc)
+                if k:
+                    location_remainders.setdefault(k, []).append(rem)
+        if item.encoding is Encoding.ULP:
+            if count:
+                zz = zigzag(item.values)
+                k = value_k(zz)
+                value_ks[i] = k
+                sym, esc, rem = split(zz, k, VALUE_CAP)
+                value_symbols.append(sym)
+                if esc.shape[0]:
+                    value_escapes.append(esc)
+                if k:
+                    value_remainders.setdefault(k, []).append(rem)
+        elif count:
+            value_words[item.values.dtype.itemsize].append(item.values)
+
+    tensor_bytes = b"".join(tensor_list)
+    loc_rem = _remainder_streams(location_remainders)
+    val_rem = _remainder_streams(value_remainders)
+    loc_sym = _concat(location_symbols)
+    val_sym = pack_nibbles(_concat(value_symbols))
+    loc_esc: Classes = {**_classes(), 8: location_escapes}
+    val_esc: Classes = {**_classes(), 8: value_escapes}
+    n_loc_esc = sum(int(a.shape[0]) for a in location_escapes)
+    n_val_esc = sum(int(a.shape[0]) for a in value_escapes)
+    head = PREAMBLE_V2.size + len(tensor_bytes) + records.nbytes
+    size = (
+        head
+        + loc_sym.shape[0]
+        + sum(int(a.shape[0]) for a in loc_rem)
+        + 8 * n_loc_esc
+        + _class_bytes(value_words)
+        + val_sym.shape[0]
+        + sum(int(a.shape[0]) for a in val_rem)
+        + 8 * n_val_esc
+    )
+    body = np.empty(size, dtype=np.uint8)
+    PREAMBLE_V2.pack_into(body.data, 0, len(tensors), 0, len(tensor_bytes), n_loc_esc, n_val_esc)
+    offset = PREAMBLE_V2.size
+    body[offset : offset + len(tensor_bytes)] = np.frombuffer(tensor_bytes, dtype=np.uint8)
+    offset += len(tensor_bytes)
+    body[offset : offset + records.nbytes] = records.view(np.uint8)
+    offset += records.nbytes
+    cuts = [offset]
+    body[offset : offset + loc_sym.shape[0]] = loc_sym
+    offset += loc_sym.shape[0]
+    cuts.append(offset)
+    offset = _write_streams(body, offset, loc_rem, cuts)
+    offset = _write_classes(body, offset, loc_esc, layout, cuts)
+    offset = _write_classes(body, offset, value_words, layout, cuts)
+    body[offset : offset + val_sym.shape[0]] = val_sym
+    offset += val_sym.shape[0]
+    cuts.append(offset)
+    offset = _write_streams(body, offset, val_rem, cuts)
+    offset = _write_classes(body, offset, val_esc, layout, cuts)
+    assert offset == size
+    return body, cuts
+
+
+def _remainder_streams(
+    remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]],
+) -> list[npt.NDArray[np.uint8]]:
+    """One bit stream per Rice parameter, ascending, of every remainder with that parameter."""
+    return [pack_bits(_concat(remainders[k]), k) for k in sorted(remainders)]
+
+
+def _write_streams(
+    body: npt.NDArray[np.uint8], offset: int, streams: list[npt.NDArray[np.uint8]], cuts: list[int]
+) -> int:
+    for stream in streams:
+        body[offset : offset + stream.shape[0]] = stream
+        offset += stream.shape[0]
+        cuts.append(offset)
+    return offset
+
+
+def _concat(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    if not parts:
+        return np.empty(0, dtype=np.uint8)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _body_v1(items: Sequence[Item], layout: ValueLayout, attempt: int) -> npt.NDArray[np.uint8]:
+    """The uncompressed version 1 body of ``items``."""
     table: list[bytes] = []
-    gap_classes: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {
-        w: [] for w in WORD_WIDTHS
-    }
-    value_classes: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {
-        w: [] for w in WORD_WIDTHS
-    }
+    gap_classes = _classes()
+    value_classes = _classes()
     gap_next = dict.fromkeys(WORD_WIDTHS, 0)
     value_next = dict.fromkeys(WORD_WIDTHS, 0)
     for item in items:
-        name, shape = _entry_metadata(item, attempt)
+        name, shape = _entry_metadata(item, attempt, V1)
         count = item.count
         locations = encode_locations(item.indices)
         if locations.kind is LocationKind.RUN:
@@ -181,23 +425,4 @@ def encode_payload(
     body[BODY_PREAMBLE.size : start] = np.frombuffer(table_bytes, dtype=np.uint8)
     end = _write_classes(body, start, gap_classes, layout)
     _write_classes(body, end, value_classes, layout)
-
-    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    compressed = compressor.compress(body.data)
-    fixed = HEADER_FIELDS.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        FLAG_FINAL if header.final else 0,
-        header.attempt,
-        header.owner,
-        header.payload_id,
-        CODEC_ZSTD,
-        int(layout),
-        0,
-        level,
-        len(items),
-        0,
-        body.shape[0],
-        len(compressed),
-    )
-    return b"".join((fixed, payload_digest(fixed, compressed), compressed))
+    return body

@@ -1,12 +1,13 @@
 """The payload format: constants, the header layout and the types both directions share
 (paper App. D).
 
-A payload is a fixed little-endian header followed by one zstd frame, the *body*.  The body holds
-a per-item metadata table, one shared location buffer and one shared value buffer; the header
-carries the attempt, owner and payload ids, the codec, the value layout, the lengths and a
-BLAKE2b-128 digest that binds the header to the compressed body.  ``docs/wire-format.md``
-specifies every byte.  :mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and
-checks them.
+A payload is a fixed little-endian header followed by one zstd frame, the *body*.  The header
+carries the format version, the attempt, owner and payload ids, the codec, the value layout, the
+lengths and a BLAKE2b-128 digest that binds the header to the compressed body.  In version 1 the
+body holds a per-item metadata table, one shared location buffer and one shared value buffer;
+version 2 (the default) holds a tensor list, fixed-size item records and entropy-friendly
+streams (Rice-split gaps, zigzagged ULP deltas).  ``docs/wire-format.md`` specifies every byte.
+:mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and checks them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
-from dcr.delta.records import Item
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
 
 __all__ = [
@@ -31,11 +39,19 @@ __all__ = [
     "HEADER_FIELDS",
     "HEADER_SIZE",
     "ITEM_ENTRY",
+    "ITEM_RECORD",
     "MAGIC",
+    "PREAMBLE_V2",
+    "SUPPORTED_VERSIONS",
+    "TENSOR_ENTRY",
+    "V1",
+    "V2",
+    "WINDOW_LOG_MAX",
     "U32",
     "U64",
     "WORD_WIDTHS",
     "DecodeLimits",
+    "Items",
     "Payload",
     "PayloadHeader",
     "ValueLayout",
@@ -43,7 +59,15 @@ __all__ = [
 ]
 
 MAGIC = b"DCRP"
-FORMAT_VERSION = 1
+V1 = 1
+V2 = 2
+FORMAT_VERSION = V2
+"""The version :func:`~dcr.wire.encode.encode_payload` writes by default."""
+SUPPORTED_VERSIONS = (V1, V2)
+"""Versions the decoder reads (and the encoder can write)."""
+WINDOW_LOG_MAX = 23
+"""Version 2 frames use a zstd window of at most ``2**23`` bytes (8 MiB), so a decoder's
+streaming buffer stays small whatever the frame asks for."""
 CODEC_ZSTD = 1
 FLAG_FINAL = 0x0001
 DIGEST_SIZE = 16
@@ -62,6 +86,26 @@ BODY_PREAMBLE = struct.Struct("<QQQ")
 ITEM_ENTRY = struct.Struct("<HBBBBQQQ")
 """Fixed part of one item table entry: name length, dtype code, encoding, location kind, ndim,
 entry count, location field (run start or gap offset), value offset.  Shape and name follow."""
+
+PREAMBLE_V2 = struct.Struct("<IIQQQ")
+"""Version 2 body preamble: tensor count, reserved u32, byte length of the tensor list, location
+escapes, value escapes."""
+TENSOR_ENTRY = struct.Struct("<HBB")
+"""Fixed part of one version 2 tensor list entry: name length, dtype code, ndim.  Shape and
+name follow."""
+ITEM_RECORD = np.dtype(
+    [
+        ("tensor", "<u4"),
+        ("encoding", "u1"),
+        ("kind", "u1"),
+        ("location_k", "u1"),
+        ("value_k", "u1"),
+        ("count", "<u8"),
+        ("start", "<u8"),
+    ]
+)
+"""One version 2 item record (24 bytes): tensor index, encoding, location kind, Rice parameter
+of the gaps, Rice parameter of ULP values, entry count, first index."""
 
 WORD_WIDTHS = (1, 2, 4, 8)
 """Word widths of the location and value buffers' width classes, in buffer order."""
@@ -131,12 +175,146 @@ class PayloadHeader:
         return (self.payload_id, self.owner)
 
 
+_ENCODINGS = tuple(Encoding(i) for i in range(len(Encoding)))
+
+
+class Items(Sequence[Item]):
+    """The decoded items of one payload, stored compactly: one concatenated ``indices`` array
+    and one concatenated value array per word width, with per-item offsets.
+
+    Indexing or iterating yields :class:`~dcr.delta.records.Item` objects whose ``indices`` and
+    ``values`` are views of those arrays (made on demand, so decoding costs no Python object per
+    item).  The arrays are the decoder's own (never views of the received bytes).
+    """
+
+    __slots__ = (
+        "_count",
+        "_encoding",
+        "_start",
+        "_tensor",
+        "_value_start",
+        "indices",
+        "tensors",
+        "values",
+    )
+
+    def __init__(
+        self,
+        *,
+        tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+        tensor: npt.NDArray[np.integer[Any]],
+        encoding: npt.NDArray[np.integer[Any]],
+        start: npt.NDArray[np.int64],
+        count: npt.NDArray[np.int64],
+        value_start: npt.NDArray[np.int64],
+        indices: npt.NDArray[np.int64],
+        values: dict[int, npt.NDArray[np.unsignedinteger[Any]]],
+    ) -> None:
+        self.tensors = tuple(tensors)
+        """``(name, shape, dtype)`` of each distinct tensor the items refer to."""
+        self.indices = indices
+        """Every item's flat indices, concatenated in item order."""
+        self.values = values
+        """Word width -> every value of that width, concatenated in item order."""
+        self._tensor = tensor.tolist()
+        self._encoding = encoding.tolist()
+        self._start = start.tolist()
+        self._count = count.tolist()
+        self._value_start = value_start.tolist()
+
+    @classmethod
+    def of(cls, items: Sequence[Item]) -> Items:
+        """Compact copies of ``items`` (used for payloads built in memory)."""
+        names: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
+        tensor, counts, widths = [], [], []
+        for it in items:
+            tensor.append(names.setdefault((it.name, tuple(it.shape), it.dtype), len(names)))
+            counts.append(it.count)
+            widths.append(it.values.dtype.itemsize)
+        count = np.array(counts, dtype=np.int64)
+        start = np.zeros(len(items), dtype=np.int64)
+        np.cumsum(count[:-1], out=start[1:])
+        value_start = np.zeros(len(items), dtype=np.int64)
+        values: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
+        for w in sorted(set(widths)):
+            members = [i for i, x in enumerate(widths) if x == w]
+            sizes = count[members]
+            offs = np.zeros(len(members), dtype=np.int64)
+            np.cumsum(sizes[:-1], out=offs[1:])
+            value_start[members] = offs
+            values[w] = np.concatenate([items[i].values for i in members])
+        return cls(
+            tensors=list(names),
+            tensor=np.array(tensor, dtype=np.int64),
+            encoding=np.array([int(it.encoding) for it in items], dtype=np.int64),
+            start=start,
+            count=count,
+            value_start=value_start,
+            indices=(
+                np.concatenate([it.indices for it in items])
+                if items
+                else np.empty(0, dtype=np.int64)
+            ),
+            values=values,
+        )
+
+    def __len__(self) -> int:
+        return len(self._tensor)
+
+    def _item(self, i: int) -> Item:
+        name, shape, dtype = self.tensors[self._tensor[i]]
+        start, count = self._start[i], self._count[i]
+        values = self.values[_WIDTHS[dtype]] if count else _EMPTY[_WIDTHS[dtype]]
+        vs = self._value_start[i]
+        return Item(
+            name=name,
+            shape=shape,
+            dtype=dtype,
+            encoding=_ENCODINGS[self._encoding[i]],
+            indices=self.indices[start : start + count],
+            values=values[vs : vs + count],
+        )
+
+    @overload
+    def __getitem__(self, i: int) -> Item: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Item, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Item | tuple[Item, ...]:
+        if isinstance(i, slice):
+            return tuple(self._item(j) for j in range(*i.indices(len(self))))
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._item(i % n)
+
+    def __iter__(self) -> Iterator[Item]:
+        for i in range(len(self)):
+            yield self._item(i)
+
+    def __repr__(self) -> str:
+        return f"Items({len(self)} items, {self.indices.shape[0]} entries)"
+
+
+_WIDTHS: dict[torch.dtype, int] = {
+    dt: np.dtype(numpy_bits_dtype(dt)).itemsize for dt in DTYPE_CODES
+}
+_EMPTY: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {
+    w: np.empty(0, dtype=f"u{w}") for w in WORD_WIDTHS
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Payload:
-    """A fully validated, decoded payload; items keep their encoded order."""
+    """A fully validated, decoded payload; items keep their encoded order.
+
+    ``items`` is a sequence of :class:`~dcr.delta.records.Item`; the decoder returns an
+    :class:`Items` (compact arrays, item views made on demand).
+    """
 
     header: PayloadHeader
-    items: tuple[Item, ...]
+    items: Sequence[Item]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,6 +335,10 @@ class DecodeLimits:
     max_ndim: int = 8
     max_numel: int = 1 << 48
     """Elements of one tensor, the product of its shape."""
+    max_items_per_tensor: int = 64
+    """Items naming one tensor in one payload.  With a catalog, a payload may hold at most
+    ``len(catalog) * max_items_per_tensor`` items (an owner sends one item per tensor and
+    encoding, so 3 would do; the rest is headroom)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -166,6 +348,7 @@ class DecodeLimits:
             "max_name_bytes",
             "max_ndim",
             "max_numel",
+            "max_items_per_tensor",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:

@@ -19,6 +19,8 @@ from dcr.errors import ConfigError, PayloadRejected
 
 __all__ = [
     "GAP_WIDTHS",
+    "V1_KINDS",
+    "V2_KINDS",
     "LocationKind",
     "Locations",
     "decode_gaps",
@@ -37,6 +39,15 @@ class LocationKind(enum.IntEnum):
     GAPS_U16 = 2
     GAPS_U32 = 3
     GAPS_U64 = 4
+    RICE = 5
+    """Format version 2: the first index in the record, then ``count - 1`` gaps Rice-split
+    into byte symbols and remainders (:mod:`dcr.wire.split`)."""
+
+
+V1_KINDS = frozenset(int(k) for k in LocationKind if k is not LocationKind.RICE)
+"""Location kinds of format version 1 (RUN and the four gap widths)."""
+V2_KINDS = frozenset({int(LocationKind.RUN), int(LocationKind.RICE)})
+"""Location kinds of format version 2."""
 
 
 GAP_WIDTHS: dict[LocationKind, int] = {

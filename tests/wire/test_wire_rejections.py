@@ -1,4 +1,5 @@
-"""The strict decoder: every check rejects what it should, with the right ``check`` name.
+"""The strict decoder on format version 1: every check rejects what it should, with the right
+``check`` name.
 
 Bodies for the structural checks are built here by hand from ``docs/wire-format.md`` and sealed
 with a fresh digest, so the digest check passes and the structural checks are what reject them.
@@ -135,10 +136,14 @@ def _items() -> list[Item]:
 CATALOG = {it.name: it.spec for it in _items()}
 VALID = {
     layout: encode_payload(
-        PayloadHeader(attempt=ATTEMPT, owner=2, payload_id=3, final=True), _items(), layout=layout
+        PayloadHeader(attempt=ATTEMPT, owner=2, payload_id=3, final=True),
+        _items(),
+        layout=layout,
+        version=1,
     )
     for layout in ValueLayout
 }
+"""Version 1 payloads (this file checks version 1; ``test_wire_v2.py`` checks version 2)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -232,7 +237,8 @@ def test_wrong_magic_and_version() -> None:
     data = VALID[ValueLayout.PLAIN]
     assert reject(b"XCRP" + data[4:]).check == "magic"
     assert reject(b"PK\x03\x04").check == "magic"
-    assert reject(data[:4] + struct.pack("<H", 2) + data[6:]).check == "version"
+    assert reject(data[:4] + struct.pack("<H", 3) + data[6:]).check == "version"
+    assert reject(data[:4] + struct.pack("<H", 0) + data[6:]).check == "version"
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import ConfigError
 from dcr.wire.decode import decode_payload, read_header
@@ -78,7 +79,11 @@ def items(draw: st.DrawFn, name: str) -> Item:
         name=name,
         shape=shape,
         dtype=dtype,
-        encoding=draw(st.sampled_from(Encoding)),
+        encoding=draw(
+            st.sampled_from(
+                list(Encoding) if dtype in ULP_DTYPES else [Encoding.XOR, Encoding.OVERWRITE]
+            )
+        ),
         indices=indices,
         values=_values(dtype, indices.shape[0], rng),
     )
@@ -114,13 +119,36 @@ def _assert_same(decoded: Item, item: Item) -> None:
         assert not isinstance(base, bytes | memoryview)
 
 
+def _v1_items(its: list[Item]) -> list[Item]:
+    """``its`` with ULP items carried as XOR (version 1 has no ULP encoding)."""
+    return [
+        Item(
+            name=it.name,
+            shape=it.shape,
+            dtype=it.dtype,
+            encoding=Encoding.XOR if it.encoding is Encoding.ULP else it.encoding,
+            indices=it.indices,
+            values=it.values,
+        )
+        for it in its
+    ]
+
+
 @settings(max_examples=60, deadline=None)
-@given(case=payload_cases(), layout=st.sampled_from(ValueLayout), level=st.sampled_from([1, 3]))
+@given(
+    case=payload_cases(),
+    layout=st.sampled_from(ValueLayout),
+    level=st.sampled_from([1, 3]),
+    version=st.sampled_from([1, 2]),
+)
 def test_round_trip(
-    case: tuple[PayloadHeader, list[Item]], layout: ValueLayout, level: int
+    case: tuple[PayloadHeader, list[Item]], layout: ValueLayout, level: int, version: int
 ) -> None:
     header, its = case
-    data = encode_payload(header, its, layout=layout, level=level)
+    if version == 1:
+        its = _v1_items(its)
+    data = encode_payload(header, its, layout=layout, level=level, version=version)
+    assert data[4:6] == bytes([version, 0])
     catalog = {it.name: it.spec for it in its}
     payload = decode_payload(data, catalog=catalog)
     got = payload.header
@@ -151,9 +179,11 @@ def test_item_order_and_repeated_names_are_kept() -> None:
             [("b", Encoding.XOR), ("a", Encoding.OVERWRITE), ("b", Encoding.OVERWRITE)]
         )
     ]
-    for layout in ValueLayout:
+    for layout, version in [(lay, v) for lay in ValueLayout for v in (1, 2)]:
         payload = decode_payload(
-            encode_payload(PayloadHeader(attempt=1, owner=0, payload_id=0), its, layout=layout)
+            encode_payload(
+                PayloadHeader(attempt=1, owner=0, payload_id=0), its, layout=layout, version=version
+            )
         )
         assert [(it.name, it.encoding, int(it.indices[0])) for it in payload.items] == [
             ("b", Encoding.XOR, 0),
@@ -164,9 +194,10 @@ def test_item_order_and_repeated_names_are_kept() -> None:
 
 def test_empty_payload_round_trips() -> None:
     header = PayloadHeader(attempt=9, owner=3, payload_id=1, final=True)
-    payload = decode_payload(encode_payload(header, []))
-    assert payload.items == ()
-    assert payload.header.final and payload.header.key == (9, 3, 1)
+    for version in (1, 2):
+        payload = decode_payload(encode_payload(header, [], version=version))
+        assert len(payload.items) == 0 and list(payload.items) == []
+        assert payload.header.final and payload.header.key == (9, 3, 1)
 
 
 def test_encoding_is_deterministic() -> None:
@@ -181,7 +212,9 @@ def test_encoding_is_deterministic() -> None:
         values=rng.integers(0, 2**16, idx.shape[0], dtype=np.uint16),
     )
     header = PayloadHeader(attempt=1, owner=2, payload_id=3)
-    assert encode_payload(header, [item]) == encode_payload(header, [item])
+    for version in (1, 2):
+        once = encode_payload(header, [item], version=version)
+        assert once == encode_payload(header, [item], version=version)
 
 
 def test_byte_planes_shrink_small_xor_masks() -> None:
@@ -197,9 +230,13 @@ def test_byte_planes_shrink_small_xor_masks() -> None:
         values=masks,
     )
     header = PayloadHeader(attempt=1, owner=0, payload_id=0)
+    plain = encode_payload(header, [item], layout=ValueLayout.PLAIN, version=1)
+    planes = encode_payload(header, [item], layout=ValueLayout.BYTEPLANE, version=1)
+    assert len(planes) < 0.9 * len(plain)
+    # Version 2 Rice-codes the locations in both layouts; planes still shrink the masks.
     plain = encode_payload(header, [item], layout=ValueLayout.PLAIN)
     planes = encode_payload(header, [item], layout=ValueLayout.BYTEPLANE)
-    assert len(planes) < 0.9 * len(plain)
+    assert len(planes) < 0.95 * len(plain)
 
 
 def _item(**kw: object) -> Item:
@@ -232,11 +269,40 @@ def _item(**kw: object) -> Item:
     ],
 )
 def test_encode_rejects_bad_items(bad: dict[str, object]) -> None:
-    with pytest.raises(ConfigError):
-        encode_payload(PayloadHeader(attempt=0, owner=0, payload_id=0), [_item(), _item(**bad)])
+    for version in (1, 2):
+        with pytest.raises(ConfigError):
+            encode_payload(
+                PayloadHeader(attempt=0, owner=0, payload_id=0),
+                [_item(), _item(**bad)],
+                version=version,
+            )
 
 
-@pytest.mark.parametrize("kw", [{"level": 23}, {"layout": 7}])
+def test_ulp_items_need_a_float_dtype_and_version_2() -> None:
+    header = PayloadHeader(attempt=0, owner=0, payload_id=0)
+    ulp = _item(encoding=Encoding.ULP)
+    encode_payload(header, [ulp])
+    with pytest.raises(ConfigError) as err:
+        encode_payload(header, [ulp], version=1)
+    assert err.value.check == "encoding"
+    with pytest.raises(ConfigError) as err:
+        encode_payload(
+            header,
+            [_item(encoding=Encoding.ULP, dtype=torch.int16)],
+        )
+    assert err.value.check == "encoding"
+
+
+def test_one_name_with_two_specs_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        encode_payload(
+            PayloadHeader(attempt=0, owner=0, payload_id=0),
+            [_item(), _item(shape=(8,), encoding=Encoding.OVERWRITE)],
+        )
+    assert err.value.check == "name"
+
+
+@pytest.mark.parametrize("kw", [{"level": 23}, {"layout": 7}, {"version": 3}, {"version": 0}])
 def test_encode_rejects_bad_options(kw: dict[str, int]) -> None:
     with pytest.raises(ConfigError):
         encode_payload(PayloadHeader(attempt=0, owner=0, payload_id=0), [_item()], **kw)  # type: ignore[arg-type]
