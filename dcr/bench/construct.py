@@ -10,7 +10,10 @@ zstd) in parallel threads:
 - **F**: full conversion (assemble every canonical tensor, compare) + overwrites only.
 
 A memory-bandwidth reference (a warm ``memcpy`` of 256 MiB, best of several) is measured in the
-same run so construction throughput can be read as a ratio on a noisy machine.
+same run so construction throughput can be read as a ratio on a noisy machine.  Each row also
+carries the order-0 entropy floor of gap-coded positions plus XOR masks of its changed
+elements (:func:`dcr.delta.entropy.gap_xor_floor_bytes`, computed after timing) and the
+worker seconds of each construction stage.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcr.delta.bits import bits
+from dcr.delta.entropy import floor_of_items
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig, BuildStats
-from dcr.delta.records import Mode, TensorSpec
+from dcr.delta.records import Item, Mode, TensorSpec
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
 from dcr.testing.updates import perturb
 from dcr.wire.encode import encode_payload
@@ -81,9 +86,18 @@ def bandwidth_reference(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def _construct(
-    group: LocalTrainingGroup, mode: str, pool: ThreadPoolExecutor, xor_allowed: frozenset[str]
+    group: LocalTrainingGroup,
+    mode: str,
+    pool: ThreadPoolExecutor,
+    xor_allowed: frozenset[str],
+    keep: list[Item] | None = None,
 ) -> tuple[float, int, int, BuildStats]:
-    """One construction of every owner's payloads; returns seconds, bytes, payloads, stats."""
+    """One construction of every owner's payloads; returns seconds, bytes, payloads, stats.
+
+    The timed work is every owner's whole construction: detection, projection, packing and
+    the encoding of every bucket.  ``keep`` collects the items (references only) for the
+    entropy floor, which is computed after the clock stops.
+    """
     t0 = time.perf_counter()
     streams = group.build(
         mode=Mode.MIXED if mode == "X" else Mode.OVERWRITE,
@@ -91,14 +105,18 @@ def _construct(
         full_conversion=mode == "F",
     )
 
-    def run(owner: int, it: Any) -> list[int]:
+    def run(owner: int, it: Any, stats: BuildStats) -> list[int]:
         sizes = []
         for seq, bucket in enumerate(it):
+            t = time.perf_counter()
             header = PayloadHeader(attempt=1, owner=owner, payload_id=seq, final=bucket.final)
             sizes.append(len(encode_payload(header, bucket.items, layout=ValueLayout.BYTEPLANE)))
+            stats.add_time("encode", time.perf_counter() - t)
+            if keep is not None:
+                keep.extend(bucket.items)
         return sizes
 
-    futures = [pool.submit(run, owner, it) for owner, (it, _) in streams.items()]
+    futures = [pool.submit(run, owner, it, st) for owner, (it, st) in streams.items()]
     sizes = [s for f in futures for s in f.result()]
     dt = time.perf_counter() - t0
     total = BuildStats()
@@ -128,6 +146,7 @@ def run_construct_bench(
         plan, plan.slice(base), config=BuildConfig(), full_conversion="F" in modes
     )
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
+    base_bits = {n: bits(t).reshape(-1) for n, t in base.items()}
     bw = bandwidth_reference()
     say(f"checkpoint {checkpoint_bytes / 1e9:.2f} GB, memcpy reference {bw:.1f} GB/s")
     xor_allowed = frozenset(catalog)
@@ -137,11 +156,18 @@ def run_construct_bench(
             new = perturb(base, rate=rate, seed=seed + 1 + i)
             group.stage(plan.slice(new))
             for mode in modes:
-                runs = [_construct(group, mode, pool, xor_allowed) for _ in range(repeats)]
+                items: list[Item] = []
+                runs = [
+                    _construct(group, mode, pool, xor_allowed, items if r == repeats - 1 else None)
+                    for r in range(repeats)
+                ]
                 secs = statistics.median(r[0] for r in runs)
                 _, payload_bytes, num_payloads, st = runs[-1]
                 changed = st.changed_elements + st.residual_changed
-                row = {
+                floor = floor_of_items(items, base_bits)
+                del items
+                stages = {k: round(v, 6) for k, v in sorted(st.seconds.items())}
+                row: dict[str, Any] = {
                     "rate": rate,
                     "mode": mode,
                     "changed_elements": changed,
@@ -153,13 +179,19 @@ def run_construct_bench(
                     "construct_gb_per_s": st.source_bytes / secs / 1e9,
                     "bandwidth_reference_gb_per_s": bw,
                     "xor_entries": st.xor_entries,
+                    "ulp_entries": st.ulp_entries,
                     "overwrite_entries": st.overwrite_entries,
                     "checkpoint_bytes": checkpoint_bytes,
+                    "entropy_floor_bytes": floor,
+                    "entropy_floor_ratio": payload_bytes / floor if floor else 0.0,
+                    "stage_seconds": stages,
                 }
                 results.append(row)
                 say(
-                    f"rate {rate:.0%} mode {mode}: {secs:.2f} s, {payload_bytes / 1e6:.1f} MB, "
-                    f"{row['bytes_per_changed_element']:.3f} B/changed"
+                    f"rate {rate:.0%} mode {mode}: {secs:.3f} s, {payload_bytes / 1e6:.1f} MB, "
+                    f"{row['bytes_per_changed_element']:.3f} B/changed, floor "
+                    f"{floor / changed if changed else 0.0:.3f} B/changed; worker seconds "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
                 )
             group.discard()
             del new

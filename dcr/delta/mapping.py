@@ -30,6 +30,7 @@ __all__ = [
     "AffineMapping",
     "ColumnParallel",
     "Destination",
+    "Segment",
     "Direct",
     "FusedQKV",
     "GatedMLP",
@@ -55,6 +56,41 @@ class Destination:
     name: str
     indices: Index
     select: Index | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A range of local flat indices that maps to canonical coordinates by one affine formula.
+
+    Local ``j`` in ``[start, stop)`` lands at canonical ``j + offset`` when ``period`` is 0,
+    else at ``j + (j // period) * gap + offset`` (row-parallel splits: rows of ``period``
+    local elements spread ``period + gap`` apart); the same index lands in every tensor of
+    ``names``.  Both formulas are strictly increasing in ``j``, so sorted local indices give
+    sorted canonical ones.  :meth:`AffineMapping.segments` covers every projected element
+    once and nothing else; construction scans segments block by block instead of projecting
+    index arrays through :meth:`AffineMapping.project`.
+    """
+
+    start: int
+    stop: int
+    names: tuple[str, ...]
+    offset: int
+    period: int = 0
+    gap: int = 0
+
+    def canonical(self, local: Index) -> Index:
+        """Canonical flat indices of local flat indices in this segment (a new array)."""
+        if self.period:
+            out = local // self.period
+            out *= self.gap
+            out += local
+        else:
+            out = local.copy()
+        out += self.offset
+        return out
+
+    def renamed(self, names: tuple[str, ...]) -> Segment:
+        return Segment(self.start, self.stop, names, self.offset, self.period, self.gap)
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -87,6 +123,14 @@ class AffineMapping(ABC):
 
         Elements with no destination (vocabulary padding, replicated copies another rank
         projects) are dropped.
+        """
+
+    @abstractmethod
+    def segments(self) -> list[Segment]:
+        """The projected local elements as affine segments, in increasing local order.
+
+        Equivalent to :meth:`project` (tests check one against the other); elements that
+        :meth:`project` drops lie in no segment.
         """
 
     @abstractmethod
@@ -129,6 +173,9 @@ class Direct(AffineMapping):
 
     def project(self, local: Index) -> list[Destination]:
         return [Destination(name=self.name, indices=local)]
+
+    def segments(self) -> list[Segment]:
+        return [Segment(0, self.numel, (self.name,), 0)]
 
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         return [(self.name, canonical[self.name], shard)]
@@ -184,6 +231,14 @@ class ColumnParallel(AffineMapping):
             return []
         return [Destination(name=self.name, indices=canon[keep], select=keep)]
 
+    def segments(self) -> list[Segment]:
+        cols = _cols(self.canonical_shape)
+        first = self.tp_rank * self._rows_local
+        rows = min(self._rows_local, self.canonical_shape[0] - first)
+        if rows <= 0:
+            return []
+        return [Segment(0, rows * cols, (self.name,), first * cols)]
+
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         start = self.tp_rank * self._rows_local
         stop = min(start + self._rows_local, self.canonical_shape[0])
@@ -215,6 +270,13 @@ class RowParallel(AffineMapping):
         cols_local = self.source_shape[1]
         i, j = np.divmod(local, cols_local)
         return [Destination(name=self.name, indices=i * cols + self.tp_rank * cols_local + j)]
+
+    def segments(self) -> list[Segment]:
+        cols = self.canonical_shape[1]
+        cl = self.source_shape[1]
+        if cl == cols:
+            return [Segment(0, self.numel, (self.name,), 0)]
+        return [Segment(0, self.numel, (self.name,), self.tp_rank * cl, period=cl, gap=cols - cl)]
 
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         cl = self.source_shape[1]
@@ -259,6 +321,15 @@ class GatedMLP(AffineMapping):
         return [
             Destination(name=self.gate_name, indices=local[g] + offset, select=g),
             Destination(name=self.up_name, indices=local[u] - half + offset, select=u),
+        ]
+
+    def segments(self) -> list[Segment]:
+        cols = _cols(self.canonical_shape)
+        half = self.source_shape[0] // 2 * cols
+        offset = self.tp_rank * half
+        return [
+            Segment(0, half, (self.gate_name,), offset),
+            Segment(half, 2 * half, (self.up_name,), offset - half),
         ]
 
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
@@ -350,6 +421,48 @@ class FusedQKV(AffineMapping):
                 )
         return out
 
+    def segments(self) -> list[Segment]:
+        d = self.head_dim
+        cols = math.prod(self.inner)
+        out = []
+        if self.num_kv_heads >= self.tp_size:
+            q_rows = self.num_heads // self.num_kv_heads * d
+            groups_local = self.num_kv_heads // self.tp_size
+            for gl in range(groups_local):
+                g = self.tp_rank * groups_local + gl
+                row = gl * (q_rows + 2 * d)
+                out.append(
+                    Segment(
+                        row * cols, (row + q_rows) * cols, (self.q_name,), (g * q_rows - row) * cols
+                    )
+                )
+                row += q_rows
+                out.append(
+                    Segment(row * cols, (row + d) * cols, (self.k_name,), (g * d - row) * cols)
+                )
+                row += d
+                out.append(
+                    Segment(row * cols, (row + d) * cols, (self.v_name,), (g * d - row) * cols)
+                )
+            return out
+        q_rows = self.num_heads // self.tp_size * d
+        ranks_per_group = self.tp_size // self.num_kv_heads
+        out.append(Segment(0, q_rows * cols, (self.q_name,), self.tp_rank * q_rows * cols))
+        if self.tp_rank % ranks_per_group == 0:
+            kv = self.tp_rank // ranks_per_group * d
+            out.append(
+                Segment(q_rows * cols, (q_rows + d) * cols, (self.k_name,), (kv - q_rows) * cols)
+            )
+            out.append(
+                Segment(
+                    (q_rows + d) * cols,
+                    (q_rows + 2 * d) * cols,
+                    (self.v_name,),
+                    (kv - q_rows - d) * cols,
+                )
+            )
+        return out
+
     def _blocks(self, canonical: Canonical, shard: torch.Tensor, *, kv: bool) -> Blocks:
         d = self.head_dim
         q, k, v = canonical[self.q_name], canonical[self.k_name], canonical[self.v_name]
@@ -420,6 +533,9 @@ class PerExpert(AffineMapping):
     def project(self, local: Index) -> list[Destination]:
         return self.inner.project(local)
 
+    def segments(self) -> list[Segment]:
+        return self.inner.segments()
+
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         return self.inner.blocks(canonical, shard)
 
@@ -456,6 +572,9 @@ class Tied(AffineMapping):
         for extra in self.also:
             out.extend(Destination(name=extra, indices=d.indices, select=d.select) for d in base)
         return out
+
+    def segments(self) -> list[Segment]:
+        return [seg.renamed((*seg.names, *self.also)) for seg in self.inner.segments()]
 
     def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         (name,) = self.inner.names

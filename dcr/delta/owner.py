@@ -11,6 +11,8 @@ of the committed version the same way, to restore a joining receiver over the tr
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +22,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits, changed_indices
+from dcr.delta.bits import bits, changed_indices, changed_words
 from dcr.delta.layout import ShardSpec, TrainingPlan
+from dcr.delta.mapping import Segment
+from dcr.delta.ordered import ULP_DTYPES, ulp_delta
+from dcr.delta.parallel import default_threads, ordered_map
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.errors import ConfigError, DcrError, LayoutError
 
@@ -32,6 +37,10 @@ MiB = 1 << 20
 _DENSE_BLOCK = 1 << 20
 """Source elements projected at once by a dense build: bounds its index temporaries."""
 
+_SCAN_BLOCK = 1 << 18
+"""Source elements one worker compares at once: a block of new and old words stays in the
+core's cache while its changed words are gathered, and bounds the per-thread temporaries."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BuildConfig:
@@ -39,28 +48,53 @@ class BuildConfig:
 
     ``chunk_bytes``: tensors compared together (64 MiB suits object storage, 256 MiB the relay
     tree).  ``bucket_bytes``: input bytes of record-emitting chunks packed into one payload.
-    Tensors and chunks are never split, so either can exceed its target.
+    Tensors and chunks are never split, so either can exceed its target.  ``threads``: worker
+    threads one owner compares blocks on (``None``: the CPU count; 1: the calling thread).
+    ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
+    :attr:`Encoding.XOR` masks, or :attr:`Encoding.ULP` deltas for float dtypes
+    (:data:`~dcr.delta.ordered.ULP_DTYPES`; other dtypes keep XOR).
     """
 
     chunk_bytes: int = 64 * MiB
     bucket_bytes: int = 512 * MiB
+    threads: int | None = None
+    relative_encoding: Encoding = Encoding.XOR
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.bucket_bytes <= 0:
             raise ConfigError("chunk_bytes and bucket_bytes must be positive")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.relative_encoding not in (Encoding.XOR, Encoding.ULP):
+            raise ConfigError(
+                f"relative_encoding must be XOR or ULP, got {self.relative_encoding!r}"
+            )
+
+    @property
+    def worker_threads(self) -> int:
+        return self.threads if self.threads is not None else default_threads()
 
 
 @dataclass(slots=True, kw_only=True)
 class BuildStats:
-    """Counters and stage seconds of one owner's construction."""
+    """Counters and stage seconds of one owner's construction.
+
+    ``changed_elements`` counts canonical elements of projected tensors whose stored bits
+    changed, each once: a shard copy that another rank projects (replicated key/value rows)
+    counts nothing, a tied source element counts once per canonical tensor it lands in.
+    Entries are counted per encoding (``xor_*``, ``ulp_*``, ``overwrite_*``).  Stage seconds
+    (``detect``, ``project``, ``pack``, ``convert``) are worker seconds, summed over threads.
+    """
 
     source_bytes: int = 0
     changed_elements: int = 0
     residual_changed: int = 0
     xor_items: int = 0
     overwrite_items: int = 0
+    ulp_items: int = 0
     xor_entries: int = 0
     overwrite_entries: int = 0
+    ulp_entries: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, stage: str, dt: float) -> None:
@@ -73,8 +107,10 @@ class BuildStats:
             "residual_changed",
             "xor_items",
             "overwrite_items",
+            "ulp_items",
             "xor_entries",
             "overwrite_entries",
+            "ulp_entries",
         ):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.seconds.items():
@@ -114,6 +150,8 @@ class _Packer:
         self.parts: dict[tuple[str, Encoding], list[tuple[Index, UInt]]] = {}
 
     def add(self, name: str, encoding: Encoding, indices: Index, values: UInt) -> None:
+        if not indices.size:
+            return
         self.parts.setdefault((name, encoding), []).append((indices, values))
 
     def __bool__(self) -> bool:
@@ -122,22 +160,23 @@ class _Packer:
     def items(self, stats: BuildStats) -> list[Item]:
         out = []
         for (name, enc), chunks in self.parts.items():
+            # Each part is sorted (a monotone map of sorted source indices); parts in order with
+            # no overlap at their seams need no sort.  Unsorted seams are sorted and checked.
+            in_order = all(a[0][-1] < b[0][0] for a, b in itertools.pairwise(chunks))
             if len(chunks) == 1:
                 idx, vals = chunks[0]
             else:
                 idx = np.concatenate([c[0] for c in chunks])
                 vals = np.concatenate([c[1] for c in chunks])
-            if idx.size > 1:
-                step = np.diff(idx)
-                if not bool((step > 0).all()):
-                    order = np.argsort(idx, kind="stable")
-                    idx, vals = idx[order], vals[order]
-                    if not bool((np.diff(idx) > 0).all()):
-                        raise LayoutError(
-                            "two records for one canonical destination",
-                            tensor=name,
-                            check="conflicting-records",
-                        )
+            if not in_order:
+                order = np.argsort(idx, kind="stable")
+                idx, vals = idx[order], vals[order]
+                if not bool((np.diff(idx) > 0).all()):
+                    raise LayoutError(
+                        "two records for one canonical destination",
+                        tensor=name,
+                        check="conflicting-records",
+                    )
             spec = self.catalog[name]
             out.append(
                 Item(
@@ -152,11 +191,88 @@ class _Packer:
             if enc is Encoding.XOR:
                 stats.xor_items += 1
                 stats.xor_entries += int(idx.size)
+            elif enc is Encoding.ULP:
+                stats.ulp_items += 1
+                stats.ulp_entries += int(idx.size)
             else:
                 stats.overwrite_items += 1
                 stats.overwrite_entries += int(idx.size)
         self.parts = {}
         return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Block:
+    """One worker task: compare ``new[start:stop]`` with ``old[start:stop]`` in ``segment``."""
+
+    key: str
+    new: UInt
+    old: UInt
+    segment: Segment
+    encodings: tuple[Encoding, ...]
+    """Encoding of each of the segment's names (empty: detect only, nothing projects)."""
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Hits:
+    """What one block found: changed source indices, their canonical indices and values."""
+
+    source: Index
+    canonical: Index | None
+    values: dict[Encoding, UInt]
+    detect_seconds: float
+    project_seconds: float
+
+
+def _scan(block: _Block) -> _Hits:
+    """Detect, gather and project one block (runs on a worker thread)."""
+    t0 = time.perf_counter()
+    encodings = block.encodings
+    wants_new = any(e is not Encoding.XOR for e in encodings)
+    pos, xor, new = changed_words(
+        block.new[block.start : block.stop],
+        block.old[block.start : block.stop],
+        new_values=wants_new,
+    )
+    t1 = time.perf_counter()
+    if block.start:
+        pos += block.start
+    canonical = None
+    values: dict[Encoding, UInt] = {}
+    if pos.size and encodings:
+        canonical = block.segment.canonical(pos)
+        for enc in encodings:
+            if enc in values:
+                continue
+            if enc is Encoding.XOR:
+                values[enc] = xor
+            else:
+                assert new is not None
+                values[enc] = new if enc is Encoding.OVERWRITE else ulp_delta(new, new ^ xor)
+    return _Hits(pos, canonical, values, t1 - t0, time.perf_counter() - t1)
+
+
+def _cover(segments: list[Segment], numel: int) -> list[Segment]:
+    """``segments`` plus detect-only segments (no names) for the local elements they miss.
+
+    Elements no segment projects (another rank's replicated copy, vocabulary padding) are
+    still compared, so that commit keeps the whole tracker equal to the candidate.
+    """
+    out: list[Segment] = []
+    at = 0
+    for seg in sorted(segments, key=lambda g: g.start):
+        if seg.start < at:
+            raise LayoutError(f"overlapping segments at local index {seg.start}")
+        if seg.start > at:
+            out.append(Segment(at, seg.start, (), 0))
+        if seg.stop > seg.start:
+            out.append(seg)
+        at = max(at, seg.stop)
+    if at < numel:
+        out.append(Segment(at, numel, (), 0))
+    return out
 
 
 class Owner:
@@ -190,12 +306,17 @@ class Owner:
                     check="shape",
                 )
             self.trackers[s.key] = t.detach().to("cpu", copy=True).contiguous()
+        self._segments: dict[str, list[Segment]] = {
+            s.key: _cover(s.mapping.segments(), math.prod(s.shape))
+            for s in self.shards
+            if s.mapping is not None
+        }
         self.residual_baseline: dict[str, torch.Tensor] = {}
         self._candidate: dict[str, torch.Tensor] | None = None
         self._residual_candidate: dict[str, torch.Tensor] = {}
-        # Changed indices per shard from the last *complete* build of the staged candidate;
-        # lets commit update trackers at O(changed) instead of copying every shard.
-        self._changed: dict[str, Index] | None = None
+        # Changed indices per shard (one array per block) from the last *complete* build of the
+        # staged candidate; lets commit update trackers at O(changed) instead of copying.
+        self._changed: dict[str, list[Index]] | None = None
         # Bumped when a commit starts moving the baseline; a dense build that sees it move
         # fails instead of mixing two versions.
         self._epoch = 0
@@ -247,8 +368,8 @@ class Owner:
         for key, tracker in self.trackers.items():
             dst, src = bits(tracker).reshape(-1), bits(cand[key]).reshape(-1)
             if changed is not None and key in changed:
-                idx = changed[key]
-                dst[idx] = src[idx]
+                for idx in changed[key]:
+                    dst[idx] = src[idx]
             else:
                 np.copyto(dst, src)
         for name, t in self._residual_candidate.items():
@@ -337,6 +458,35 @@ class Owner:
         packer = _Packer(self.plan.catalog)
         return self._buckets(self._dense_records(packer, stats), packer, stats)
 
+    def _encoding_of(self, name: str, mode: Mode, xor_allowed: Container[str]) -> Encoding:
+        if mode is not Mode.MIXED or name not in xor_allowed:
+            return Encoding.OVERWRITE
+        if (
+            self.config.relative_encoding is Encoding.ULP
+            and self.plan.catalog[name].dtype in ULP_DTYPES
+        ):
+            return Encoding.ULP
+        return Encoding.XOR
+
+    def _blocks(
+        self,
+        cand: Mapping[str, torch.Tensor],
+        chunks: list[list[ShardSpec]],
+        encoding: Callable[[str], Encoding],
+    ) -> Iterator[tuple[int, _Block]]:
+        """Every block of every chunk, in order, with the index of its chunk."""
+        for number, chunk in enumerate(chunks):
+            for s in chunk:
+                new = bits(cand[s.key]).reshape(-1)
+                old = bits(self.trackers[s.key]).reshape(-1)
+                for seg in self._segments[s.key]:
+                    encs = tuple(encoding(n) for n in seg.names)
+                    # Block edges at multiples of the block size keep blocks word-aligned.
+                    cut = (seg.start // _SCAN_BLOCK + 1) * _SCAN_BLOCK
+                    starts = [seg.start, *range(cut, seg.stop, _SCAN_BLOCK)]
+                    for lo, hi in zip(starts, [*starts[1:], seg.stop], strict=True):
+                        yield number, _Block(s.key, new, old, seg, encs, lo, hi)
+
     def _delta_records(
         self,
         cand: Mapping[str, torch.Tensor],
@@ -347,37 +497,50 @@ class Owner:
         residual: Sequence[ResidualJob],
         project: bool,
     ) -> Iterator[int]:
-        """Add the changed set to ``packer``; yield the input bytes of each emitting chunk."""
-        changed: dict[str, Index] = {}
-        mixed = mode is Mode.MIXED
-        for chunk in self.chunks() if project else []:
-            chunk_bytes = 0
-            emitted = False
-            for s in chunk:
-                assert s.mapping is not None
-                chunk_bytes += s.nbytes
-                t0 = time.perf_counter()
-                new = bits(cand[s.key]).reshape(-1)
-                old = bits(self.trackers[s.key]).reshape(-1)
-                idx = changed_indices(new, old)
-                t1 = time.perf_counter()
-                stats.add_time("detect", t1 - t0)
-                changed[s.key] = idx
-                if not idx.size:
-                    continue
-                stats.changed_elements += int(idx.size)
-                for d in s.mapping.project(idx):
-                    src = idx if d.select is None else idx[d.select]
-                    values = new[src]
-                    if mixed and d.name in xor_allowed:
-                        packer.add(d.name, Encoding.XOR, d.indices, values ^ old[src])
-                    else:
-                        packer.add(d.name, Encoding.OVERWRITE, d.indices, values)
-                emitted = True
-                stats.add_time("project", time.perf_counter() - t1)
-            stats.source_bytes += chunk_bytes
-            if emitted:
-                yield chunk_bytes
+        """Add the changed set to ``packer``; yield the input bytes of each emitting chunk.
+
+        Blocks of every chunk are compared on worker threads, a bounded window ahead of the
+        chunk being packed (:func:`~dcr.delta.parallel.ordered_map`); each block finds its
+        changed words and gathers their values in one pass (:func:`changed_words`) and maps
+        them through its shard's affine segment.
+        """
+        changed: dict[str, list[Index]] = {}
+        chunks = self.chunks() if project else []
+        encodings: dict[str, Encoding] = {}
+
+        def encoding(name: str) -> Encoding:
+            enc = encodings.get(name)
+            if enc is None:
+                enc = encodings[name] = self._encoding_of(name, mode, xor_allowed)
+            return enc
+
+        tasks = list(self._blocks(cand, chunks, encoding))
+        left = [0] * len(chunks)
+        for number, _ in tasks:
+            left[number] += 1
+        emitted = [False] * len(chunks)
+        finished = 0
+        results = ordered_map(_scan, [b for _, b in tasks], threads=self.config.worker_threads)
+        for (number, block), hits in zip(tasks, results, strict=True):
+            stats.add_time("detect", hits.detect_seconds)
+            stats.add_time("project", hits.project_seconds)
+            if hits.source.size:
+                changed.setdefault(block.key, []).append(hits.source)
+                if hits.canonical is not None:
+                    names = block.segment.names
+                    for name, enc in zip(names, block.encodings, strict=True):
+                        packer.add(name, enc, hits.canonical, hits.values[enc])
+                    stats.changed_elements += int(hits.source.size) * len(names)
+                    emitted[number] = True
+            left[number] -= 1
+            while finished < len(chunks) and left[finished] == 0:
+                nbytes = sum(s.nbytes for s in chunks[finished])
+                stats.source_bytes += nbytes
+                if emitted[finished]:
+                    yield nbytes
+                finished += 1
+        for chunk in chunks[finished:]:
+            stats.source_bytes += sum(s.nbytes for s in chunk)
         for job in residual:
             t0 = time.perf_counter()
             converted = job.candidate()

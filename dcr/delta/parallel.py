@@ -1,0 +1,73 @@
+"""Worker threads for construction: an ordered map over blocks with a bounded window.
+
+Change detection and the gathers around it are numpy calls on blocks of about a million
+elements; numpy releases the GIL inside them, so blocks of one owner run on several cores.
+Results come back in submission order (records stay sorted per destination) and at most
+``window`` blocks are in flight, so the extra memory is bounded by a few blocks per thread
+whatever the size of the model.  One process-wide pool serves every owner; it is recreated
+in a forked child, where the parent's worker threads do not exist.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+__all__ = ["default_threads", "ordered_map"]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_size = 0
+
+
+def default_threads() -> int:
+    """Worker threads construction uses when its config does not say (the CPU count)."""
+    return os.cpu_count() or 1
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool, _pool_pid, _pool_size
+    with _lock:
+        pid = os.getpid()
+        if _pool is None or _pool_pid != pid or _pool_size < threads:
+            # A smaller pool of this process keeps serving the blocks already submitted to it.
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dcr-build")
+            _pool_pid, _pool_size = pid, threads
+        return _pool
+
+
+def ordered_map(
+    fn: Callable[[_T], _R], tasks: Iterable[_T], *, threads: int, window: int | None = None
+) -> Iterator[_R]:
+    """``fn`` over ``tasks`` on ``threads`` worker threads, results in task order.
+
+    At most ``window`` (default ``2 * threads``) tasks are submitted ahead of the one being
+    consumed.  With ``threads <= 1`` everything runs in the calling thread.  Closing the
+    iterator early cancels the tasks not yet started.  An exception raised by ``fn``
+    propagates when its result is reached.
+    """
+    if threads <= 1:
+        for task in tasks:
+            yield fn(task)
+        return
+    pool = _executor(threads)
+    ahead = max(1, window if window is not None else 2 * threads)
+    pending: deque[Future[_R]] = deque()
+    try:
+        for task in tasks:
+            pending.append(pool.submit(fn, task))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
