@@ -185,3 +185,81 @@ def test_overwrite_retry_repairs_a_partial_mixed_apply():
         refit.commit()
     for a, b in zip(receivers, reference_ranks(cfg, "qwen3_moe", 2, new), strict=True):
         assert module_bit_mismatches(a, b) == []
+
+
+# -- proof of the base version (issue 7, point 3) ---------------------------------------------
+
+
+def _qwen3(seed):
+    cfg = tiny_config("qwen3")
+    return cfg, random_state_dict(cfg, "qwen3", seed=seed)
+
+
+def test_a_receiver_of_another_version_is_detected_and_restored():
+    """The reproduction: a receiver built from version A handed to a source at B used to
+    commit version 1 with every changed element wrong.  Now its proof fails at prepare, it
+    does not take part, a dense refit restores it, and it ends bit-exact with B's update."""
+    cfg, a = _qwen3(1)
+    _, b = _qwen3(2)
+    module = module_from_state_dict(a)
+    source = StateDictSource(b, layout=TrainLayout(tp=2), family="qwen3", config=cfg)
+    with LocalRefit(source, [TorchModuleLoader(module)]) as refit:
+        new = perturb(b, rate=0.03, seed=3)
+        report = refit.refit(new)
+        assert report.version == 1 and refit.record.version == 1
+        assert set(report.proofs[0].failed) == {"r0"}
+        assert report.attempts[0].receivers == ("r0",)
+        assert all("r0" not in a.receivers for a in report.attempts[1:])
+        assert bit_mismatches(dict(module.named_parameters()), new) == []
+        newer = perturb(new, rate=0.03, seed=4)
+        report = refit.refit(newer)
+        assert report.version == 2 and refit.record.version == 2
+        assert all(not v.failed for v in report.proofs)
+        assert report.attempts[-1].receivers == ("r0",)
+        assert bit_mismatches(dict(module.named_parameters()), newer) == []
+
+
+def test_a_single_flipped_bit_at_start_is_caught_by_the_fingerprint():
+    cfg, sd = _qwen3(5)
+    module = module_from_state_dict(sd)
+    with torch.no_grad():
+        up = dict(module.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+        up.view(torch.int16)[7, 3] ^= 1 << 9
+    source = StateDictSource(sd, layout=TrainLayout(dp=2), family="qwen3", config=cfg)
+    with LocalRefit(source, [TorchModuleLoader(module)]) as refit:
+        new = perturb(sd, rate=0.02, seed=6)
+        report = refit.refit(new)
+        failed = report.proofs[0].failed
+        assert set(failed) == {"r0"} and "up_proj" in failed["r0"]
+        assert bit_mismatches(dict(module.named_parameters()), new) == []
+
+
+def test_a_restarted_receiver_with_corrupted_storage_is_caught_when_it_joins():
+    """A receiver restarts mid-refit and is restored by dense refit; its storage is then
+    corrupted (one flipped bit) before it takes part again.  Because it restarted, the next
+    prepare requests the complete fingerprint, which catches the flip; it is restored again
+    and every receiver ends bit-exact."""
+    cfg, sd = _qwen3(7)
+    modules = [module_from_state_dict(sd) for _ in range(2)]
+    source = StateDictSource(sd, layout=TrainLayout(dp=2), family="qwen3", config=cfg)
+    with LocalRefit(source, [TorchModuleLoader(m) for m in modules]) as refit:
+        new = perturb(sd, rate=0.02, seed=8)
+        first = refit.refit(new, faults=dcr.Faults(kill_receiver="r1", kill_receiver_after=1))
+        assert "r1" in first.faults.restarted
+        assert bit_mismatches(dict(modules[1].named_parameters()), new) == []
+        with torch.no_grad():
+            embed = dict(modules[1].named_parameters())["model.embed_tokens.weight"]
+            embed.view(torch.int16)[2, 5] ^= 1
+        newer = perturb(new, rate=0.02, seed=9)
+        second = refit.refit(newer)
+        assert second.proofs[0].fingerprinted > 0
+        assert set(second.proofs[0].failed) == {"r1"}
+        for m in modules:
+            assert bit_mismatches(dict(m.named_parameters()), newer) == []
+        # r1 was restored again: the next prepare fingerprints it (and passes); after that
+        # nothing was restored, so prepares sample only.
+        third = refit.refit(perturb(newer, rate=0.02, seed=10))
+        assert third.proofs[0].fingerprinted > 0 and not third.proofs[0].failed
+        fourth = refit.refit(perturb(newer, rate=0.02, seed=11))
+        assert fourth.proofs[0].fingerprinted == 0 and not fourth.proofs[0].failed
+        assert fourth.proofs[0].sampled > 0
