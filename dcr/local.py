@@ -213,7 +213,8 @@ class LocalRefit(_Base):
     restored), and a receiver that fails the proof is restored by dense refit instead of
     taking part (``RefitReport.proofs``).  ``mode="mixed"`` XOR-encodes where every
     receiver's loader path preserves bits; ``"overwrite"`` sends absolute values only.
-    ``store`` is the commit store (default in-memory; pass e.g. :class:`~dcr.adapters.commit.SqliteCommitStore` for a durable one);
+    ``store`` is the commit store (default in-memory; pass e.g.
+    :class:`~dcr.adapters.commit.SqliteCommitStore` for a durable one);
     ``hooks`` maps receiver names (``r0``, ``r1``, ...) to request-gate and KV-cache actions.
     ``transport`` and ``control`` are adapter objects or registered names (``"memory"``, the
     default; ``control="zmq"`` runs every call and reply through real ZeroMQ sockets and the
