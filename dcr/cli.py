@@ -32,6 +32,16 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _loaders(text: str) -> list[str]:
+    from dcr.bench.apply import LOADERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in LOADERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"loaders are {', '.join(LOADERS)}, got {text!r}")
+    return names
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -87,6 +97,33 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     cons.add_argument("--tp", type=_positive, default=2, help="training tensor parallelism")
     cons.add_argument("--json", action="store_true", help="print one JSON object")
+
+    app = bsub.add_parser(
+        "apply",
+        help="in-place apply of one refit against a dense native load (issue 7)",
+        description=(
+            "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
+            "encoded and decoded) are applied with Receiver.apply_items on every rank of each "
+            "receiver (torch: a TorchModuleLoader module; reference-tp2: the sharded reference "
+            "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
+            "installed) and timed against a dense native load through the same loader in the "
+            "same run (medians of --repeats). The applied bits are checked against the dense "
+            "load of the new version; a mismatch fails the run."
+        ),
+    )
+    app.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
+    app.add_argument(
+        "--rates", type=_floats, default=[0.01, 0.03, 0.05], help="element change rates"
+    )
+    app.add_argument(
+        "--loaders",
+        type=_loaders,
+        default=["torch", "reference-tp2", "vllm"],
+        help="subset of torch,reference-tp2,vllm",
+    )
+    app.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
+    app.add_argument("--threads", type=_positive, default=None, help="apply threads")
+    app.add_argument("--json", action="store_true", help="print one JSON object")
 
     rel = bsub.add_parser(
         "relay",
@@ -201,6 +238,21 @@ def _bench_construct(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_apply(args: argparse.Namespace) -> int:
+    from dcr.bench.apply import format_apply_table, run_apply_bench
+
+    result = run_apply_bench(
+        size_bytes=int(args.size_gb * 1e9),
+        rates=args.rates,
+        loaders=args.loaders,
+        repeats=args.repeats,
+        threads=args.threads,
+        log=_err,
+    )
+    print(json.dumps(result) if args.json else format_apply_table(result))
+    return 0
+
+
 def _bench_relay(args: argparse.Namespace) -> int:
     import statistics
 
@@ -300,9 +352,12 @@ def _role(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        return {"codec": _bench_codec, "construct": _bench_construct, "relay": _bench_relay}[
-            args.bench
-        ](args)
+        return {
+            "apply": _bench_apply,
+            "codec": _bench_codec,
+            "construct": _bench_construct,
+            "relay": _bench_relay,
+        }[args.bench](args)
     if args.command == "demo":
         return _demo(args)
     if args.command == "fleet":

@@ -70,3 +70,43 @@ def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
         # Fault-free: each payload crossed into the relay tree exactly once.
         assert row["v_cross"] == row["v_payload"] == row["payload_bytes"]
     assert (tmp_path / "fleet.toml").exists() and (tmp_path / "run" / "commit.db").exists()
+
+
+def test_bench_apply_json(capsys):
+    out = run_json(
+        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,0.05", "--repeats", "1",
+        "--loaders", "torch,reference-tp2",
+    )  # fmt: skip
+    rows = out["results"]
+    assert [(r["loader"], r["rate"]) for r in rows] == [
+        ("torch", 0.01), ("torch", 0.05), ("reference-tp2", 0.01), ("reference-tp2", 0.05),
+    ]  # fmt: skip
+    for r in rows:
+        assert {"rate", "loader", "apply_seconds", "dense_load_seconds", "entries"} <= set(r)
+        assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0
+        assert r["bit_exact"] is True
+    # Every entry lands once on the single torch rank; the sharded ranks write no fewer.
+    assert rows[0]["written"] == rows[0]["entries"] > 0
+    assert rows[1]["entries"] > rows[0]["entries"]
+    assert rows[2]["entries"] == rows[0]["entries"] and rows[2]["written"] >= rows[2]["entries"]
+
+
+def test_bench_apply_fails_loudly_when_the_bits_differ(monkeypatch):
+    from dcr.bench import apply as bench
+
+    real = bench._apply
+
+    def lossy(receivers, payloads):
+        dropped = [type(p)(header=p.header, items=p.items[1:]) for p in payloads]
+        return real(receivers, dropped)
+
+    monkeypatch.setattr(bench, "_apply", lossy)
+    with pytest.raises(bench.NotBitExact, match="differs from a dense load"):
+        bench.run_apply_bench(size_bytes=20_000_000, rates=[0.01], loaders=["torch"], repeats=1)
+
+
+def test_bench_apply_rejects_unknown_loaders(capsys):
+    with pytest.raises(SystemExit) as err:
+        cli.main(["bench", "apply", "--loaders", "torch,sglang"])
+    assert err.value.code == 2
+    assert "loaders are torch, reference-tp2, vllm" in capsys.readouterr().err

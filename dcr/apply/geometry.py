@@ -62,6 +62,8 @@ class ViewGeometry:
 
     def broadcast_to(self, shape: tuple[int, ...]) -> ViewGeometry:
         """The geometry ``copy_`` reads when it broadcasts this source to ``shape``."""
+        if shape == self.shape:
+            return self
         lead = len(shape) - len(self.shape)
         sizes = (1,) * lead + self.shape
         strides = (0,) * lead + self.stride

@@ -33,10 +33,11 @@ from dcr.apply.hook import SourceKind
 from dcr.apply.loader import Loader
 from dcr.apply.paths import CopyStrategy, LoaderPath, PathKind, matches
 from dcr.apply.prewarm import classify, find_overlaps, with_overlaps
-from dcr.apply.scratch import Scratch
+from dcr.apply.scratch import Scratch, torch_bits
 from dcr.apply.storage import StorageGuard
 from dcr.apply.writes import (
     Entries,
+    FlatViews,
     Stage,
     WritePlan,
     active_mask,
@@ -197,6 +198,7 @@ class Receiver:
         self._guard: StorageGuard | None = None
         self._scratch: Scratch | None = None
         self._imaps: dict[tuple[str, int], IndexMap | None] = {}
+        self._flats = FlatViews()
         self._words = {n: np.dtype(numpy_bits_dtype(s.dtype)) for n, s in self._catalog.items()}
 
     # -- prewarm ---------------------------------------------------------------------------
@@ -466,7 +468,6 @@ class Receiver:
             path=self._paths[name],
             encoding=encoding,
             entries=entries_of(indices, values, spec.dtype),
-            numpy_values=values,
             merged=len(items),
         )
 
@@ -565,10 +566,10 @@ class Receiver:
         in_place = (
             not relative
             and any(c.src.dtype != c.dst.dtype for c in path.copies)
-            and irregular(group.numpy_values, spec.dtype)
+            and irregular(entries.values, spec.dtype)
         )
         view = (
-            scratch.fill(spec, None, entries.indices, entries.values)
+            scratch.fill(spec, None, entries.indices, torch_bits(entries.values))
             if in_place
             else scratch.view(spec)
         )
@@ -600,11 +601,11 @@ class Receiver:
         for n, (record, copy) in enumerate(zip(path.copies, call.copies, strict=True)):
             imap = self._imap(path, n) if record.strategy is CopyStrategy.SPARSE else None
             if in_place:
-                plans.append(plan_in_layout(copy, imap, entries))
+                plans.append(plan_in_layout(copy, self._flats, imap, entries))
             elif imap is not None:
-                plans.append(plan_sparse(copy, imap, entries, relative=relative))
+                plans.append(plan_sparse(copy, self._flats, imap, entries, relative=relative))
             else:
-                plans.append(plan_enumerated(copy, entries, relative=relative))
+                plans.append(plan_enumerated(copy, self._flats, entries, relative=relative))
         return plans, in_place
 
     def _plan_placeholder(self, group: _Group, fail: Fail) -> tuple[list[WritePlan], int]:
@@ -616,7 +617,7 @@ class Receiver:
         """
         spec, path, entries = group.spec, group.path, group.entries
         scratch = self._require_prewarm()[1]
-        values = entries.values
+        values = torch_bits(entries.values)
         two_pass = self._config.placeholder is PlaceholderScheme.TWO_PASS or bool(
             torch.isnan(values.view(spec.dtype)).any()
         )
@@ -634,10 +635,13 @@ class Receiver:
         if not two_pass:
             masks = self._masks(path, call)
         plans = [
-            plan_masked(c, mask)
+            plan_masked(c, self._flats, mask)
             if mask is not None
             else plan_in_layout(
-                c, self._imap(path, n) if r.strategy is CopyStrategy.SPARSE else None, entries
+                c,
+                self._flats,
+                self._imap(path, n) if r.strategy is CopyStrategy.SPARSE else None,
+                entries,
             )
             for n, (r, c, mask) in enumerate(zip(path.copies, call.copies, masks, strict=True))
         ]
@@ -693,7 +697,6 @@ class _Group:
     path: LoaderPath
     encoding: Encoding
     entries: Entries
-    numpy_values: npt.NDArray[np.generic]
     merged: int
 
 

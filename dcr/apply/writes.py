@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,12 +32,13 @@ from dcr.apply.geometry import IndexMap, byte_intervals, enumerate_map, overlapp
 from dcr.apply.hook import InterceptedCopy
 from dcr.apply.scratch import torch_bits, torch_index
 from dcr.delta.bits import bits_dtype
-from dcr.delta.ordered import add_ordered
+from dcr.delta.ordered import add_ordered, ordered, unordered
 from dcr.delta.records import Encoding
 
 __all__ = [
     "CHUNK",
     "Entries",
+    "FlatViews",
     "WritePlan",
     "active_mask",
     "cast_bits",
@@ -51,18 +53,23 @@ __all__ = [
     "plan_sparse",
 ]
 
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
 CHUNK = 1 << 16
 """Entries per read-modify-write chunk: big enough to amortize the per-op cost (~1 ns per
 entry), small enough that the chunk's destination cache lines stay in cache between the read
 and the write."""
 
 
+Words = npt.NDArray[np.unsignedinteger[Any]]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Entries:
-    """A group's sorted flat canonical indices and their value bits (torch, item dtype width)."""
+    """A group's sorted flat canonical indices and their value bits (the item dtype's width)."""
 
     indices: npt.NDArray[np.int64]
-    values: torch.Tensor
+    values: Words
     dtype: torch.dtype
 
     @property
@@ -74,6 +81,34 @@ def _flat_bits(dst: torch.Tensor) -> torch.Tensor:
     """The whole storage behind ``dst`` as a 1-D integer view of ``dst``'s width."""
     n = int(dst.untyped_storage().nbytes()) // dst.element_size()
     return dst.detach().as_strided((n,), (1,), 0).view(bits_dtype(dst.dtype))
+
+
+class FlatViews:
+    """Flat integer views of resident storages, built once per storage and dtype.
+
+    Keyed by storage pointer: the receiver's storage guard proves resident storages never move
+    while it applies, and a cached view keeps its storage alive, so a key is never reused.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def of(self, dst: torch.Tensor) -> torch.Tensor:
+        key = (int(dst.untyped_storage().data_ptr()), dst.dtype)
+        flat = self._views.get(key)
+        if flat is None:
+            flat = self._views[key] = _flat_bits(dst)
+        return flat
+
+
+def _words(t: torch.Tensor) -> Words:
+    """A torch integer bit view (any device) as numpy unsigned words of the same width."""
+    out: Words = t.detach().cpu().numpy().view(_UNSIGNED[t.element_size()])
+    return out
+
+
+def _torch_words(words: Words, device: torch.device) -> torch.Tensor:
+    return torch_bits(words, device)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -93,7 +128,7 @@ class WritePlan:
     entries: Entries | None = None
     cast: torch.dtype | None = None
     positions: npt.NDArray[np.int64] | None = None
-    values: torch.Tensor | None = None
+    values: Words | None = None
 
     @property
     def size(self) -> int:
@@ -103,37 +138,32 @@ class WritePlan:
         assert self.positions is not None
         return int(self.positions.shape[0])
 
-    def chunk(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk(self, start: int, stop: int) -> tuple[npt.NDArray[np.int64], Words]:
         """Destination positions (storage elements) and their values for one chunk."""
-        device = self.flat.device
         if self.entries is None:
             assert self.positions is not None and self.values is not None
-            pos = torch_index(self.positions[start:stop], device)
-            return pos, self.values[start:stop].to(device)
+            return self.positions[start:stop], self.values[start:stop]
         assert self.imap is not None
         sel, where = self.imap.select(self.entries.indices[start:stop])
-        values = self.entries.values[start:stop]
-        if isinstance(sel, slice):  # a run of entries: no gather
-            values = values[sel]
-        else:
-            values = values.index_select(0, torch.from_numpy(sel))
+        values = self.entries.values[start:stop][sel]  # a slice for a run of entries: no copy
         if self.cast is not None:
-            values = cast_bits(values, self.entries.dtype, self.cast)
-        return torch_index(where, device), values.to(device)
+            values = _words(cast_bits(torch_bits(values), self.entries.dtype, self.cast))
+        return where, values
 
 
 def _plan(
     copy: InterceptedCopy,
+    flats: FlatViews,
     *,
     imap: IndexMap | None = None,
     entries: Entries | None = None,
     cast: torch.dtype | None = None,
     positions: npt.NDArray[np.int64] | None = None,
-    values: torch.Tensor | None = None,
+    values: Words | None = None,
 ) -> WritePlan:
     return WritePlan(
         label=copy.storage.label,
-        flat=_flat_bits(copy.dst),
+        flat=flats.of(copy.dst),
         itemsize=copy.dst_geometry.itemsize,
         imap=imap,
         entries=entries,
@@ -186,7 +216,7 @@ def _cast_in_place_of(copy: InterceptedCopy, src: torch.Tensor) -> torch.Tensor:
 
 
 def plan_sparse(
-    copy: InterceptedCopy, imap: IndexMap, entries: Entries, *, relative: bool
+    copy: InterceptedCopy, flats: FlatViews, imap: IndexMap, entries: Entries, *, relative: bool
 ) -> WritePlan:
     """A mapped plan: the entries go through ``imap`` straight to destinations at execution.
 
@@ -195,19 +225,23 @@ def plan_sparse(
     """
     dst = copy.dst_geometry.dtype
     cast = None if relative or dst == entries.dtype else dst
-    return _plan(copy, imap=imap, entries=entries, cast=cast)
+    return _plan(copy, flats, imap=imap, entries=entries, cast=cast)
 
 
-def plan_enumerated(copy: InterceptedCopy, entries: Entries, *, relative: bool) -> WritePlan:
+def plan_enumerated(
+    copy: InterceptedCopy, flats: FlatViews, entries: Entries, *, relative: bool
+) -> WritePlan:
     """A materialized plan for a scratch source of another geometry (a broadcast): O(view)."""
     sel, pos = enumerate_map(copy.src_geometry, copy.dst_geometry, entries.indices)
-    values = entries.values.index_select(0, torch.from_numpy(sel))
-    if not relative:
-        values = cast_bits(values, entries.dtype, copy.dst_geometry.dtype)
-    return _plan(copy, positions=pos, values=values)
+    values = entries.values[sel]
+    if not relative and copy.dst_geometry.dtype != entries.dtype:
+        values = _words(cast_bits(torch_bits(values), entries.dtype, copy.dst_geometry.dtype))
+    return _plan(copy, flats, positions=pos, values=values)
 
 
-def plan_in_layout(copy: InterceptedCopy, imap: IndexMap | None, entries: Entries) -> WritePlan:
+def plan_in_layout(
+    copy: InterceptedCopy, flats: FlatViews, imap: IndexMap | None, entries: Entries
+) -> WritePlan:
     """Overwrite values cast as a whole in the destination's layout (scratch holds them).
 
     Needed for :func:`irregular` values through a cast; costs O(view).  Materialized now,
@@ -218,8 +252,8 @@ def plan_in_layout(copy: InterceptedCopy, imap: IndexMap | None, entries: Entrie
     else:
         _, pos = enumerate_map(copy.src_geometry, copy.dst_geometry, entries.indices)
     cast = _cast_in_place_of(copy, copy.src)
-    values = cast[torch_index(pos - copy.dst_geometry.offset, cast.device)]
-    return _plan(copy, positions=pos, values=values)
+    values = _words(cast[torch_index(pos - copy.dst_geometry.offset, cast.device)])
+    return _plan(copy, flats, positions=pos, values=values)
 
 
 def active_mask(copy: InterceptedCopy) -> torch.Tensor:
@@ -227,7 +261,7 @@ def active_mask(copy: InterceptedCopy) -> torch.Tensor:
     return ~torch.isnan(copy.src.expand(copy.dst_geometry.shape))
 
 
-def plan_masked(copy: InterceptedCopy, active: torch.Tensor) -> WritePlan:
+def plan_masked(copy: InterceptedCopy, flats: FlatViews, active: torch.Tensor) -> WritePlan:
     """Overwrite the ``active`` positions (an :func:`active_mask`) with the copy input.
 
     The copy input holds the real values (the same call in the NaN scheme, the second pass in
@@ -238,7 +272,12 @@ def plan_masked(copy: InterceptedCopy, active: torch.Tensor) -> WritePlan:
     stride = torch.tensor(g.stride, dtype=torch.int64, device=where.device)
     rel = (where * stride).sum(dim=1)
     cast = _cast_in_place_of(copy, copy.src)
-    return _plan(copy, positions=rel.cpu().numpy() + g.offset, values=cast[rel.to(cast.device)])
+    return _plan(
+        copy,
+        flats,
+        positions=rel.cpu().numpy() + g.offset,
+        values=_words(cast[rel.to(cast.device)]),
+    )
 
 
 def copies_overlap(copies: Sequence[InterceptedCopy]) -> bool:
@@ -280,10 +319,36 @@ Stage = Sequence[tuple[WritePlan, Encoding]]
 """Plans whose destinations are pairwise disjoint: their chunks may run in any order."""
 
 
-def _write(
+def _ulp_add(words: Words, delta: Words) -> Words:
+    """``unordered(ordered(words) + delta)`` modulo the word width (numpy)."""
+    return unordered(ordered(words) + delta)
+
+
+def _write_numpy(
+    flat: Words, pos: npt.NDArray[np.int64], values: Words, encoding: Encoding, check: bool
+) -> int:
+    """One fused read-modify-write chunk on a CPU storage; returns post-check failures.
+
+    numpy's take and fancy assignment cost a fraction of torch's per-op overhead on the many
+    small chunks of a payload, and run at the same speed on large ones.
+    """
+    if encoding is Encoding.OVERWRITE:
+        flat[pos] = values
+        return int(np.count_nonzero(np.take(flat, pos) != values)) if check else 0
+    before = np.take(flat, pos)
+    flat[pos] = before ^ values if encoding is Encoding.XOR else _ulp_add(before, values)
+    if not check:
+        return 0
+    # Paper App. A.2 "Post-apply checks": undoing the relative value restores the saved bits.
+    now = np.take(flat, pos)
+    undone = now ^ values if encoding is Encoding.XOR else _ulp_add(now, -values)
+    return int(np.count_nonzero(undone != before))
+
+
+def _write_torch(
     flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor, encoding: Encoding, check: bool
 ) -> int:
-    """One fused read-modify-write chunk; returns the positions that fail the post-check."""
+    """:func:`_write_numpy` with torch ops, for storages on other devices."""
     if encoding is Encoding.OVERWRITE:
         flat.scatter_(0, pos, values)
         return int((flat.index_select(0, pos) != values).sum()) if check else 0
@@ -292,7 +357,6 @@ def _write(
     flat.scatter_(0, pos, after)
     if not check:
         return 0
-    # Paper App. A.2 "Post-apply checks": undoing the relative value restores the saved bits.
     now = flat.index_select(0, pos)
     undone = now ^ values if encoding is Encoding.XOR else add_ordered(now, values.neg())
     return int((undone != before).sum())
@@ -302,9 +366,15 @@ def _run_chunk(
     plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
 ) -> tuple[int, int]:
     pos, values = plan.chunk(start, stop)
-    if not pos.numel():
+    if not pos.size:
         return 0, 0
-    return int(pos.numel()), _write(plan.flat, pos, values, encoding, check)
+    flat = plan.flat
+    if flat.device.type == "cpu":
+        return int(pos.size), _write_numpy(_words(flat), pos, values, encoding, check)
+    device = flat.device
+    return int(pos.size), _write_torch(
+        flat, torch_index(pos, device), torch_bits(values, device), encoding, check
+    )
 
 
 def execute(
@@ -366,8 +436,6 @@ def execute(
     return written
 
 
-def entries_of(
-    indices: npt.NDArray[np.int64], values: npt.NDArray[np.generic], dtype: torch.dtype
-) -> Entries:
+def entries_of(indices: npt.NDArray[np.int64], values: Words, dtype: torch.dtype) -> Entries:
     """:class:`Entries` from an item's (or a merged group's) numpy arrays."""
-    return Entries(indices=indices, values=torch_bits(values), dtype=dtype)
+    return Entries(indices=indices, values=values, dtype=dtype)

@@ -152,15 +152,15 @@ def test_the_post_apply_check_catches_a_wrong_ulp_write(monkeypatch: pytest.Monk
         indices=idx,
         values=ulp_delta(new[idx], old[idx]),
     )
-    real = writes.add_ordered
+    real = writes._ulp_add
     calls = []
 
-    def off_by_one_once(stored: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def off_by_one_once(stored: np.ndarray, delta: np.ndarray) -> np.ndarray:
         calls.append(1)
         out = real(stored, delta)
         return out ^ 1 if len(calls) == 1 else out
 
-    monkeypatch.setattr(writes, "add_ordered", off_by_one_once)
+    monkeypatch.setattr(writes, "_ulp_add", off_by_one_once)
     with pytest.raises(LoaderConditionViolated) as err:
         receiver.apply_item(item)
     assert err.value.check == "post-apply"

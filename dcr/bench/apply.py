@@ -1,0 +1,270 @@
+"""Apply benchmark (issue 7, point 5): in-place apply of one refit against a dense native load.
+
+The model is the ``dcr bench construct`` one (a synthetic llama-family bf16 checkpoint in a
+TP=2 training layout, chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``).  For each
+receiver kind and each element change rate, one refit's payloads are constructed in mixed mode
+(XOR where the receivers allow it), encoded and decoded as a receiver decodes them; then
+
+- **apply**: ``Receiver.apply_items`` of every payload, in declared order, on every rank of the
+  receiver (median of ``repeats``; the base is restored by a dense load between repeats);
+- **dense load**: the same model loaded densely through the same native loader, in the same
+  run (the restores and a final load of the new version; median).
+
+After the last apply every rank's stored bits are compared (integer views) with a dense load of
+the new version; a mismatch raises :class:`NotBitExact`.
+
+Receivers: ``torch`` (a :class:`~dcr.adapters.loaders.torch_module.TorchModuleLoader` over a
+plain module), ``reference-tp2`` (:class:`~dcr.testing.reference.ShardedReferenceLoader`, two
+serving ranks: fused QKV and gate/up, vocabulary padding, an fp32 final norm), and ``vllm``
+(vLLM's model class through :class:`~dcr.adapters.loaders.vllm.VllmLoader`, when ``vllm`` is
+importable; otherwise skipped with a note).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply import ApplyConfig, Loader, Receiver, xor_allowed_across
+from dcr.bench.construct import synthetic_config
+from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.layout import TrainLayout, build_plan
+from dcr.delta.owner import BuildConfig
+from dcr.delta.records import Mode, TensorSpec
+from dcr.testing.models import random_state_dict
+from dcr.testing.modules import module_from_state_dict
+from dcr.testing.reference import ShardedReferenceModel
+from dcr.testing.updates import perturb
+from dcr.wire.decode import decode_payload
+from dcr.wire.encode import encode_payload
+from dcr.wire.format import Payload, PayloadHeader, ValueLayout
+
+__all__ = ["LOADERS", "NotBitExact", "format_apply_table", "run_apply_bench"]
+
+LOADERS = ("torch", "reference-tp2", "vllm")
+FAMILY = "llama"
+
+
+class NotBitExact(RuntimeError):
+    """The applied result differs from a dense load of the new version (a bug: never ignore)."""
+
+
+Say = Callable[[str], None]
+
+
+@contextmanager
+def _receivers(
+    kind: str, cfg: dict[str, Any], base: Mapping[str, torch.Tensor], threads: int | None
+) -> Iterator[list[Receiver]]:
+    """Every rank of one receiver kind, dense-loaded with ``base`` and prewarmed."""
+    catalog = {n: TensorSpec.of(n, t) for n, t in base.items()}
+    loaders: list[Loader]
+    with ExitStack() as stack:
+        if kind == "torch":
+            loaders = [TorchModuleLoader(module_from_state_dict(base))]
+        elif kind == "reference-tp2":
+            from dcr.testing.reference import ShardedReferenceLoader
+
+            loaders = [
+                ShardedReferenceLoader(ShardedReferenceModel(cfg, FAMILY, tp_size=2, tp_rank=r))
+                for r in range(2)
+            ]
+        elif kind == "vllm":
+            from dcr.adapters.loaders.vllm import VllmLoader, build_vllm_model, vllm_distributed
+            from dcr.testing.hf import write_checkpoint
+
+            stack.enter_context(vllm_distributed())
+            directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcr-bench-"))
+            write_checkpoint(directory, cfg, FAMILY, base)
+            loaders = [VllmLoader(build_vllm_model(directory))]
+        else:
+            raise ValueError(f"unknown receiver kind {kind!r}; expected one of {LOADERS}")
+        receivers = [Receiver(loader, catalog, ApplyConfig(threads=threads)) for loader in loaders]
+        for r in receivers:
+            r.dense_load(base)
+            r.prewarm()
+        yield receivers
+        del receivers, loaders
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    for r in receivers:
+        r.dense_load(state_dict)
+    return time.perf_counter() - t0
+
+
+def _apply(receivers: Sequence[Receiver], payloads: Sequence[Payload]) -> tuple[float, int, int]:
+    t0 = time.perf_counter()
+    written = calls = 0
+    for r in receivers:
+        for p in payloads:
+            report = r.apply_items(p.items, attempt=p.header.attempt)
+            written += report.written
+            calls += report.loader_calls
+    return time.perf_counter() - t0, written, calls
+
+
+def _stored_bits(receivers: Sequence[Receiver]) -> list[dict[str, torch.Tensor]]:
+    from dcr.delta.bits import bits_dtype
+
+    return [
+        {
+            name: t.detach().reshape(-1).view(bits_dtype(t.dtype)).clone()
+            for name, t in r.loader.storage_tensors()
+        }
+        for r in receivers
+    ]
+
+
+def _check_bit_exact(
+    receivers: Sequence[Receiver], applied: list[dict[str, torch.Tensor]], label: str
+) -> None:
+    from dcr.delta.bits import bits_dtype
+
+    for rank, (r, snap) in enumerate(zip(receivers, applied, strict=True)):
+        for name, t in r.loader.storage_tensors():
+            if not torch.equal(snap[name], t.detach().reshape(-1).view(bits_dtype(t.dtype))):
+                diff = int((snap[name] != t.detach().reshape(-1).view(bits_dtype(t.dtype))).sum())
+                raise NotBitExact(
+                    f"{label}: rank {rank} {name!r} differs from a dense load of the new "
+                    f"version at {diff} elements"
+                )
+
+
+def _payloads(
+    group: LocalTrainingGroup,
+    catalog: Mapping[str, TensorSpec],
+    xor_allowed: frozenset[str],
+    attempt: int,
+) -> tuple[list[Payload], int]:
+    """One refit's payloads in mixed mode, encoded and decoded as a receiver decodes them."""
+    streams = group.build(mode=Mode.MIXED, xor_allowed=xor_allowed)
+    data = [
+        encode_payload(
+            PayloadHeader(attempt=attempt, owner=owner, payload_id=seq, final=bucket.final),
+            bucket.items,
+            layout=ValueLayout.BYTEPLANE,
+        )
+        for owner, (it, _) in streams.items()
+        for seq, bucket in enumerate(it)
+    ]
+    decoded = [decode_payload(d, catalog=catalog, xor_allowed=xor_allowed) for d in data]
+    decoded.sort(key=lambda p: p.header.order)
+    return decoded, sum(len(d) for d in data)
+
+
+def run_apply_bench(
+    *,
+    size_bytes: int = 1_100_000_000,
+    rates: Sequence[float] = (0.01, 0.03, 0.05),
+    loaders: Sequence[str] = LOADERS,
+    repeats: int = 3,
+    threads: int | None = None,
+    seed: int = 0,
+    log: Say | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"results": [...], "model": {...}, "notes": [...]}``."""
+    say = log or (lambda _msg: None)
+    cfg = synthetic_config(size_bytes)
+    say(f"building a {cfg['num_hidden_layers']}-layer synthetic llama model")
+    base = random_state_dict(cfg, FAMILY, seed=seed)
+    catalog = {n: TensorSpec.of(n, t) for n, t in base.items()}
+    checkpoint_bytes = sum(s.nbytes for s in catalog.values())
+    plan = build_plan(catalog, TrainLayout(tp=2), family=FAMILY, config=cfg)
+    group = LocalTrainingGroup(plan, plan.slice(base), config=BuildConfig())
+    notes: list[str] = []
+    results: list[dict[str, Any]] = []
+    for kind in loaders:
+        if kind == "vllm" and not vllm_available():
+            notes.append("vllm: skipped, vllm is not installed in this environment")
+            say(notes[-1])
+            continue
+        with _receivers(kind, cfg, base, threads) as receivers:
+            xor_allowed = xor_allowed_across(receivers)
+            _dense(receivers, base)  # warm the pages and the loader
+            for i, rate in enumerate(rates):
+                new = perturb(base, rate=rate, seed=seed + 1 + i)
+                group.stage(plan.slice(new))
+                payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
+                group.discard()
+                entries = sum(item.count for p in payloads for item in p.items)
+                applies, denses = [], []
+                written = calls = 0
+                for _ in range(repeats):
+                    denses.append(_dense(receivers, base))
+                    gc.collect()
+                    seconds, written, calls = _apply(receivers, payloads)
+                    applies.append(seconds)
+                applied = _stored_bits(receivers)
+                denses.append(_dense(receivers, new))
+                _check_bit_exact(receivers, applied, f"{kind} at rate {rate}")
+                del applied, new, payloads
+                apply_s, dense_s = statistics.median(applies), statistics.median(denses)
+                row = {
+                    "rate": rate,
+                    "loader": kind,
+                    "apply_seconds": apply_s,
+                    "dense_load_seconds": dense_s,
+                    "ratio": apply_s / dense_s,
+                    "entries": entries,
+                    "written": written,
+                    "ns_per_entry": apply_s / entries * 1e9 if entries else 0.0,
+                    "loader_calls": calls,
+                    "payload_bytes": payload_bytes,
+                    "ranks": len(receivers),
+                    "bit_exact": True,
+                }
+                results.append(row)
+                say(
+                    f"{kind} rate {rate:.0%}: apply {apply_s:.3f} s, dense load {dense_s:.3f} s "
+                    f"({row['ratio']:.2f}x), {entries:,} entries, bit-exact"
+                )
+        gc.collect()
+    return {
+        "results": results,
+        "model": {
+            "checkpoint_bytes": checkpoint_bytes,
+            "layers": cfg["num_hidden_layers"],
+            "training_tp": 2,
+            "repeats": repeats,
+            "threads": threads or min(os.cpu_count() or 1, 8),
+            "torch": torch.__version__,
+        },
+        "notes": notes,
+    }
+
+
+def format_apply_table(result: dict[str, Any]) -> str:
+    """A fixed-width table of :func:`run_apply_bench` results."""
+    model = result["model"]
+    lines = [
+        f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, median of "
+        f"{model['repeats']} runs, {model['threads']} apply threads",
+        f"{'rate':>5} {'loader':>14} {'entries':>12} {'apply s':>9} {'dense s':>9} "
+        f"{'ratio':>6} {'ns/entry':>9}",
+    ]
+    for r in result["results"]:
+        lines.append(
+            f"{r['rate']:>5.0%} {r['loader']:>14} {r['entries']:>12,} {r['apply_seconds']:>9.4f} "
+            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['ns_per_entry']:>9.1f}"
+        )
+    lines.extend(result.get("notes", []))
+    return "\n".join(lines)
