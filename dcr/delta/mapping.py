@@ -80,12 +80,11 @@ class Segment:
 
     def canonical(self, local: Index) -> Index:
         """Canonical flat indices of local flat indices in this segment (a new array)."""
-        if self.period:
-            out = local // self.period
-            out *= self.gap
-            out += local
-        else:
-            out = local.copy()
+        if not self.period:
+            return local + self.offset
+        out = local // self.period
+        out *= self.gap
+        out += local
         out += self.offset
         return out
 
