@@ -207,23 +207,37 @@ class IndexMap:
             step = self.dims[0][2]
             if step == 1 and self.src_offset == self.dst_offset:
                 return slice(lo, hi), indices[lo:hi]
-            pos = indices[lo:hi] - self.src_offset
+            shifted = indices[lo:hi] - self.src_offset
             if step != 1:
-                pos *= step
+                shifted *= step
             if self.dst_offset:
-                pos += self.dst_offset
-            return slice(lo, hi), pos
-        rest = indices[lo:hi] - self.src_offset
-        pos = np.full(rest.shape, self.dst_offset, dtype=np.int64)
-        inside = np.ones(rest.shape, dtype=bool)
+                shifted += self.dst_offset
+            return slice(lo, hi), shifted
+        rest: Int64Array | None = indices[lo:hi] - self.src_offset
+        count = hi - lo
+        pos: Int64Array | None = None
+        inside: npt.NDArray[np.bool_] | None = None
         for n, (stride, size, dst_stride) in enumerate(self.dims):
-            digit = rest // stride if stride != 1 else rest
-            rest = rest - digit * stride if stride != 1 else np.zeros_like(rest)
+            assert rest is not None
+            if stride == 1:
+                digit, rest = rest, None
+            else:
+                digit, rest = np.divmod(rest, stride)
             if n:  # the span filter already bounds the outermost digit
-                inside &= digit < size
-            pos += digit * dst_stride
-        inside &= rest == 0
+                ok = digit < size
+                inside = ok if inside is None else np.logical_and(inside, ok, out=inside)
+            term = digit * dst_stride if dst_stride != 1 else digit
+            pos = term + self.dst_offset if pos is None else np.add(pos, term, out=pos)
+        if rest is not None:  # offsets between the innermost view elements
+            ok = rest == 0
+            inside = ok if inside is None else np.logical_and(inside, ok, out=inside)
+        if pos is None:  # a single-element view
+            pos = np.full(count, self.dst_offset, dtype=np.int64)
+        if inside is None:
+            return slice(lo, hi), pos
         hit = np.flatnonzero(inside)
+        if hit.size == count:
+            return slice(lo, hi), pos
         return hit + lo, pos[hit]
 
 

@@ -11,6 +11,14 @@ On bit-preserving paths the item's flat indices are mapped through each copy's s
 directly to destination positions (ARCHITECTURE §5, "Beyond the paper"): no scratch fill, no
 pass over the tensor, cost proportional to the entries.  Transforming paths fill scratch with
 the NaN placeholder and mask the loader's transformed copy input.
+
+A payload is applied all or nothing: every item is admitted first (catalog, bounds, order,
+encodings, overlaps), then the loader runs once per name and encoding of the payload -- items
+of one name are merged, so a payload of many small items costs one loader call per name, not
+per item -- and only when every call has passed its checks do the writes land, as fused
+read-modify-write chunks on several cores.  The loader call is never replayed from a cache:
+each payload re-proves, for every name it touches, that the loader still makes the writes
+recorded at prewarm; only the index maps derived from that geometry are built once.
 """
 
 from __future__ import annotations
