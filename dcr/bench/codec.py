@@ -4,14 +4,16 @@
 benchmark"): standard-normal BF16 inputs, FP32 Gaussian noise of amplitude ``a``, rounding to
 BF16, and the changed words compressed as overwrite values, as XOR masks and (beyond the paper)
 as byte-planed XOR masks.  :func:`run_sparse_bench` measures bytes per changed element with
-locations included on the sparse refit workload of §8.1, and :func:`run_layout_bench` compares
-the payload value layouts on a many-tensor model.  The figures are quoted in
-``docs/wire-format.md``.
+locations included on the sparse refit workload of §8.1, :func:`run_layout_bench` compares
+the payload value layouts on a many-tensor model, and :func:`run_floor_bench` sets whole
+payloads (XOR or ULP values, format version 1 or 2) against the order-0 floor of gap-coded
+positions plus XOR masks.  The figures are quoted in ``docs/wire-format.md``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -20,8 +22,11 @@ import torch
 import zstandard
 
 from dcr.delta.bits import bits
+from dcr.delta.entropy import gap_xor_floor_bytes, item_gaps, order0_bits
+from dcr.delta.ordered import ulp_delta
 from dcr.delta.records import Encoding, Item
 from dcr.testing.models import canonical_shapes, tiny_config
+from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout
 from dcr.wire.locations import encode_locations
@@ -29,8 +34,10 @@ from dcr.wire.planes import split_planes
 
 __all__ = [
     "format_codec_table",
+    "format_floor_table",
     "format_sparse_table",
     "run_codec_bench",
+    "run_floor_bench",
     "run_layout_bench",
     "run_sparse_bench",
 ]
@@ -275,3 +282,96 @@ def run_layout_bench(
             "byteplane": len(planes) / m,
         }
     return result
+
+
+def _bf16_item(
+    n: int, encoding: Encoding, idx: npt.NDArray[np.int64], vals: npt.NDArray[Any]
+) -> Item:
+    return Item(
+        name="w", shape=(n,), dtype=torch.bfloat16, encoding=encoding, indices=idx, values=vals
+    )
+
+
+def _best_seconds(fn: Any, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_floor_bench(
+    n: int = 20_000_000,
+    fractions: tuple[float, ...] = (0.01, 0.03, 0.05),
+    relative: float = 1e-2,
+    seed: int = 0,
+    level: int = 1,
+    repeats: int = 1,
+) -> dict[str, Any]:
+    """Whole payloads against the order-0 floor of gap-coded positions plus XOR masks.
+
+    The paper's workload: ``n`` standard-normal BF16 weights, ``fraction`` of them chosen
+    uniformly and updated as ``bf16(w * (1 + relative * eps))``.  The changed elements go into
+    one item, as XOR masks or as ULP deltas, encoded in format version 1 (XOR only) and 2.
+    Each row gives the payload bytes, the floor (:func:`dcr.delta.entropy.gap_xor_floor_bytes`
+    of the same entries, and its gap and mask parts), the ratio, the bytes of the positions
+    alone (the same payload with all-zero values), and encode / decode seconds (best of
+    ``repeats``, one thread, validation, zstd and the digest included).
+    """
+    results = []
+    for fraction in fractions:
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(n, generator=gen, dtype=torch.bfloat16)
+        new = _sparse_update(w, fraction, relative, gen)
+        old_bits, new_bits = bits(w), bits(new)
+        idx = np.flatnonzero(old_bits != new_bits).astype(np.int64)
+        m = int(idx.shape[0])
+        xor = old_bits[idx] ^ new_bits[idx]
+        floor = gap_xor_floor_bytes([(idx, xor)])
+        gap_floor = order0_bits(item_gaps(idx)) / 8
+        values = {Encoding.XOR: xor, Encoding.ULP: ulp_delta(new_bits[idx], old_bits[idx])}
+        for encoding, version in ((Encoding.XOR, 1), (Encoding.XOR, 2), (Encoding.ULP, 2)):
+            it = _bf16_item(n, encoding, idx, values[encoding])
+            data = encode_payload(_HEADER, [it], level=level, version=version)
+            blank = _bf16_item(n, encoding, idx, np.zeros_like(xor))
+            zeros = encode_payload(_HEADER, [blank], level=level, version=version)
+            encode_s = _best_seconds(
+                lambda it=it, v=version: encode_payload(_HEADER, [it], level=level, version=v),
+                repeats,
+            )
+            decode_s = _best_seconds(lambda data=data: decode_payload(data), repeats)
+            results.append(
+                {
+                    "fraction": fraction,
+                    "changed": m,
+                    "encoding": encoding.name,
+                    "version": version,
+                    "payload_bytes": len(data),
+                    "floor_bytes": floor,
+                    "gap_floor_bytes": gap_floor,
+                    "mask_floor_bytes": floor - gap_floor,
+                    "ratio": len(data) / floor,
+                    "positions_bytes": len(zeros),
+                    "encode_seconds": encode_s,
+                    "decode_seconds": decode_s,
+                }
+            )
+    return {"n": n, "relative": relative, "level": level, "results": results}
+
+
+def format_floor_table(result: dict[str, Any]) -> str:
+    """Human-readable :func:`run_floor_bench` (bytes per changed element)."""
+    lines = [
+        f"{'rate':>5} {'changed':>10} {'values':>6} {'v':>2} {'payload':>8} {'floor':>7}"
+        f" {'ratio':>6} {'pos':>6} {'gap fl':>6} {'enc M/s':>8} {'dec M/s':>8}",
+    ]
+    for r in result["results"]:
+        m = max(r["changed"], 1)
+        lines.append(
+            f"{100 * r['fraction']:>4.0f}% {r['changed']:>10,} {r['encoding']:>6} {r['version']:>2}"
+            f" {r['payload_bytes'] / m:>8.4f} {r['floor_bytes'] / m:>7.4f} {r['ratio']:>6.3f}"
+            f" {r['positions_bytes'] / m:>6.3f} {r['gap_floor_bytes'] / m:>6.3f}"
+            f" {m / r['encode_seconds'] / 1e6:>8.1f} {m / r['decode_seconds'] / 1e6:>8.1f}"
+        )
+    return "\n".join(lines)

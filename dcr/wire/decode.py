@@ -64,7 +64,14 @@ from dcr.wire.locations import (
     decode_run,
 )
 from dcr.wire.planes import join_planes, word_dtype
-from dcr.wire.split import GAP_CAP, VALUE_CAP, unpack_bits, unpack_nibbles, unzigzag
+from dcr.wire.split import (
+    GAP_CAP,
+    VALUE_CAP,
+    remainder_bytes,
+    unpack_bits,
+    unpack_nibbles,
+    unzigzag,
+)
 
 __all__ = ["decode_payload", "read_header"]
 
@@ -336,8 +343,39 @@ def _check_tensor(
     return numel
 
 
+class _Chunks:
+    """A length-limited region of the body, read in chunks of at most 64 KiB beyond what is
+    asked for, so that a long table is never held whole."""
+
+    _CHUNK = 64 << 10
+
+    def __init__(self, body: _Body, size: int) -> None:
+        self.body = body
+        self.left = size
+        self.buf = b""
+        self.pos = 0
+
+    def take(self, k: int) -> bytes | None:
+        """The next ``k`` bytes, or ``None`` if the region ends first."""
+        have = len(self.buf) - self.pos
+        if k > have + self.left:
+            return None
+        if k > have:
+            more = min(self.left, max(k - have, self._CHUNK))
+            self.buf = self.buf[self.pos :] + self.body.read(more).tobytes()
+            self.left -= more
+            self.pos = 0
+        out = self.buf[self.pos : self.pos + k]
+        self.pos += k
+        return out
+
+    @property
+    def rest(self) -> int:
+        return len(self.buf) - self.pos + self.left
+
+
 def _parse_table(
-    table: bytes,
+    table: _Chunks,
     n_items: int,
     *,
     attempt: int,
@@ -355,15 +393,11 @@ def _parse_table(
     gap_next = dict.fromkeys(WORD_WIDTHS, 0)
     value_next = dict.fromkeys(WORD_WIDTHS, 0)
     per_name: dict[str, list[int]] = {}
-    end = len(table)
-    pos = 0
     for i in range(n_items):
-        if pos + ITEM_ENTRY.size > end:
+        fixed = table.take(ITEM_ENTRY.size)
+        if fixed is None:
             raise _reject(attempt, f"item table ends inside entry {i}", "schema")
-        name_len, code, enc, kind_code, ndim, count, location, value = ITEM_ENTRY.unpack_from(
-            table, pos
-        )
-        pos += ITEM_ENTRY.size
+        name_len, code, enc, kind_code, ndim, count, location, value = ITEM_ENTRY.unpack(fixed)
         if name_len > limits.max_name_bytes or name_len == 0:
             raise _reject(
                 attempt,
@@ -376,15 +410,14 @@ def _parse_table(
                 f"entry {i}: {ndim} dimensions exceed the limit of {limits.max_ndim}",
                 "shape",
             )
-        if pos + 8 * ndim + name_len > end:
+        rest = table.take(8 * ndim + name_len)
+        if rest is None:
             raise _reject(attempt, f"item table ends inside entry {i}", "schema")
-        shape: tuple[int, ...] = struct.unpack_from(f"<{ndim}Q", table, pos)
-        pos += 8 * ndim
+        shape: tuple[int, ...] = struct.unpack_from(f"<{ndim}Q", rest)
         try:
-            name = table[pos : pos + name_len].decode("utf-8")
+            name = rest[8 * ndim :].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise _reject(attempt, f"entry {i}: name is not valid UTF-8", "name") from exc
-        pos += name_len
 
         dtype = DTYPE_FROM_CODE.get(code)
         if dtype is None:
@@ -448,8 +481,8 @@ def _parse_table(
                 value=value,
             )
         )
-    if pos != end:
-        raise _reject(attempt, f"{end - pos} bytes after the last item table entry", "schema")
+    if table.rest:
+        raise _reject(attempt, f"{table.rest} bytes after the last item table entry", "schema")
     return entries, gap_next, value_next
 
 
@@ -570,7 +603,7 @@ def _decode_v1(
     if table_bytes > most:
         raise _reject(attempt, f"item table of {table_bytes} bytes exceeds {most}", "schema")
     entries, gap_totals, value_totals = _parse_table(
-        body.read(table_bytes).tobytes(),
+        _Chunks(body, table_bytes),
         framing.n_items,
         attempt=attempt,
         limits=limits,
@@ -651,6 +684,12 @@ def _decode_v2(
         raise _reject(attempt, "reserved preamble field is not zero", "schema")
     if n_tensors > n_items or (n_items and not n_tensors):
         raise _reject(attempt, f"{n_tensors} tensors for {n_items} items", "schema")
+    if n_items > n_tensors * limits.max_items_per_tensor:
+        raise _reject(
+            attempt,
+            f"{n_items} items for {n_tensors} tensors exceed {limits.max_items_per_tensor} each",
+            "oversized",
+        )
     most = n_tensors * (TENSOR_ENTRY.size + 8 * limits.max_ndim + limits.max_name_bytes)
     if tensor_bytes > most:
         raise _reject(attempt, f"tensor list of {tensor_bytes} bytes exceeds {most}", "schema")
@@ -795,11 +834,11 @@ def _decode_v2(
     esc_val = {**dict.fromkeys(WORD_WIDTHS, 0), 8: n_val_esc}
     sizes = [
         n_gaps,
-        sum((m * k + 7) // 8 for k, m in loc_ks.items()),
+        sum(remainder_bytes(m, k) for k, m in loc_ks.items()),
         8 * n_loc_esc,
         sum(w * n for w, n in val_words.items()),
         (n_ulp + 1) // 2,
-        sum((m * k + 7) // 8 for k, m in val_ks.items()),
+        sum(remainder_bytes(m, k) for k, m in val_ks.items()),
         8 * n_val_esc,
     ]
     if sum(sizes) != body.remaining:
@@ -812,7 +851,7 @@ def _decode_v2(
     def remainders(ks: dict[int, int]) -> dict[int, npt.NDArray[np.unsignedinteger[Any]]]:
         out = {}
         for k, m in ks.items():
-            words = unpack_bits(body.read((m * k + 7) // 8), k, m)
+            words = unpack_bits(body.read(remainder_bytes(m, k)), k, m)
             if words is None:
                 raise _reject(attempt, "a padding bit of a remainder stream is set", "schema")
             out[k] = words

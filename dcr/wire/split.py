@@ -4,10 +4,10 @@ A word ``x`` with parameter ``k`` is split into its quotient ``q = x >> k`` and 
 ``r = x & (2**k - 1)``.  The quotient goes into a *symbol* stream, capped at ``cap`` (255 for
 gap symbols, one per byte; 15 for ULP value symbols, two per byte); a quotient ``>= cap`` is
 written as the symbol ``cap`` plus an *escape* word holding the quotient.  The remainder goes
-into a bit stream of ``k`` bits per word (:func:`pack_bits`).  Chosen so that ``q`` has a
-spread-out distribution and ``r`` is nearly uniform, zstd's Huffman stage then codes symbols
-close to their order-0 entropy and the remainders cost ``k`` bits, with nothing but numpy
-here.
+into ``k`` bits per word (:func:`pack_bits`: whole bytes as byte planes, the rest packed).
+With ``k`` chosen so that ``q`` has a spread-out distribution and ``r`` is nearly uniform,
+zstd's Huffman stage then codes the symbols close to their order-0 entropy and the remainders
+cost ``k`` bits, with nothing but numpy here.
 
 Gaps between changed positions are geometric; ULP deltas are small signed integers, zigzagged
 (``0, -1, 1, -2, ...`` -> ``0, 1, 2, 3, ...``) before splitting.
@@ -26,6 +26,7 @@ __all__ = [
     "gap_k",
     "pack_bits",
     "pack_nibbles",
+    "remainder_bytes",
     "remainder_width",
     "split",
     "unpack_bits",
@@ -58,11 +59,11 @@ def remainder_width(k: int) -> int:
 def gap_k(count: int, first: int, last: int) -> int:
     """Rice parameter for ``count`` sorted positions from ``first`` to ``last`` (count >= 2).
 
-    About a sixteenth of the mean gap: the quotient then spans tens of symbols (low Huffman
+    About an eighth of the mean gap: the quotient then spans tens of symbols (low Huffman
     redundancy) and the low bits are close to uniform.
     """
     mean = (last - first - (count - 1)) // (count - 1)
-    return max(0, mean.bit_length() - 4)
+    return max(0, mean.bit_length() - 3)
 
 
 def value_k(words: npt.NDArray[np.unsignedinteger[Any]]) -> int:
@@ -145,31 +146,56 @@ def unpack_nibbles(packed: npt.NDArray[np.uint8], n: int) -> npt.NDArray[np.uint
     return out[:n]
 
 
+def remainder_bytes(n: int, k: int) -> int:
+    """Bytes of :func:`pack_bits` output for ``n`` words of ``k`` bits."""
+    return n * (k // 8) + (n * (k % 8) + 7) // 8
+
+
 def pack_bits(words: npt.NDArray[np.unsignedinteger[Any]], k: int) -> npt.NDArray[np.uint8]:
-    """The low ``k`` bits of each word, least significant first, packed into bytes least
-    significant bit first; the last byte is padded with zero bits."""
+    """The low ``k`` bits of each word: ``k // 8`` byte planes (bits 0-7 of every word, then
+    bits 8-15, ...), then the remaining ``t = k % 8`` top bits of every word packed into bytes,
+    least significant bit first, word after word (the last byte padded with zero bits)."""
     n = int(words.shape[0])
-    w = remainder_width(k)
-    le = np.ascontiguousarray(words, dtype=f"<u{w}")
-    if k == 8 * w:
-        return le.view(np.uint8).copy()
-    bits = np.unpackbits(le.view(np.uint8).reshape(n, w), axis=1, bitorder="little")
-    return np.packbits(bits[:, :k].reshape(-1), bitorder="little")
+    planes, t = divmod(k, 8)
+    out = np.empty(remainder_bytes(n, k), dtype=np.uint8)
+    x = words.astype(np.uint64, copy=False)
+    for b in range(planes):
+        np.bitwise_and(x >> np.uint64(8 * b), 0xFF, out=out[b * n : (b + 1) * n], casting="unsafe")
+    if t:
+        top = (x >> np.uint64(8 * planes)) & np.uint64((1 << t) - 1)
+        groups = (n + 7) // 8
+        padded = np.zeros(8 * groups, dtype=np.uint64)
+        padded[:n] = top
+        lanes = padded.reshape(groups, 8)
+        acc = lanes[:, 0].copy()
+        for j in range(1, 8):
+            acc |= lanes[:, j] << np.uint64(j * t)
+        packed = acc.astype("<u8").view(np.uint8).reshape(groups, 8)[:, :t].reshape(-1)
+        out[planes * n :] = packed[: out.shape[0] - planes * n]
+    return out
 
 
-def unpack_bits(
-    stream: npt.NDArray[np.uint8], k: int, n: int
-) -> npt.NDArray[np.unsignedinteger[Any]] | None:
-    """``n`` words of ``k`` bits from :func:`pack_bits` output (``ceil(n * k / 8)`` bytes),
-    as native unsigned words of :func:`remainder_width` bytes; ``None`` if a padding bit is
-    set."""
-    w = remainder_width(k)
-    total = n * k
-    assert stream.shape[0] == (total + 7) // 8
-    if total % 8 and int(stream[-1]) >> (total % 8):
-        return None
-    if k == 8 * w:
-        return stream.view(f"<u{w}").astype(f"u{w}")
-    bits = np.zeros((n, 8 * w), dtype=np.uint8)
-    bits[:, :k] = np.unpackbits(stream, count=total, bitorder="little").reshape(n, k)
-    return np.packbits(bits, axis=1, bitorder="little").view(f"<u{w}").reshape(n).astype(f"u{w}")
+def unpack_bits(stream: npt.NDArray[np.uint8], k: int, n: int) -> npt.NDArray[np.uint64] | None:
+    """``n`` words of ``k`` bits from :func:`pack_bits` output (:func:`remainder_bytes`
+    long) as u64; ``None`` if a padding bit is set."""
+    planes, t = divmod(k, 8)
+    assert stream.shape[0] == remainder_bytes(n, k)
+    out = np.zeros(n, dtype=np.uint64)
+    for b in range(planes):
+        out |= stream[b * n : (b + 1) * n].astype(np.uint64) << np.uint64(8 * b)
+    if t:
+        groups = (n + 7) // 8
+        raw = np.zeros((groups, 8), dtype=np.uint8)
+        tail = np.zeros(groups * t, dtype=np.uint8)
+        tail[: stream.shape[0] - planes * n] = stream[planes * n :]
+        raw[:, :t] = tail.reshape(groups, t)
+        acc = raw.view("<u8").reshape(groups).astype(np.uint64)
+        mask = np.uint64((1 << t) - 1)
+        lanes = np.empty((groups, 8), dtype=np.uint64)
+        for j in range(8):
+            np.bitwise_and(acc >> np.uint64(j * t), mask, out=lanes[:, j])
+        flat = lanes.reshape(-1)
+        if bool(flat[n:].any()):
+            return None
+        out |= flat[:n] << np.uint64(8 * planes)
+    return out
