@@ -75,6 +75,7 @@ def run_codec_bench(
     n: int = 20_000_000,
     amplitudes: tuple[float, ...] = (1e-4, 1e-3, 1e-2),
     level: int = 1,
+    version: int = 1,
 ) -> dict[str, Any]:
     """Table 2 of the paper: compressed overwrite vs XOR streams of the changed BF16 words.
 
@@ -82,7 +83,8 @@ def run_codec_bench(
     vector (seed 44) serves every amplitude ``a``; ``beta = bf16(float32(alpha) + a * noise)``
     with the scaling and the addition as separate FP32 operations.  Each stream holds the
     changed words in input order as little-endian u16, compressed alone at zstd ``level``.
-    Extra keys give the ratios and whole-payload sizes (XOR item with its locations).
+    Extra keys give the ratios and whole-payload sizes (XOR item with its locations, payload
+    format ``version``; 1, the format the quoted figures were measured in, by default).
     """
     alpha = torch.randn(
         n, generator=torch.Generator().manual_seed(_INPUT_SEED), dtype=torch.bfloat16
@@ -121,10 +123,14 @@ def run_codec_bench(
                 "overwrite_over_xor": ow / xb,
                 "overwrite_over_xor_byteplane": ow / xp,
                 "payload_plain_bytes": len(
-                    encode_payload(_HEADER, [item], level=level, layout=ValueLayout.PLAIN)
+                    encode_payload(
+                        _HEADER, [item], level=level, layout=ValueLayout.PLAIN, version=version
+                    )
                 ),
                 "payload_byteplane_bytes": len(
-                    encode_payload(_HEADER, [item], level=level, layout=ValueLayout.BYTEPLANE)
+                    encode_payload(
+                        _HEADER, [item], level=level, layout=ValueLayout.BYTEPLANE, version=version
+                    )
                 ),
             }
         )
@@ -173,8 +179,9 @@ def run_sparse_bench(
 
     ``fraction`` of ``n`` standard-normal BF16 weights is updated by ``relative`` amplitude.
     Streams: the paper's layout (u16-or-wider gaps then XOR words, one zstd frame), byte-planed
-    masks, byte-planed gaps and masks, the order-0 entropy of those byte planes, and whole
-    payloads in both value layouts.
+    masks, byte-planed gaps and masks, the order-0 entropy of those byte planes, whole format
+    version 1 payloads in both value layouts, the gap + XOR order-0 floor, and format version 2
+    payloads with XOR masks and with ULP deltas.
     """
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, generator=gen, dtype=torch.bfloat16)
@@ -193,6 +200,7 @@ def run_sparse_bench(
         indices=changed,
         values=xor,
     )
+    ulp_item = _bf16_item(n, Encoding.ULP, changed, ulp_delta(new_bits[changed], old_bits[changed]))
     per = 1 / max(m, 1)
     width = gaps.dtype.itemsize
     entropy = sum(_entropy_bytes(gap_planes[k * m : (k + 1) * m]) for k in range(width)) + sum(
@@ -208,9 +216,17 @@ def run_sparse_bench(
             "byteplane_masks": _zstd_size(_le(gaps) + xor_planes, level) * per,
             "byteplane_gaps_and_masks": _zstd_size(gap_planes + xor_planes, level) * per,
             "order0_entropy_of_planes": entropy * per,
-            "payload_plain": len(encode_payload(_HEADER, [item], layout=ValueLayout.PLAIN)) * per,
-            "payload_byteplane": len(encode_payload(_HEADER, [item], layout=ValueLayout.BYTEPLANE))
+            "payload_plain": len(
+                encode_payload(_HEADER, [item], layout=ValueLayout.PLAIN, version=1)
+            )
             * per,
+            "payload_byteplane": len(
+                encode_payload(_HEADER, [item], layout=ValueLayout.BYTEPLANE, version=1)
+            )
+            * per,
+            "gap_xor_floor": gap_xor_floor_bytes([(changed, xor)]) * per,
+            "payload_v2_xor": len(encode_payload(_HEADER, [item], version=2)) * per,
+            "payload_v2_ulp": len(encode_payload(_HEADER, [ulp_item], version=2)) * per,
         },
     }
 
@@ -234,9 +250,9 @@ def run_layout_bench(
 ) -> dict[str, Any]:
     """Payload bytes per changed element for a whole ``qwen3_moe`` model in one payload.
 
-    Compares the two wire layouts with per-item byte planes (the same item table, but each
-    item's gaps and values planed on their own, item after item), the alternative the
-    byte-plane layout was chosen over.  ``config`` overrides fields of
+    Compares the two wire layouts of format version 1 with per-item byte planes (the same item
+    table, but each item's gaps and values planed on their own, item after item), the
+    alternative the byte-plane layout was chosen over.  ``config`` overrides fields of
     :func:`dcr.testing.models.tiny_config`.
     """
     cfg = tiny_config("qwen3_moe", **config)
@@ -264,8 +280,10 @@ def run_layout_bench(
                 )
             )
         m = sum(it.count for it in items)
-        plain = encode_payload(_HEADER, items, level=level, layout=ValueLayout.PLAIN)
-        planes = encode_payload(_HEADER, items, level=level, layout=ValueLayout.BYTEPLANE)
+        plain = encode_payload(_HEADER, items, level=level, layout=ValueLayout.PLAIN, version=1)
+        planes = encode_payload(
+            _HEADER, items, level=level, layout=ValueLayout.BYTEPLANE, version=1
+        )
         # Same item table, buffers planed item by item instead of per width class.
         body = zstandard.ZstdDecompressor().decompress(plain[HEADER_SIZE:])
         table_end = 24 + int.from_bytes(body[:8], "little")
