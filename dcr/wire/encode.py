@@ -10,6 +10,7 @@ byte planes by default; the body is compressed with zstd and sealed with the BLA
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from dcr.delta.bits import DTYPE_CODES
+from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
 from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
@@ -70,9 +71,34 @@ def _check_level(level: int) -> None:
         )
 
 
+_V1_ENCODINGS = (Encoding.XOR, Encoding.OVERWRITE)
+_V2_ENCODINGS = tuple(Encoding)
+_BITS = {dt: np.dtype(numpy_bits_dtype(dt)) for dt in DTYPE_CODES}
+
+
+def _check_arrays(item: Item) -> None:
+    """``Item.validate`` without its monotonicity pass, which :func:`_body_v2` does on the
+    differences it computes anyway; raises :class:`ConfigError`."""
+    idx, values = item.indices, item.values
+    if not isinstance(idx, np.ndarray) or idx.dtype != np.int64 or idx.ndim != 1:
+        raise ConfigError("indices must be a 1-D int64 array", tensor=item.name)
+    bits_dtype = _BITS.get(item.dtype)
+    if bits_dtype is None:
+        raise ConfigError(f"dtype {item.dtype} is not supported", tensor=item.name, check="dtype")
+    n = idx.shape[0]
+    if not isinstance(values, np.ndarray) or values.dtype != bits_dtype or values.shape != (n,):
+        raise ConfigError(f"values must be {bits_dtype.name}[{n}]", tensor=item.name)
+    if n and (int(idx[0]) < 0 or int(idx[-1]) >= math.prod(item.shape)):
+        raise ConfigError("index out of range", tensor=item.name, check="bounds")
+
+
 def _entry_metadata(item: Item, attempt: int, version: int) -> tuple[bytes, bytes]:
-    """Validated name bytes and packed shape of ``item``; raises :class:`ConfigError`."""
-    item.validate()
+    """Validated name bytes and packed shape of ``item``; raises :class:`ConfigError`.
+    Version 2 leaves the check that indices increase to its caller."""
+    if version == V1:
+        item.validate()
+    else:
+        _check_arrays(item)
     try:
         name = item.name.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -93,7 +119,7 @@ def _entry_metadata(item: Item, attempt: int, version: int) -> tuple[bytes, byte
             tensor=item.name,
             check="shape",
         )
-    allowed = (Encoding.XOR, Encoding.OVERWRITE) if version == V1 else tuple(Encoding)
+    allowed = _V1_ENCODINGS if version == V1 else _V2_ENCODINGS
     if item.encoding not in allowed:
         raise ConfigError(
             f"encoding {item.encoding!r} cannot be written in format version {version}",
@@ -245,14 +271,14 @@ def _body_v2(
     included)."""
     tensors: dict[str, tuple[int, tuple[int, ...], Any]] = {}
     tensor_list: list[bytes] = []
-    records = np.zeros(len(items), dtype=ITEM_RECORD)
-    tensor_ids = records["tensor"]
-    encodings = records["encoding"]
-    kinds = records["kind"]
-    location_ks = records["location_k"]
-    value_ks = records["value_k"]
-    counts = records["count"]
-    starts = records["start"]
+    n_items = len(items)
+    tensor_ids = [0] * n_items
+    encodings = [0] * n_items
+    kinds = [0] * n_items
+    location_ks = [0] * n_items
+    value_ks = [0] * n_items
+    counts = [0] * n_items
+    starts = [0] * n_items
     location_symbols: list[npt.NDArray[np.uint8]] = []
     location_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
     location_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
@@ -260,6 +286,8 @@ def _body_v2(
     value_symbols: list[npt.NDArray[np.uint8]] = []
     value_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
     value_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
+    rice = int(LocationKind.RICE)
+    ulp = Encoding.ULP
     for i, item in enumerate(items):
         name, shape = _entry_metadata(item, attempt, 2)
         known = tensors.get(item.name)
@@ -271,7 +299,7 @@ def _body_v2(
                 + shape
                 + name
             )
-        elif known[1:] != (tuple(item.shape), item.dtype):
+        elif known[1] != tuple(item.shape) or known[2] != item.dtype:
             raise ConfigError(
                 "one name with two shapes or dtypes in one payload",
                 attempt=attempt,
@@ -279,27 +307,31 @@ def _body_v2(
                 check="name",
             )
         tensor_ids[i] = known[0]
-        encodings[i] = int(item.encoding)
-        count = item.count
-        counts[i] = count
+        encoding = item.encoding
+        encodings[i] = int(encoding)
         idx = item.indices
+        count = int(idx.shape[0])
+        counts[i] = count
         if count:
             first, last = int(idx[0]), int(idx[-1])
             starts[i] = first
-            if last - first != count - 1:
-                kinds[i] = int(LocationKind.RICE)
-                k = gap_k(count, first, last)
-                location_ks[i] = k
-                gaps = np.subtract(idx[1:], idx[:-1]).view(np.uint64)
-                gaps -= np.uint64(1)
-                sym, esc, rem = split(gaps, k, GAP_CAP)
-                location_symbols.append(sym)
-                if esc.shape[0]:
-                    location_escapes.append(esc)
-                if k:
-                    location_remainders.setdefault(k, []).append(rem)
-        if item.encoding is Encoding.ULP:
-            if count:
+            if count > 1:
+                gaps = np.subtract(idx[1:], idx[:-1])
+                if int(gaps.min()) < 1:
+                    raise ConfigError("indices must be strictly increasing", tensor=item.name)
+                if last - first != count - 1:
+                    kinds[i] = rice
+                    k = gap_k(count, first, last)
+                    location_ks[i] = k
+                    words = gaps.view(np.uint64)
+                    words -= np.uint64(1)
+                    sym, esc, rem = split(words, k, GAP_CAP)
+                    location_symbols.append(sym)
+                    if esc.shape[0]:
+                        location_escapes.append(esc)
+                    if k:
+                        location_remainders.setdefault(k, []).append(rem)
+            if encoding is ulp:
                 zz = zigzag(item.values)
                 k = value_k(zz)
                 value_ks[i] = k
@@ -309,9 +341,20 @@ def _body_v2(
                     value_escapes.append(esc)
                 if k:
                     value_remainders.setdefault(k, []).append(rem)
-        elif count:
-            value_words[item.values.dtype.itemsize].append(item.values)
+            else:
+                value_words[item.values.dtype.itemsize].append(item.values)
 
+    records = np.zeros(n_items, dtype=ITEM_RECORD)
+    for field, column in (
+        ("tensor", tensor_ids),
+        ("encoding", encodings),
+        ("kind", kinds),
+        ("location_k", location_ks),
+        ("value_k", value_ks),
+        ("count", counts),
+        ("start", starts),
+    ):
+        records[field] = column
     tensor_bytes = b"".join(tensor_list)
     loc_rem = _remainder_streams(location_remainders)
     val_rem = _remainder_streams(value_remainders)
