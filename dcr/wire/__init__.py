@@ -6,7 +6,9 @@ from dcr.wire.encode import encode_payload as encode_payload
 from dcr.wire.format import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from dcr.wire.format import DEFAULT_LEVEL as DEFAULT_LEVEL
 from dcr.wire.format import FORMAT_VERSION as FORMAT_VERSION
+from dcr.wire.format import SUPPORTED_VERSIONS as SUPPORTED_VERSIONS
 from dcr.wire.format import DecodeLimits as DecodeLimits
+from dcr.wire.format import Items as Items
 from dcr.wire.format import Payload as Payload
 from dcr.wire.format import PayloadHeader as PayloadHeader
 from dcr.wire.format import ValueLayout as ValueLayout

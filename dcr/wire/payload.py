@@ -18,7 +18,9 @@ from dcr.wire.format import FLAG_FINAL as FLAG_FINAL
 from dcr.wire.format import FORMAT_VERSION as FORMAT_VERSION
 from dcr.wire.format import HEADER_SIZE as HEADER_SIZE
 from dcr.wire.format import MAGIC as MAGIC
+from dcr.wire.format import SUPPORTED_VERSIONS as SUPPORTED_VERSIONS
 from dcr.wire.format import DecodeLimits as DecodeLimits
+from dcr.wire.format import Items as Items
 from dcr.wire.format import Payload as Payload
 from dcr.wire.format import PayloadHeader as PayloadHeader
 from dcr.wire.format import ValueLayout as ValueLayout
@@ -32,7 +34,9 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAGIC",
+    "SUPPORTED_VERSIONS",
     "DecodeLimits",
+    "Items",
     "Payload",
     "PayloadHeader",
     "ValueLayout",
