@@ -739,9 +739,12 @@ def _decode_v2(
         dtype = DTYPE_FROM_CODE.get(code)
         if dtype is None:
             raise _reject(attempt, f"unknown dtype code {code}", "dtype", name)
-        numels[t] = _check_tensor(
+        elements = _check_tensor(
             name, shape, dtype, attempt=attempt, limits=limits, catalog=catalog
         )
+        if elements >= 1 << 63:
+            raise _reject(attempt, f"shape {list(shape)} has 2**63 elements or more", "shape", name)
+        numels[t] = elements
         widths[t] = _NATIVE_WORDS[dtype].itemsize
         float_ok[t] = dtype in ULP_DTYPES
         relative_ok[t] = xor_allowed is None or name in xor_allowed

@@ -556,3 +556,9 @@ def test_damaged_bodies_are_rejected_or_decode_cleanly(seed: int) -> None:
         for it in payload.items:
             it.validate()
             assert it.indices.max(initial=0) < math.prod(it.shape)
+
+
+def test_shapes_beyond_int64_are_refused_whatever_the_limits() -> None:
+    data = payload2(body2([T(shape=(2**32, 2**32))], [R()]), 1)
+    assert reject(data).check == "shape"
+    assert reject(data, limits=DecodeLimits(max_numel=2**70)).check == "shape"
