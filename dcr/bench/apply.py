@@ -23,6 +23,7 @@ importable; otherwise skipped with a note).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -82,6 +83,8 @@ def _receivers(
             from dcr.adapters.loaders.vllm import VllmLoader, build_vllm_model, vllm_distributed
             from dcr.testing.hf import write_checkpoint
 
+            # vLLM logs to stdout unless told not to configure logging: keep --json clean.
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
             stack.enter_context(vllm_distributed())
             directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcr-bench-"))
             write_checkpoint(directory, cfg, FAMILY, base)
@@ -97,11 +100,8 @@ def _receivers(
 
 
 def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether ``vllm`` can be imported here (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]) -> float:
