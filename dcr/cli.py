@@ -76,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
         "--amplitudes", type=_floats, default=[1e-4, 1e-3, 1e-2], help="noise stds a"
     )
     codec.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    codec.add_argument(
+        "--floor",
+        action="store_true",
+        help=(
+            "instead: whole payloads (format 1 and 2, XOR and ULP values) against the order-0 "
+            "floor of gap-coded positions + XOR masks, 1/3/5%% of --n weights updated as "
+            "bf16(w*(1+0.01*eps))"
+        ),
+    )
+    codec.add_argument("--repeats", type=_positive, default=1, help="--floor: runs (best)")
     codec.add_argument("--json", action="store_true", help="print one JSON object")
 
     cons = bsub.add_parser(
@@ -124,6 +134,22 @@ def _parser() -> argparse.ArgumentParser:
     app.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     app.add_argument("--threads", type=_positive, default=None, help="apply threads")
     app.add_argument("--json", action="store_true", help="print one JSON object")
+
+    proof = bsub.add_parser(
+        "proof",
+        help="cost and detection rate of the base-version proof and the fingerprint",
+        description=(
+            "Seconds per GB of resident weights of the sampled proof and the full fingerprint "
+            "(owner side from shards, receiver side through the prewarm copy geometry), and "
+            "the share of corrupted receivers each check detects (one flipped bit, another "
+            "version, one refit behind, one wrong layer) over --trials seeded trials."
+        ),
+    )
+    proof.add_argument("--size-mb", type=_positive, default=256, help="model size (default 256)")
+    proof.add_argument("--samples", type=_positive, default=64, help="positions per tensor")
+    proof.add_argument("--trials", type=_positive, default=100, help="trials per corruption")
+    proof.add_argument("--repeats", type=_positive, default=2, help="cost runs (best)")
+    proof.add_argument("--json", action="store_true", help="print one JSON object")
 
     rel = bsub.add_parser(
         "relay",
@@ -216,8 +242,17 @@ def _err(msg: str) -> None:
 
 
 def _bench_codec(args: argparse.Namespace) -> int:
-    from dcr.bench.codec import format_codec_table, run_codec_bench
+    from dcr.bench.codec import (
+        format_codec_table,
+        format_floor_table,
+        run_codec_bench,
+        run_floor_bench,
+    )
 
+    if args.floor:
+        floor = run_floor_bench(n=args.n, level=args.level, repeats=args.repeats)
+        print(json.dumps(floor) if args.json else format_floor_table(floor))
+        return 0
     result = run_codec_bench(n=args.n, amplitudes=tuple(args.amplitudes), level=args.level)
     print(json.dumps(result) if args.json else format_codec_table(result))
     return 0
@@ -250,6 +285,28 @@ def _bench_apply(args: argparse.Namespace) -> int:
         log=_err,
     )
     print(json.dumps(result) if args.json else format_apply_table(result))
+    return 0
+
+
+def _bench_proof(args: argparse.Namespace) -> int:
+    from dcr.bench.proof import run_proof_bench
+
+    result = run_proof_bench(
+        size_mb=args.size_mb, samples=args.samples, trials=args.trials, repeats=args.repeats
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    cost = result["cost"]
+    print(f"resident weights {cost['resident_gb']:.2f} GB; seconds per GB (owner / receiver)")
+    for label in ("sample", "fingerprint"):
+        print(
+            f"  {label:<12} {cost[f'{label}_owner_s_per_gb']:8.4f} / "
+            f"{cost[f'{label}_receiver_s_per_gb']:8.4f}"
+        )
+    print(f"detected over {result['trials']} trials (sample proof / fingerprint)")
+    for kind, rates in result["detection"].items():
+        print(f"  {kind:<20} {rates['sample']:6.0%} / {rates['fingerprint']:6.0%}")
     return 0
 
 
@@ -356,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "apply": _bench_apply,
             "codec": _bench_codec,
             "construct": _bench_construct,
+            "proof": _bench_proof,
             "relay": _bench_relay,
         }[args.bench](args)
     if args.command == "demo":

@@ -110,3 +110,22 @@ def test_bench_apply_rejects_unknown_loaders(capsys):
         cli.main(["bench", "apply", "--loaders", "torch,sglang"])
     assert err.value.code == 2
     assert "loaders are torch, reference-tp2, vllm" in capsys.readouterr().err
+
+
+def test_bench_codec_floor_json(capsys):
+    out = run_json(capsys, "bench", "codec", "--floor", "--n", "200000")
+    rows = out["results"]
+    assert {(r["encoding"], r["version"]) for r in rows} >= {("XOR", 1), ("ULP", 2)}
+    for r in rows:
+        assert r["payload_bytes"] > 0 and r["floor_bytes"] > 0
+        assert r["ratio"] == pytest.approx(r["payload_bytes"] / r["floor_bytes"])
+
+
+def test_bench_proof_json(capsys):
+    out = run_json(
+        capsys, "bench", "proof", "--size-mb", "16", "--trials", "2", "--repeats", "1"
+    )
+    assert out["cost"]["resident_gb"] > 0
+    assert out["cost"]["fingerprint_receiver_s_per_gb"] > 0
+    # The fingerprint catches every corruption kind in every trial.
+    assert all(rates["fingerprint"] == 1.0 for rates in out["detection"].values())
