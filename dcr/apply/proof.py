@@ -35,6 +35,7 @@ from dcr.delta.bits import bits_dtype, numpy_bits_dtype
 from dcr.delta.fingerprint import (
     element_hashes,
     fold,
+    hash_view,
     locate,
     row_chunks,
     sample_positions,
@@ -91,6 +92,11 @@ class StorageReader:
             view.set_(t.untyped_storage(), 0, (n,), (1,))
             out = self._flat[key] = view.view(bits_dtype(dtype))
         return out
+
+    def view(self, dst: ViewGeometry) -> torch.Tensor:
+        """The stored elements ``dst`` selects, as a strided integer view (no copy)."""
+        flat = self.flat(dst.storage, dst.dtype)
+        return flat.as_strided(dst.shape, dst.stride, dst.offset)
 
     def read(self, dst: ViewGeometry, positions: Index) -> npt.NDArray[np.unsignedinteger[Any]]:
         """Stored bits at element ``positions`` of ``dst``'s storage, as unsigned numpy."""
@@ -149,22 +155,22 @@ def _fingerprint(
 ) -> tuple[int, int, int]:
     """``(count, coverage, value)`` of the positions ``copies`` hold."""
     r = coverage_base(seed)
-    single = len(copies) == 1 and (
-        locate(
-            np.empty(0, dtype=np.int64),
-            copies[0].src.offset,
-            copies[0].src.shape,
-            copies[0].src.stride,
-        )
-        is not None
+    first = copies[0].src
+    nested = locate(np.empty(0, dtype=np.int64), first.offset, first.shape, first.stride)
+    same = all(
+        (c.src.offset, c.src.shape, c.src.stride) == (first.offset, first.shape, first.stride)
+        for c in copies
     )
-    if single:
-        c = copies[0]
+    if nested is not None and same:
+        # Every copy holds the same positions once each (one copy, or e.g. tied weights
+        # loaded twice): hash the stored views in place, each copy weighted 1/m.
         value = 0
-        for idx, pos in _chunks(c):
-            value += fold(element_hashes(idx, reader.read(c.dst, pos), seed))
-        cover = view_coverage(r, c.src.offset, c.src.shape, c.src.stride)
-        return c.src.numel, cover, value % PRIME
+        for c in copies:
+            value += hash_view(reader.view(c.dst), c.src.offset, c.src.stride, seed)
+        if len(copies) > 1:
+            value = value % PRIME * pow(len(copies), PRIME - 2, PRIME)
+        cover = view_coverage(r, first.offset, first.shape, first.stride)
+        return first.numel, cover, value % PRIME
     # Several copies (or a broadcast) may hold a position more than once on this rank.
     counts = np.zeros(numel, dtype=np.int32)
     for c in copies:

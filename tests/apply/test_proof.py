@@ -8,15 +8,18 @@ corruption must be caught by the fingerprint, every time.
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from dcr import StateDictSource, TrainLayout
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
-from dcr.delta.fingerprint import owner_proof
+from dcr.delta import fingerprint
+from dcr.delta.fingerprint import element_hashes, h_reference, hash_view, owner_proof
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.records import TensorSpec
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, judge
@@ -190,3 +193,67 @@ def test_missing_or_stale_proofs_fail_the_receiver():
     assert set(verdict.failed) == {"r0", "r1"}
     fingerprint = ProofRequest(seed=3, samples=0, fingerprint=True)
     assert set(judge(fingerprint, {}, {"r2": Proof(seed=3)}).failed) == {"r2"}
+
+
+# -- the hash h(i, x) and the block kernel ------------------------------------------------------
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _by_definition(t, offset, stride, seed):
+    """``sum h(i, bits)`` element by element with the plain-integer definition."""
+    width = t.element_size() * 8
+    view = t.view(torch.uint8) if t.dtype == torch.bool else t.view(_BITS[t.element_size()])
+    total = 0
+    for m in itertools.product(*(range(n) for n in t.shape)):
+        i = offset + sum(a * b for a, b in zip(m, stride, strict=True))
+        total += h_reference(i, int(view[m]) & ((1 << width) - 1), seed, width)
+    return total
+
+
+def _strided_cases():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 10, 12, generator=gen).to(torch.bfloat16)
+    yield base
+    yield base[:, 2:7, 3:9]  # a block of a 3-D tensor: one plane per leading index
+    yield base.transpose(0, 2)  # inner stride 120
+    yield base[1:4, :, ::2]
+    yield base[2, 3]  # 1-D
+    yield base[2, 3, 4]  # 0-d
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.uint8, torch.float16):
+        yield (torch.randn(5, 9, generator=gen) * 100).to(dtype)[:, 1:8]
+    yield torch.rand(4, 5, generator=gen) > 0.5
+
+
+@pytest.mark.parametrize("block", [1 << 18, 7, 64])
+def test_hash_view_is_the_sum_of_h_by_definition(monkeypatch, block):
+    """Every layout, dtype (64-bit as two halves, bool as bytes) and block split (rows per
+    block, and columns split when a row exceeds a block) gives the exact sum of h."""
+    monkeypatch.setattr(fingerprint, "_BLOCK", block)
+    for t in _strided_cases():
+        offset, stride = int(t.storage_offset()), tuple(t.stride())
+        assert hash_view(t, offset, stride, 7) == _by_definition(t, offset, stride, 7), t.shape
+
+
+def test_h_is_injective_in_the_stored_bits_and_below_the_prime():
+    """For a fixed position, h is a bijection of the stored bits with values below 2^60 < p:
+    a single flipped bit changes the fingerprint mod p with certainty."""
+    every = np.arange(1 << 16, dtype=np.uint16)
+    for i in (0, 1, 4095, 12345, 1 << 40):
+        h = element_hashes(np.full(every.size, i, dtype=np.int64), every, seed=11)
+        assert np.unique(h).size == every.size
+        assert int(h.max()) < 1 << 60
+        assert int(h[77]) == h_reference(i, 77, 11)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 1 << 32, size=1000, dtype=np.uint64).astype(np.uint32)
+    idx = rng.integers(0, 1 << 40, size=1000)
+    h0 = element_hashes(idx, x, seed=5)
+    for b in range(32):
+        assert (element_hashes(idx, x ^ np.uint32(1 << b), seed=5) != h0).all()
+    # On a whole tensor: each of the 16 single-bit flips of one element changes F mod p.
+    t = torch.randn(64, 33).to(torch.bfloat16)
+    clean = hash_view(t, 0, t.stride(), 9) % PRIME
+    for b in range(16):
+        u = t.clone()
+        u.view(torch.int16)[17, 5] ^= -(1 << 15) if b == 15 else 1 << b
+        assert hash_view(u, 0, u.stride(), 9) % PRIME != clean
