@@ -13,7 +13,7 @@ A memory-bandwidth reference (a warm ``memcpy`` of 256 MiB, best of several) is 
 same run so construction throughput can be read as a ratio on a noisy machine.  Each row also
 carries the order-0 entropy floor of gap-coded positions plus XOR masks of its changed
 elements (:func:`dcr.delta.entropy.gap_xor_floor_bytes`, computed after timing) and the
-worker seconds of each construction stage.
+CPU seconds of each construction stage (summed over threads).
 """
 
 from __future__ import annotations
@@ -108,10 +108,10 @@ def _construct(
     def run(owner: int, it: Any, stats: BuildStats) -> list[int]:
         sizes = []
         for seq, bucket in enumerate(it):
-            t = time.perf_counter()
+            t = time.thread_time()
             header = PayloadHeader(attempt=1, owner=owner, payload_id=seq, final=bucket.final)
             sizes.append(len(encode_payload(header, bucket.items, layout=ValueLayout.BYTEPLANE)))
-            stats.add_time("encode", time.perf_counter() - t)
+            stats.add_time("encode", time.thread_time() - t)
             if keep is not None:
                 keep.extend(bucket.items)
         return sizes
@@ -190,7 +190,7 @@ def run_construct_bench(
                 say(
                     f"rate {rate:.0%} mode {mode}: {secs:.3f} s, {payload_bytes / 1e6:.1f} MB, "
                     f"{row['bytes_per_changed_element']:.3f} B/changed, floor "
-                    f"{floor / changed if changed else 0.0:.3f} B/changed; worker seconds "
+                    f"{floor / changed if changed else 0.0:.3f} B/changed; CPU seconds "
                     + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
                 )
             group.discard()

@@ -55,7 +55,8 @@ class BuildConfig:
     ``chunk_bytes``: tensors compared together (64 MiB suits object storage, 256 MiB the relay
     tree).  ``bucket_bytes``: input bytes of record-emitting chunks packed into one payload.
     Tensors and chunks are never split, so either can exceed its target.  ``threads``: worker
-    threads one owner compares blocks on (``None``: the CPU count; 1: the calling thread).
+    threads one owner compares blocks on (``None``: the CPUs this process may use; 1: the
+    calling thread).
     ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
     :attr:`Encoding.XOR` masks, or :attr:`Encoding.ULP` deltas for float dtypes
     (:data:`~dcr.delta.ordered.ULP_DTYPES`; other dtypes keep XOR).
@@ -89,7 +90,10 @@ class BuildStats:
     changed, each once: a shard copy that another rank projects (replicated key/value rows)
     counts nothing, a tied source element counts once per canonical tensor it lands in.
     Entries are counted per encoding (``xor_*``, ``ulp_*``, ``overwrite_*``).  Stage seconds
-    (``detect``, ``project``, ``pack``, ``convert``) are worker seconds, summed over threads.
+    are CPU seconds of the threads that ran them, summed over threads (``detect``: comparison
+    and the gather of changed values; ``project``: canonical indices and encoded values;
+    ``pack``: items of a bucket), except ``convert`` (wall seconds of residual conversion,
+    which may use torch's own threads).
     """
 
     source_bytes: int = 0
@@ -234,7 +238,7 @@ class _Hits:
 
 def _scan(block: _Block) -> _Hits:
     """Detect, gather and project one block (runs on a worker thread)."""
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     encodings = block.encodings
     wants_new = any(e is not Encoding.XOR for e in encodings)
     pos, xor, new = changed_words(
@@ -242,7 +246,7 @@ def _scan(block: _Block) -> _Hits:
         block.old[block.start : block.stop],
         new_values=wants_new,
     )
-    t1 = time.perf_counter()
+    t1 = time.thread_time()
     if block.start:
         pos += block.start
     canonical = None
@@ -257,7 +261,7 @@ def _scan(block: _Block) -> _Hits:
             else:
                 assert new is not None
                 values[enc] = new if enc is Encoding.OVERWRITE else ulp_delta(new, new ^ xor)
-    return _Hits(pos, canonical, values, t1 - t0, time.perf_counter() - t1)
+    return _Hits(pos, canonical, values, t1 - t0, time.thread_time() - t1)
 
 
 def _cover(segments: list[Segment], numel: int) -> list[Segment]:
@@ -550,8 +554,8 @@ class Owner:
         for job in residual:
             t0 = time.perf_counter()
             converted = job.candidate()
-            t1 = time.perf_counter()
-            stats.add_time("convert", t1 - t0)
+            stats.add_time("convert", time.perf_counter() - t0)
+            t1 = time.thread_time()
             base = self.residual_baseline.get(job.spec.name)
             if base is None:
                 raise LayoutError(
@@ -559,7 +563,7 @@ class Owner:
                 )
             new = bits(converted).reshape(-1)
             idx = changed_indices(new, bits(base).reshape(-1))
-            stats.add_time("detect", time.perf_counter() - t1)
+            stats.add_time("detect", time.thread_time() - t1)
             stats.source_bytes += job.spec.nbytes
             self._residual_candidate[job.spec.name] = converted
             if idx.size:
@@ -583,7 +587,7 @@ class Owner:
         for chunk in self.chunks():
             chunk_bytes = 0
             emitted = False
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             for s in chunk:
                 assert s.mapping is not None
                 chunk_bytes += s.nbytes
@@ -600,7 +604,7 @@ class Owner:
                         packer.add(d.name, Encoding.OVERWRITE, d.indices, values)
                         emitted = True
             check_epoch()
-            stats.add_time("project", time.perf_counter() - t0)
+            stats.add_time("project", time.thread_time() - t0)
             stats.source_bytes += chunk_bytes
             if emitted:
                 yield chunk_bytes
@@ -632,9 +636,9 @@ class Owner:
             nonlocal input_bytes
             if not packer:
                 return None
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             b = Bucket(items=packer.items(stats), input_bytes=input_bytes)
-            stats.add_time("pack", time.perf_counter() - t0)
+            stats.add_time("pack", time.thread_time() - t0)
             input_bytes = 0
             return b
 

@@ -29,8 +29,12 @@ _pool_size = 0
 
 
 def default_threads() -> int:
-    """Worker threads construction uses when its config does not say (the CPU count)."""
-    return os.cpu_count() or 1
+    """Worker threads construction uses when its config does not say: the CPUs this process
+    may run on (its affinity mask, so trainer ranks pinned to a few cores use those)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API on this platform
+        return os.cpu_count() or 1
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
