@@ -106,14 +106,14 @@ def _flatnonzero(buf: npt.NDArray[np.bool_], n: int) -> Index:
     """``np.flatnonzero(buf[:n])``, fast at every density (``buf`` from :func:`_mask`).
 
     numpy scans flags branch-free above 10 % density and with a branchy skip below it, which
-    mispredicts at a few percent -- 3-4x slower than branch-free, and that is the density of
-    changed words at usual change rates.  Between 5 % and 10 % (below 5 % the skip is still
-    faster) the flags are padded with ``True`` past ``n`` up to just over 10 %, and the
-    padding's positions are cut off.
+    mispredicts on fresh data at a few percent -- up to 3x slower than branch-free, and that
+    is the density of changed words at usual change rates.  Between 1 % and 10 % (below 1 %
+    the skip wins) the flags are padded with ``True`` past ``n`` up to just over 10 %, and
+    the padding's positions are cut off.
     """
     mask = buf[:n]
     count = int(np.count_nonzero(mask))
-    if count * 20 <= n or count * 10 > n:
+    if count * 100 <= n or count * 10 > n:
         return np.flatnonzero(mask)
     pad = (n - 10 * count) // 9 + 16
     buf[n : n + pad] = True

@@ -66,7 +66,7 @@ def test_changed_words_equal_a_bitwise_reference(word, n, density, skew_new, ske
     assert changed_words(new, old)[2] is None
 
 
-@pytest.mark.parametrize("density", [0.03, 0.06, 0.099])
+@pytest.mark.parametrize("density", [0.015, 0.03, 0.06, 0.099])
 def test_padded_scan_band_on_a_large_block(density):
     # A million-element block in the band where the flag scan is padded past 10 % density.
     rng = np.random.default_rng(1)
