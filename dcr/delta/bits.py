@@ -141,23 +141,26 @@ def _words(a: UInt, b: UInt, new_values: bool) -> tuple[Index, UInt, UInt | None
     shift = k.bit_length() - 1
     a64, b64 = a.view(np.uint64), b.view(np.uint64)
     n = a64.shape[0]
+    # XOR into a per-thread scratch that stays in the core's cache: the flags and the gather
+    # of changed masks then read it there instead of both arrays again.
+    scratch: npt.NDArray[np.uint64] | None = getattr(_scratch, "words", None)
+    if scratch is None or scratch.shape[0] < n:
+        scratch = _scratch.words = np.empty(max(n, _BLOCK // 4), dtype=np.uint64)
+    x = scratch[:n]
+    np.bitwise_xor(a64, b64, out=x)
     buf = _mask(n)
-    np.not_equal(a64, b64, out=buf[:n])
+    np.not_equal(x, 0, out=buf[:n])
     word = _flatnonzero(buf, n)
     # ``take`` with ``mode="clip"`` skips the bounds checks of fancy indexing (the indices
     # come from the scan, so they are in range).
-    na = a64.take(word, mode="clip")
-    xw = (
-        na ^ b64.take(word, mode="clip")
-        if new_values
-        else np.bitwise_xor(na, b64.take(word, mode="clip"), out=na)
-    )
-    lanes = xw.view(a.dtype)
+    lanes = x.take(word, mode="clip").view(a.dtype)
     hit = np.flatnonzero(lanes != 0)
     pos = word.take(hit >> shift, mode="clip")
     pos <<= shift
     pos |= hit & (k - 1)
-    nv = na.view(a.dtype).take(hit, mode="clip") if new_values else None
+    nv = None
+    if new_values:
+        nv = a64.take(word, mode="clip").view(a.dtype).take(hit, mode="clip")
     return pos, lanes.take(hit, mode="clip"), nv
 
 
