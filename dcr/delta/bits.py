@@ -172,7 +172,7 @@ def changed_words(
     Returns ``(positions, new ^ old at them, new at them or None)``; positions are sorted
     int64 offsets into the arrays.  Detection and the gather of changed values are one pass
     over the data: the gathers read what the comparison just brought into cache.  Call it
-    on blocks of about half a million elements; numpy releases the GIL, so blocks run in
+    on blocks of about a million elements; numpy releases the GIL, so blocks run in
     parallel threads.
     """
     if new.ndim != 1 or new.shape != old.shape or new.dtype != old.dtype or new.dtype.kind != "u":

@@ -4,7 +4,7 @@ An owner compares each shard it owns with its *tracker* (the committed copy, in 
 projects the changed elements into canonical coordinates, and packs the records into buckets
 of items (paper §4, §7.2, Fig. 8): whole tensors are grouped into chunks for comparison, an
 unchanged chunk contributes nothing, and a bucket closes once the chunks that emitted records
-reach the bucket target.  Within a chunk, shards are compared in blocks of about half a
+reach the bucket target.  Within a chunk, shards are compared in blocks of about a
 million elements on worker threads (``BuildConfig.threads``): a block finds its changed words
 and gathers their values in one pass (:func:`~dcr.delta.bits.changed_words`) and maps them
 through its shard's affine segments (:meth:`~dcr.delta.mapping.AffineMapping.segments`); only
@@ -43,9 +43,10 @@ MiB = 1 << 20
 _DENSE_BLOCK = 1 << 20
 """Source elements projected at once by a dense build: bounds its index temporaries."""
 
-_SCAN_BLOCK = 1 << 19
-"""Source elements one worker compares at once: a block of new and old words stays in the
-core's cache while its changed words are gathered, and bounds the per-thread temporaries."""
+_SCAN_BLOCK = 1 << 20
+"""Source elements one worker compares at once: large enough that the per-block Python work
+is small next to the scan, small enough that a block's XOR scratch stays in the core's cache
+while its changed words are gathered; bounds the per-thread temporaries."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
