@@ -85,6 +85,10 @@ class RefitConfig:
     """Proof of the base version (``LocalRefit`` only): a seeded sample of stored bits at
     every prepare, the complete fingerprint when receivers start, restart or rejoin.  A
     receiver that fails it is restored by dense refit; ``None`` trusts every receiver."""
+    join_wait_s: float = 30.0
+    """How long the retry after a failed proof waits for the receivers it disproved to be
+    restored by dense refit and report ready (``LocalRefit`` only): they then take part in
+    the commit.  0 retries at once without them (they join the next refit)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -266,6 +270,7 @@ class LocalRefit(_Base):
                 hooks=self._hooks,
                 limiter=anyio.CapacityLimiter(self.threads),
                 proof=self.config.proof,
+                join_wait_s=self.config.join_wait_s,
             )
             self.cluster.versions[self._committed] = source.base_shards()
             self._running = self._portal.wrap_async_context_manager(self._serve())

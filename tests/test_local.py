@@ -197,8 +197,9 @@ def _qwen3(seed):
 
 def test_a_receiver_of_another_version_is_detected_and_restored():
     """The reproduction: a receiver built from version A handed to a source at B used to
-    commit version 1 with every changed element wrong.  Now its proof fails at prepare, it
-    does not take part, a dense refit restores it, and it ends bit-exact with B's update."""
+    commit version 1 with every changed element wrong.  Now its proof fails at prepare, a
+    dense refit restores it, the retry waits for it to rejoin (fingerprinted), and it takes
+    part in the commit: no version is committed without its only receiver."""
     cfg, a = _qwen3(1)
     _, b = _qwen3(2)
     module = module_from_state_dict(a)
@@ -209,7 +210,9 @@ def test_a_receiver_of_another_version_is_detected_and_restored():
         assert report.version == 1 and refit.record.version == 1
         assert set(report.proofs[0].failed) == {"r0"}
         assert report.attempts[0].receivers == ("r0",)
-        assert all("r0" not in a.receivers for a in report.attempts[1:])
+        assert len(report.attempts) == 2 and report.attempts[1].receivers == ("r0",)
+        assert report.attempts[1].mode is Mode.MIXED  # nothing was written before the retry
+        assert report.proofs[1].fingerprinted > 0 and not report.proofs[1].failed
         assert bit_mismatches(dict(module.named_parameters()), new) == []
         newer = perturb(new, rate=0.03, seed=4)
         report = refit.refit(newer)
@@ -263,3 +266,19 @@ def test_a_restarted_receiver_with_corrupted_storage_is_caught_when_it_joins():
         fourth = refit.refit(perturb(newer, rate=0.02, seed=11))
         assert fourth.proofs[0].fingerprinted == 0 and not fourth.proofs[0].failed
         assert fourth.proofs[0].sampled > 0
+
+
+def test_without_a_join_wait_the_retry_commits_before_the_restore():
+    """``join_wait_s=0``: the retry runs at once without the disproved receiver (here: no
+    receiver at all); the restore then brings it to the committed version."""
+    cfg, a = _qwen3(1)
+    _, b = _qwen3(2)
+    module = module_from_state_dict(a)
+    source = StateDictSource(b, layout=TrainLayout(tp=2), family="qwen3", config=cfg)
+    config = dcr.RefitConfig(join_wait_s=0.0)
+    with LocalRefit(source, [TorchModuleLoader(module)], config=config) as refit:
+        new = perturb(b, rate=0.03, seed=3)
+        report = refit.refit(new)
+        assert set(report.proofs[0].failed) == {"r0"}
+        assert [at.receivers for at in report.attempts] == [("r0",), ()]
+        assert bit_mismatches(dict(module.named_parameters()), new) == []

@@ -83,6 +83,9 @@ class CoordinatorService:
     """Proof of the base version at prepare (see :class:`~dcr.protocol.proof.ProofConfig`)."""
     fingerprint: bool = False
     """Request the complete fingerprint at the first prepare (fresh or restored receivers)."""
+    join_wait_s: float = 0.0
+    """How long a retry waits for receivers a failed proof sent to a dense refit (see
+    :attr:`~dcr.protocol.coordinator.CoordinatorConfig.join_wait_s`)."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
     link: CoordinatorLink | None = None
     reads_replies: bool = True
@@ -140,6 +143,7 @@ class CoordinatorService:
                 mode=self.mode,
                 proof=self.proof,
                 fingerprint=self.fingerprint,
+                join_wait_s=self.join_wait_s,
             ),
             CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
         )
@@ -310,12 +314,14 @@ async def open_coordinator(
     mode: Mode = Mode.MIXED,
     proof: ProofConfig | None = None,
     fingerprint: bool = False,
+    join_wait_s: float = 0.0,
 ) -> AsyncIterator[CoordinatorService]:
     """A coordinator for one transition: ``result = await coord.run()`` inside the block.
 
     ``proof`` turns on the proof of the base version at prepare (receivers that fail it are
     handed to ``supervisor.dense_refit``); ``fingerprint`` requests the complete fingerprint
-    at the first prepare."""
+    at the first prepare; ``join_wait_s`` lets a retry wait for disproved receivers being
+    restored."""
     yield CoordinatorService(
         owners=tuple(owners),
         receivers=tuple(receivers),
@@ -328,4 +334,5 @@ async def open_coordinator(
         mode=mode,
         proof=proof,
         fingerprint=fingerprint,
+        join_wait_s=join_wait_s,
     )

@@ -22,6 +22,11 @@ same description.  Adapters are chosen by their registered names (``commit_store
     groups = 32
     group_size = 8
 
+    [proof]                        # proof of the base version (optional; on by default)
+    samples = 64                   # sampled positions per tensor at every prepare
+    fingerprint_on_join = true     # complete fingerprint when receivers start or restore
+    fingerprint_each_commit = false
+
     [[rollout]]                    # one rollout node: a relay node and its receivers
     name = "node0"
     receivers = [{ name = "r0", tp = 1, rank = 0 }]
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr.errors import ConfigError
+from dcr.protocol.proof import ProofConfig
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import Timeouts
 
@@ -147,6 +153,10 @@ class FleetConfig:
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     queue: QueueConfig = field(default_factory=QueueConfig)
     """Every receiver's bounded apply queue (``[queue]``: ``groups``, ``group_size``)."""
+    proof: ProofConfig | None = field(default_factory=ProofConfig)
+    """Proof of the base version (``[proof]``: ``samples``, ``fingerprint_on_join``,
+    ``fingerprint_each_commit``; ``enabled = false`` turns it off): a seeded sample at every
+    prepare, the complete fingerprint when receivers started, restarted or were restored."""
     commit_store: dict[str, Any] = field(default_factory=lambda: {"kind": "sqlite"})
     control: dict[str, Any] = field(default_factory=lambda: {"kind": "zmq"})
     transport: dict[str, Any] = field(default_factory=lambda: {"kind": "relay", "fanout": 2})
@@ -228,7 +238,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     top = raw.get("fleet", {})
     allowed = {"fleet", "model", "trainer", "rollout", "coordinator", "queue", "commit_store",
-               "control", "transport"}  # fmt: skip
+               "control", "transport", "proof"}  # fmt: skip
     if set(raw) - allowed:
         raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
     coord_raw = dict(raw.get("coordinator", {}))
@@ -248,6 +258,14 @@ def load_fleet(path: str | Path) -> FleetConfig:
         rest = {k: v for k, v in node.items() if k != "receivers"}
         nodes.append(_section(RolloutNode, {**rest, "receivers": receivers}, f"rollout.{i}"))
     run_dir = path.parent / str(top.get("run_dir", "run"))
+    proof_raw = raw.get("proof", {})
+    if not isinstance(proof_raw, dict):
+        raise ConfigError("[proof] must be a table")
+    proof_raw = dict(proof_raw)
+    enabled = proof_raw.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"[proof] enabled must be true or false, got {enabled!r}")
+    proof = _section(ProofConfig, proof_raw, "proof") if enabled else None
     cfg = FleetConfig(
         path=path,
         run_dir=run_dir,
@@ -258,6 +276,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         rollout=tuple(nodes),
         coordinator=coordinator,
         queue=_section(QueueConfig, raw.get("queue"), "queue"),
+        proof=proof,
         commit_store={"kind": "sqlite", **raw.get("commit_store", {})},
         control={"kind": "zmq", **raw.get("control", {})},
         transport={"kind": "relay", "fanout": 2, **raw.get("transport", {})},

@@ -12,7 +12,12 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
   owner has staged the next version, with the receivers that hold the committed record as
   the required ones, and takes over a transition a replaced coordinator left unfinished;
 * is the supervisor of its runs: an endpoint that reappears with a new incarnation was
-  restarted, so its old process is confirmed gone (``Retired``).
+  restarted, so its old process is confirmed gone (``Retired``);
+* proves the base version at prepare (``[proof]``, on by default): a seeded sample of stored
+  bits at every prepare, the complete fingerprint at the first transition a receiver takes
+  part in after it started, restarted or was restored; a receiver that fails is told so
+  (``Disproved``), leaves the transition and is restored by dense refit (``disproved``
+  event).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class FleetCoordinator:
     _link: CoordinatorLink | None = None
     _service: CoordinatorService | None = None
     _restarted: set[str] = field(default_factory=set)
+    _unverified: set[str] = field(default_factory=set)
+    """Receivers started, restarted or restored since a complete fingerprint checked them."""
     _jobs: dict[str, _Job] = field(default_factory=dict)
     _engaged: frozenset[str] = frozenset()
     """Receivers the running (or just finished) transition requires: not dense-refitted."""
@@ -179,15 +186,20 @@ class FleetCoordinator:
     ) -> None:
         c = self.config.coordinator
         base = old.base if old is not None else state.record
+        members = self.members(base)
+        fingerprint = self.config.proof is not None and bool(self._unverified & set(members))
         service = CoordinatorService(
             owners=self.owners,
-            receivers=self.members(base),
+            receivers=members,
             store=self.store,
             control=self.control,
             transport=self.transport,
             sync=c.sync,
             timeouts=c.timeouts,
             mode=Mode.MIXED,
+            proof=self.config.proof,
+            fingerprint=fingerprint,
+            join_wait_s=c.join_wait_s,
             supervisor=self,
             link=link,
             reads_replies=False,
@@ -205,6 +217,22 @@ class FleetCoordinator:
         finally:
             self._service = None
         self.epoch = max(self.epoch, service.epoch)
+        verdicts = service.core.verdicts if service.core is not None else ()
+        if fingerprint and verdicts:
+            # The first prepare fingerprinted every member; those that failed are restored
+            # by dense refit and become unverified again when they report ready.
+            self._unverified -= set(members) - set(verdicts[0].failed)
+        for verdict in verdicts:
+            self.log.emit(
+                "proved",
+                base=base.version,
+                sampled=verdict.sampled,
+                fingerprinted=verdict.fingerprinted,
+                failed=sorted(verdict.failed),
+            )
+            if verdict.failed:
+                self.log.emit("disproved", base=base.version, receivers=sorted(verdict.failed),
+                              reasons=dict(verdict.failed))  # fmt: skip
         attempts = [
             {"attempt": c.info.attempt, "mode": c.info.mode.value,
              "receivers": sorted(c.info.receivers)}
@@ -260,6 +288,7 @@ class FleetCoordinator:
             if isinstance(reply, msg.EndpointStatus):
                 await self._on_status(reply)
             elif isinstance(reply, msg.ReceiverReady):
+                self._unverified.add(reply.receiver)
                 status = self.statuses.get(reply.receiver)
                 if status is not None:  # its status report follows; do not refit it again
                     self.statuses[reply.receiver] = replace(status, record=reply.record)
@@ -286,6 +315,7 @@ class FleetCoordinator:
         if before is not None and before.incarnation != status.incarnation:
             # A new process of that name: the old one is gone for good.
             self._restarted.add(status.endpoint)
+            self._unverified.add(status.endpoint)
             self._jobs.pop(status.endpoint, None)
             self.log.emit("restarted", endpoint=status.endpoint)
             service = self._service
@@ -328,9 +358,13 @@ class FleetCoordinator:
                 s = self.statuses.get(r)
                 if s is not None and s.record == record:
                     self._jobs.pop(r, None)
-                if s is None or s.record == record or r in self._engaged:
+                if s is None or s.record == record:
                     continue
                 job = self._jobs.get(r)
+                if r in self._engaged and (job is None or job.record != record):
+                    # Part of the running transition: restored only when it asks (a failed
+                    # proof), and then sent again below when that job failed or lapsed.
+                    continue
                 if job is None or job.record != record or now >= job.deadline:
                     self._start_job(r, record)
             await anyio.sleep(0.1)

@@ -92,6 +92,10 @@ class FaultPoints:
         while time.monotonic() < deadline and self._planned(point, version, (fault["target"],)):
             time.sleep(0.02)
 
+    def planned(self, point: str, version: int, *, role: str = "") -> bool:
+        """Whether a fault is planned for this process (or ``role``) at ``point``."""
+        return self._planned(point, version, (self.who, role)) is not None
+
     def _planned(self, point: str, version: int, targets: tuple[str, ...]) -> dict | None:  # type: ignore[type-arg]
         try:
             plan = json.loads(self.path.read_text())

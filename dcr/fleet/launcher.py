@@ -44,7 +44,9 @@ class Fault:
     The process stops at that point and reports it (:class:`~dcr.fleet.events.FaultPoints`),
     so the SIGKILL lands exactly there.  A relay node (``target="relay-<node>"``) is killed
     while a receiver it hosts stops at its point (``"applied"`` or ``"dense"``): the rest of
-    the refit is still in flight through that node.
+    the refit is still in flight through that node.  ``"flip"`` kills nothing: receiver
+    ``target`` flips one stored bit once it holds ``version`` (silent corruption the proof
+    of the base version must catch at the next prepare).
     """
 
     version: int
@@ -111,6 +113,8 @@ class RefitRow:
     version: int
     attempts: list[dict[str, Any]] = field(default_factory=list)
     killed: list[str] = field(default_factory=list)
+    disproved: list[str] = field(default_factory=list)
+    """Receivers whose proof of the base version failed at a prepare of this refit."""
     checks: dict[str, bool] = field(default_factory=dict)
     """Receiver -> whether its report of this version matched the dense load."""
     payload_bytes: int = 0
@@ -136,6 +140,7 @@ class RefitRow:
             "payload_bytes": self.payload_bytes,
             "attempts": [a["mode"] for a in self.attempts],
             "killed": list(self.killed),
+            "disproved": sorted(self.disproved),
             "seconds": round(self.seconds, 3),
             "receivers_checked": sorted(self.checks),
             "v_cross": self.cross[0] if self.cross else None,
@@ -333,6 +338,9 @@ class Launcher:
         elif kind == "traffic" and who.startswith("relay-"):
             for attempt, (cross, payload) in e["attempts"].items():
                 self._traffic[int(attempt)] = (int(cross), int(payload))
+        elif kind == "disproved":
+            self._row(int(e["base"]) + 1).disproved.extend(e["receivers"])
+            self.say(f"refit {int(e['base']) + 1}: disproved {', '.join(e['receivers'])}")
         elif kind == "holds":
             self._check(who, int(e["version"]), e["digests"])
         elif kind in ("restarted", "dense-failed", "replaced"):
@@ -361,8 +369,9 @@ class Launcher:
 
     def _next(self, fault: Fault) -> int:
         """The earliest version ``fault`` can still strike at: the next refit, or for a
-        restore the committed version (a receiver restores it after a commit)."""
-        return self._committed if fault.after == "dense" else self._committed + 1
+        restore or a flip the committed version (a receiver restores or holds it after a
+        commit)."""
+        return self._committed if fault.after in ("dense", "flip") else self._committed + 1
 
     def _strike(self, e: dict[str, Any]) -> None:
         """A process stopped at a planned fault point: SIGKILL it there (or the relay node
@@ -371,6 +380,10 @@ class Launcher:
         self._advance_faults()
         for fault in list(self.faults):
             hit = fault.version == e["version"] and fault.after == e["point"]
+            if hit and fault.after == "flip" and fault.target == who:
+                self.faults.remove(fault)  # the receiver corrupted itself: nothing to kill
+                self._write_faults()
+                return
             if hit and fault.target == e.get("target", who):
                 # Kill first: a process waiting at its fault point resumes once the fault
                 # leaves the plan, and a relay node must be gone by then.

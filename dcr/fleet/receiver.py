@@ -4,12 +4,15 @@ It starts empty, restores the committed version by a dense refit the owners send
 relay tree (nothing is read from a shared filesystem), joins at the next prepare, and then
 takes every refit in place through its native loader.  Each time its storage holds a
 committed record exactly it reports digests of every parameter's bits (``holds`` events),
-which the launcher compares with a dense load of that version.
+which the launcher compares with a dense load of that version.  A planned ``flip`` fault
+flips one stored bit right after such a report (silent memory corruption), which the proof
+of the base version must catch at the next prepare.
 """
 
 from __future__ import annotations
 
 import anyio
+import torch
 
 from dcr.apply.receiver import Receiver
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
@@ -38,6 +41,17 @@ async def run_receiver(cfg: FleetConfig, name: str) -> None:
     async def holds(record: CommitRecord) -> None:
         found = await anyio.to_thread.run_sync(digests, module)
         log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
+        await anyio.to_thread.run_sync(flip_if_planned, record.version)
+
+    def flip_if_planned(version: int) -> None:
+        if not faults.planned("flip", version, role="receiver"):
+            return
+        with torch.no_grad():
+            params = [(n, p) for n, p in module.named_parameters() if p.numel()]
+            name_p, p = next(((n, p) for n, p in params if "proj" in n), params[0])
+            p.view(-1).view(torch.uint8)[p.element_size() - 1] ^= 0x10
+        log.emit("flipped", version=version, tensor=name_p)
+        faults.reached("flip", version, role="receiver")
 
     faults = FaultPoints(cfg.run_dir / "faults.json", name, log)
     relay = f"relay-{cfg.node_of(name).name}"  # a planned fault may strike it meanwhile

@@ -81,6 +81,11 @@ class CoordinatorConfig:
     fingerprint: bool = False
     """Request the complete fingerprint at the first prepare (the supervisor sets it for
     receivers started or restored since the last check); needs ``proof``."""
+    join_wait_s: float = 0.0
+    """After an attempt failed because receivers' proofs failed, how long the retry waits
+    for those receivers to be restored by dense refit and report ready, so that they join
+    the retry and take part in the commit (0: retry at once without them).  The retry
+    starts as soon as every one of them is ready, or when the wait ends."""
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -91,6 +96,8 @@ class CoordinatorConfig:
             raise ConfigError(f"duplicate receiver names in {self.receivers}")
         if set(self.owners) & set(self.receivers):
             raise ConfigError("an endpoint cannot be both owner and receiver")
+        if self.join_wait_s < 0:
+            raise ConfigError(f"join_wait_s must be >= 0, got {self.join_wait_s}")
 
 
 @dataclass(slots=True)
@@ -158,6 +165,10 @@ class CoordinatorCore:
             config.fingerprint or proof.fingerprint_each_commit
         )
         self._verdicts: list[Verdict] = []
+        self._restoring: set[str] = set()
+        """Receivers a failed proof sent to a dense refit that have not reported ready."""
+        self._join_wait = False
+        """The retry waits for ``_restoring`` (until ready or the JOIN deadline)."""
         self._transition = StateMachine(
             TransitionPhase,
             name=f"coordinator {config.epoch}",
@@ -395,6 +406,7 @@ class CoordinatorCore:
             return False
         failed = frozenset(verdict.failed)
         self._members -= failed
+        self._restoring |= failed
         tau = a.info.attempt
         for r in sorted(failed):
             out.append(
@@ -758,12 +770,37 @@ class CoordinatorCore:
                 out.append(cmd.RequestDenseRefit(record=self._record, receivers=self._refit_needed))
             self._reopen_after_refit(out)
         elif not self._abort_if_requested(out):
+            self._retry(out)
+
+    def _retry(self, out: list[cmd.CoordinatorCommand]) -> None:
+        """Prepare the next attempt, first waiting (bounded) for disproved receivers being
+        restored, so that the retry does not commit without them."""
+        a = self._attempt
+        assert a is not None
+        if self.config.join_wait_s > 0 and self._restoring:
+            self._join_wait = True
+            out.append(
+                cmd.ArmDeadline(
+                    attempt=a.info.attempt, stage=Stage.JOIN, seconds=self.config.join_wait_s
+                )
+            )
+            return
+        self._prepare(out)
+
+    def _retry_now(self, out: list[cmd.CoordinatorCommand]) -> None:
+        """End the join wait: prepare at once (receivers not ready by now join later)."""
+        self._join_wait = False
+        self._restoring.clear()
+        if not self._abort_if_requested(out) and self._transition.can_fire(_X.PREPARE):
             self._prepare(out)
 
     def _on_deadline(self, stage: Stage, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
-        if stage is Stage.BASELINE:
+        if stage is Stage.JOIN:
+            if self._join_wait:
+                self._retry_now(out)
+        elif stage is Stage.BASELINE:
             # The call must arrive (a restarted owner never got it): ask the missing again.
             missing = [o for o in self.config.owners if o not in self._reports]
             if self.phase is _T.FINISHING and missing:
@@ -830,6 +867,7 @@ class CoordinatorCore:
         """Take a pending operator abort once the transition may abort; True if it did."""
         if self._abort_reason is None or not self._transition.can_fire(_X.ABORT):
             return False
+        self._join_wait = False
         self._transition.fire(_X.ABORT)
         self._reason = f"operator abort: {self._abort_reason}"
         a = self._attempt
@@ -849,6 +887,9 @@ class CoordinatorCore:
         if record != self._record:
             return  # the record moved on: it must refit again before joining (App. B.2)
         self._joiners[receiver] = record
+        self._restoring.discard(receiver)
+        if self._join_wait and not self._restoring:
+            self._retry_now(out)
         if self.phase is _T.REFITTING and receiver in self._refit_needed:
             self._refitted.add(receiver)
             self._transition.fire(_X.DENSE_REFIT)

@@ -110,6 +110,9 @@ class Stage(enum.Enum):
     STOP = "stop"
     BASELINE = "baseline"
     """After a commit: owners that have not reported their baseline update are asked again."""
+    JOIN = "join"
+    """Before a retry: how long it waits for receivers a failed proof sent to a dense refit
+    (``CoordinatorConfig.join_wait_s``; not a :class:`Timeouts` field)."""
 
 
 class IdSource(Protocol):

@@ -96,6 +96,8 @@ class LocalCluster:
     limiter: anyio.CapacityLimiter = field(default_factory=default_limiter)
     proof: ProofConfig | None = None
     """Proof of the base version at prepare (``None``: receivers are trusted to hold it)."""
+    join_wait_s: float = 0.0
+    """How long a retry waits for receivers a failed proof sent to a dense refit."""
     owners: dict[str, OwnerService] = field(default_factory=dict)
     receiver_services: dict[str, ReceiverService] = field(default_factory=dict)
     versions: dict[CommitRecord, Mapping[str, torch.Tensor]] = field(default_factory=dict)
@@ -401,6 +403,7 @@ class LocalCluster:
                 mode=mode,
                 proof=self.proof,
                 fingerprint=fingerprint,
+                join_wait_s=self.join_wait_s,
             )
             coordinators.append(c)
             return c

@@ -10,6 +10,7 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import load_fleet
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_transport
+from dcr.protocol.proof import ProofConfig
 
 MINIMAL = """
 [model]
@@ -39,6 +40,11 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
     assert (cfg.queue.groups, cfg.queue.group_size) == (32, 8)  # paper App. C
     small = load_fleet(write(tmp_path, MINIMAL + "[queue]\ngroups = 2\ngroup_size = 4\n"))
     assert (small.queue.groups, small.queue.group_size, small.queue.capacity) == (2, 4, 12)
+    # The proof of the base version is on by default, like LocalRefit's.
+    assert cfg.proof == ProofConfig()
+    each = load_fleet(write(tmp_path, MINIMAL + "[proof]\nfingerprint_each_commit = true\n"))
+    assert each.proof == ProofConfig(fingerprint_each_commit=True)
+    assert load_fleet(write(tmp_path, MINIMAL + "[proof]\nenabled = false\n")).proof is None
 
 
 @pytest.mark.parametrize(
@@ -53,6 +59,9 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + "[coordinator.timeouts]\nprepare_s = -1\n", "prepare_s must be positive"),
         (MINIMAL + "[queue]\ngroups = 0\n", "groups"),
         (MINIMAL + "[queue]\ndepth = 4\n", "unknown keys ['depth']"),
+        (MINIMAL + "[proof]\nsample = 4\n", "unknown keys ['sample']"),
+        (MINIMAL + "[proof]\nsamples = -1\n", "samples must be >= 0"),
+        (MINIMAL + '[proof]\nenabled = "no"\n', "enabled must be true or false"),
     ],
 )
 def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:

@@ -168,3 +168,41 @@ def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(
     assert same(_resume(model, 1, 3, path))
     path.write_bytes(b"not a checkpoint")
     assert same(_resume(model, 1, 3, path))
+
+
+def test_a_flipped_bit_in_a_receiver_is_disproved_and_restored_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    """Receiver r0 flips one stored bit right after it reported v1 (silent corruption, no
+    process dies).  The fingerprint at the next prepare catches it: r0 is disproved and
+    restored by dense refit, the retry waits for it and commits v2 with it, and every
+    receiver ends bit-exact;
+    the first transition fingerprinted every receiver (they all restored at start)."""
+    extra = "\n[proof]\nfingerprint_each_commit = true\n"
+    cfg = small_fleet(tmp_path, refits=3, extra=extra)
+    assert cfg.proof is not None and cfg.proof.fingerprint_each_commit
+    launcher = Launcher(cfg, faults=[Fault(version=1, target="r0", after="flip")], deadline_s=600)
+    report = launcher.run()
+    assert report["bit_exact"] is True, report["mismatches"]
+    rows = report["refits"]
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["receivers_checked"] == ["r0", "r1", "r2"] and r["bit_exact"] for r in rows)
+    assert [r["disproved"] for r in rows] == [[], ["r0"], []]
+    assert rows[1]["attempts"][0] == "mixed" and len(rows[1]["attempts"]) >= 2
+    events = [
+        json.loads(line)
+        for path in sorted((cfg.run_dir / "events").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    flipped = [e for e in events if e["event"] == "flipped"]
+    assert [(e["who"], e["version"]) for e in flipped] == [("r0", 1)]
+    proved = [e for e in events if e["event"] == "proved"]
+    first = [e for e in proved if e["base"] == 0]
+    assert first and first[0]["fingerprinted"] > 0 and first[0]["failed"] == []
+    caught = [e for e in proved if e["base"] == 1 and e["failed"]]
+    assert caught and caught[0]["failed"] == ["r0"] and caught[0]["fingerprinted"] > 0
+    assert committed_versions(cfg.run_dir) == [(0, 1), (1, 2), (2, 3)]
+    # The retry waited for r0's restore (join_wait_s): it took part in committing v2.
+    [ended] = [e for e in events if e["event"] == "ended" and e["base"] == 1 and e["record"] == 2]
+    assert ended["attempts"][0]["receivers"] == ["r0", "r1", "r2"]
+    assert ended["attempts"][-1]["receivers"] == ["r0", "r1", "r2"]
