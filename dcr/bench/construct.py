@@ -33,7 +33,7 @@ from dcr.delta.entropy import floor_of_items
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig, BuildStats
-from dcr.delta.records import Item, Mode, TensorSpec
+from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
 from dcr.testing.updates import perturb
 from dcr.wire.encode import encode_payload
@@ -133,9 +133,13 @@ def run_construct_bench(
     repeats: int = 3,
     tp: int = 2,
     seed: int = 0,
+    relative_encoding: Encoding = Encoding.XOR,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"results": [...], "model": {...}}`` (see the CLI docs)."""
+    """Run the benchmark; returns ``{"results": [...], "model": {...}}`` (see the CLI docs).
+
+    ``relative_encoding`` is what mode X emits (:attr:`BuildConfig.relative_encoding`).
+    """
     say = log or (lambda _msg: None)
     cfg = synthetic_config(size_bytes)
     say(f"building a {cfg['num_hidden_layers']}-layer synthetic llama model")
@@ -143,7 +147,10 @@ def run_construct_bench(
     catalog = {n: TensorSpec.of(n, t) for n, t in base.items()}
     plan = build_plan(catalog, TrainLayout(tp=tp), family="llama", config=cfg)
     group = LocalTrainingGroup(
-        plan, plan.slice(base), config=BuildConfig(), full_conversion="F" in modes
+        plan,
+        plan.slice(base),
+        config=BuildConfig(relative_encoding=relative_encoding),
+        full_conversion="F" in modes,
     )
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
     base_bits = {n: bits(t).reshape(-1) for n, t in base.items()}
@@ -202,6 +209,7 @@ def run_construct_bench(
             "layers": cfg["num_hidden_layers"],
             "tp": tp,
             "repeats": repeats,
+            "relative_encoding": relative_encoding.name,
             "threads": os.cpu_count(),
             "torch": torch.__version__,
         },
