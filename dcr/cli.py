@@ -96,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
             "updated as bf16(w*(1+0.01*eps)). X = projection + mixed XOR/overwrite, P = "
             "projection + overwrite only, F = full conversion + overwrite only. Reports "
             "construction seconds (median of --repeats), payload bytes, bytes per changed "
-            "element and a memcpy bandwidth reference measured in the same run."
+            "element, the order-0 entropy floor of gap-coded positions + XOR masks of the "
+            "changed elements (entropy_floor_bytes) and a memcpy bandwidth reference measured "
+            "in the same run."
         ),
     )
     cons.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
@@ -106,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--modes", type=_modes, default=["X", "P", "F"], help="subset of X,P,F")
     cons.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     cons.add_argument("--tp", type=_positive, default=2, help="training tensor parallelism")
+    cons.add_argument(
+        "--relative",
+        choices=["ulp", "xor"],
+        default="ulp",
+        help="mode X's relative encoding: ULP deltas (default) or XOR masks (the paper's)",
+    )
     cons.add_argument("--json", action="store_true", help="print one JSON object")
 
     app = bsub.add_parser(
@@ -260,6 +268,7 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
 def _bench_construct(args: argparse.Namespace) -> int:
     from dcr.bench.construct import format_construct_table, run_construct_bench
+    from dcr.delta.records import Encoding
 
     result = run_construct_bench(
         size_bytes=int(args.size_gb * 1e9),
@@ -267,6 +276,7 @@ def _bench_construct(args: argparse.Namespace) -> int:
         modes=args.modes,
         repeats=args.repeats,
         tp=args.tp,
+        relative_encoding=Encoding.ULP if args.relative == "ulp" else Encoding.XOR,
         log=_err,
     )
     print(json.dumps(result) if args.json else format_construct_table(result))

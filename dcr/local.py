@@ -98,7 +98,8 @@ class RefitReport:
     version: int
     mode: Mode
     changed_elements: int
-    """Source elements whose stored bits changed (each unique element counted once)."""
+    """Canonical elements whose stored bits changed, each counted once (a replicated training
+    copy counts nothing; a tied element counts once in each canonical tensor it lands in)."""
     residual_changed: int
     """Canonical elements changed in residual tensors (compared after conversion)."""
     payload_bytes: int
@@ -110,6 +111,9 @@ class RefitReport:
     overwrite_entries: int
     checkpoint_bytes: int
     """Size of the canonical checkpoint, for ratios."""
+    ulp_items: int = 0
+    """Items of ULP deltas (mixed mode's relative encoding for float dtypes, the default)."""
+    ulp_entries: int = 0
     source_bytes: int
     """Bytes of source shards (and residual tensors) the owners compared."""
     receivers: int
@@ -198,6 +202,8 @@ class _Base:
             xor_items=stats.xor_items,
             overwrite_items=stats.overwrite_items,
             xor_entries=stats.xor_entries,
+            ulp_items=stats.ulp_items,
+            ulp_entries=stats.ulp_entries,
             overwrite_entries=stats.overwrite_entries,
             checkpoint_bytes=self.checkpoint_bytes,
             source_bytes=stats.source_bytes,

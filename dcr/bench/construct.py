@@ -133,7 +133,7 @@ def run_construct_bench(
     repeats: int = 3,
     tp: int = 2,
     seed: int = 0,
-    relative_encoding: Encoding = Encoding.XOR,
+    relative_encoding: Encoding = Encoding.ULP,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "model": {...}}`` (see the CLI docs).

@@ -59,14 +59,15 @@ class BuildConfig:
     threads one owner compares blocks on (``None``: the CPUs this process may use; 1: the
     calling thread).
     ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
-    :attr:`Encoding.XOR` masks, or :attr:`Encoding.ULP` deltas for float dtypes
-    (:data:`~dcr.delta.ordered.ULP_DTYPES`; other dtypes keep XOR).
+    :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.delta.ordered.ULP_DTYPES`; other
+    dtypes keep XOR), the default, or :attr:`Encoding.XOR` masks everywhere (the paper's
+    representation; payload format version 1 carries only these).
     """
 
     chunk_bytes: int = 64 * MiB
     bucket_bytes: int = 512 * MiB
     threads: int | None = None
-    relative_encoding: Encoding = Encoding.XOR
+    relative_encoding: Encoding = Encoding.ULP
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.bucket_bytes <= 0:

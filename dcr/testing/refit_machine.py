@@ -99,7 +99,7 @@ class RefitMachine(RuleBasedStateMachine):
         assert report.attempts and report.attempts[0].mode is mode
         assert all(a.mode is Mode.OVERWRITE for a in report.attempts[1:])
         if mode is Mode.OVERWRITE:
-            assert report.xor_entries == 0 and report.mode is Mode.OVERWRITE
+            assert report.xor_entries == report.ulp_entries == 0 and report.mode is Mode.OVERWRITE
         self.state = new
 
     @rule(

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dcr.delta.bits import bits
+from dcr.delta.ordered import ordered, unordered
 from dcr.delta.records import Encoding, Item
 
 __all__ = ["apply_to_state_dict", "perturb", "special_patterns"]
@@ -81,10 +82,14 @@ def special_patterns(state_dict: Mapping[str, torch.Tensor], *, seed: int = 0) -
 
 
 def apply_to_state_dict(state_dict: Mapping[str, torch.Tensor], items: Iterable[Item]) -> None:
-    """Apply items in place to canonical tensors (XOR into or overwrite their stored bits)."""
+    """Apply items in place to canonical tensors (XOR into, add ULP deltas to, or overwrite
+    their stored bits)."""
     for item in items:
         flat = bits(state_dict[item.name]).reshape(-1)
         if item.encoding is Encoding.XOR:
             flat[item.indices] ^= item.values
+        elif item.encoding is Encoding.ULP:
+            with np.errstate(over="ignore"):
+                flat[item.indices] = unordered(ordered(flat[item.indices]) + item.values)
         else:
             flat[item.indices] = item.values

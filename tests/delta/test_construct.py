@@ -20,6 +20,8 @@ from dcr.errors import LayoutError
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.updates import apply_to_state_dict, perturb, special_patterns
 
+XOR = BuildConfig(relative_encoding=Encoding.XOR)
+
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
@@ -109,7 +111,7 @@ def test_single_element_change_is_one_xor_entry():
     b = bits(new[name]).reshape(-1)
     b[77] ^= 0x0003
     plan = build_plan(catalog_of(w), TrainLayout(tp=2, dp=2), family="qwen3", config=cfg)
-    group = LocalTrainingGroup(plan, plan.slice(w))
+    group = LocalTrainingGroup(plan, plan.slice(w), config=XOR)
     items = run(group, plan.slice(new))
     assert len(items) == 1
     (item,) = items
@@ -128,10 +130,16 @@ def test_signed_zero_and_nan_payload_changes_are_detected():
     b[0] = 0x8000  # +0 -> -0: equal as floats
     b[1] = 0x7FC1  # another NaN payload: NaN != NaN as floats, but only bits matter
     plan = build_plan(catalog_of(w), TrainLayout())
-    group = LocalTrainingGroup(plan, plan.slice(w))
+    group = LocalTrainingGroup(plan, plan.slice(w), config=XOR)
     items = run(group, plan.slice(new))
     assert [(i.indices.tolist(), i.values.tolist()) for i in items] == [
         ([0, 1], [0x8000, 0x7FC0 ^ 0x7FC1])
+    ]
+    # The default ULP deltas: +0 -> -0 is one step down in the order, 0x7FC0 -> 0x7FC1 one up.
+    group = LocalTrainingGroup(plan, plan.slice(w))
+    items = run(group, plan.slice(new))
+    assert [(i.encoding, i.indices.tolist(), i.values.tolist()) for i in items] == [
+        (Encoding.ULP, [0, 1], [0xFFFF, 1])
     ]
 
 
@@ -143,7 +151,7 @@ def test_xor_only_where_allowed():
     new = perturb(w, rate=0.1, seed=4)
     allowed = {"model.layers.0.self_attn.q_proj.weight"}
     items = run(group, plan.slice(new), xor=allowed)
-    assert {i.name for i in items if i.encoding is Encoding.XOR} == allowed
+    assert {i.name for i in items if i.encoding.relative} == allowed
     receiver = {n: t.clone() for n, t in w.items()}
     apply_to_state_dict(receiver, items)
     same_bits(receiver, new)

@@ -289,8 +289,10 @@ def test_ulp_encoding_reproduces_new_bits_for_float_tensors():
     counts = {i.name: i.count for i in items}
     assert stats.ulp_entries == counts["a"] + counts["b"] and stats.ulp_items == 2
     assert stats.xor_entries == counts["c"] and stats.overwrite_entries == counts["d"]
-    # the default stays XOR, and overwrite mode never emits relative entries
-    group2 = LocalTrainingGroup(plan, plan.slice(sd))
+    # XOR on request, and overwrite mode never emits relative entries
+    group2 = LocalTrainingGroup(
+        plan, plan.slice(sd), config=BuildConfig(relative_encoding=Encoding.XOR)
+    )
     group2.stage(plan.slice(new))
     assert {i.encoding for i in build_items(group2, xor={"a", "b"})[0]} == {
         Encoding.XOR,

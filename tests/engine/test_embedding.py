@@ -90,7 +90,7 @@ class Ended:
     outcome: TransitionOutcome
     record: CommitRecord
     modes: list[Mode]  # mode of each attempt the coordinator registered
-    xor_entries: int  # XOR entries the owners built for the first attempt
+    xor_entries: int  # relative (XOR and ULP) entries the owners built for the first attempt
 
 
 def _ranks(cfg: dict, state: Mapping[str, torch.Tensor]) -> list[ShardedReferenceLoader]:
@@ -178,7 +178,8 @@ async def _fleet(tmp_path: Path) -> None:
             outcome=ended.outcome,
             record=ended.record,
             modes=[a.mode for a in attempts],
-            xor_entries=side.stats(attempts[0].attempt).xor_entries,
+            xor_entries=side.stats(attempts[0].attempt).xor_entries
+            + side.stats(attempts[0].attempt).ulp_entries,
         )
 
     async with AsyncExitStack() as stack:

@@ -374,7 +374,7 @@ def test_local_refit_from_sharded_training_state(
         first = refit.refit(w1.state_dict)
         reference = build_model(w1.path)
         assert [bit_mismatches(m, reference) for m in models] == [[], []]
-        assert first.xor_entries > 0 and first.payload_bytes < first.checkpoint_bytes
+        assert first.ulp_entries > 0 and first.payload_bytes < first.checkpoint_bytes
         refit.refit(w2.state_dict, mode="overwrite")
         reference = build_model(w2.path)
         assert [bit_mismatches(m, reference) for m in models] == [[], []]
