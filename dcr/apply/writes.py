@@ -321,7 +321,9 @@ Stage = Sequence[tuple[WritePlan, Encoding]]
 
 def _ulp_add(words: Words, delta: Words) -> Words:
     """``unordered(ordered(words) + delta)`` modulo the word width (numpy)."""
-    return unordered(ordered(words) + delta)
+    o = ordered(words)
+    np.add(o, delta, out=o)  # unsigned: wraps modulo 2**w
+    return unordered(o)
 
 
 def _write_numpy(

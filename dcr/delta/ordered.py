@@ -40,29 +40,41 @@ ULP_DTYPES = frozenset(
 
 _W = TypeVar("_W", bound=np.unsignedinteger[Any])
 
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
-def _sign(words: npt.NDArray[Any]) -> Any:
-    return words.dtype.type(1 << (8 * words.dtype.itemsize - 1))
+
+def _flip_mask(signed: npt.NDArray[Any], *, invert: bool) -> npt.NDArray[Any]:
+    """``(x >> (w-1)) | MIN`` on the signed view (``~x`` first when ``invert``): all ones for
+    a set sign bit, else only the sign bit -- the XOR mask that (un)orders a word."""
+    width = signed.dtype.itemsize * 8
+    mask = np.invert(signed) if invert else signed.copy()
+    np.right_shift(mask, width - 1, out=mask)  # arithmetic: 0 or -1
+    np.bitwise_or(mask, signed.dtype.type(-(1 << (width - 1))), out=mask)
+    return mask
 
 
 def ordered(words: npt.NDArray[_W]) -> npt.NDArray[_W]:
     """The order-preserving pattern of unsigned stored words (a new array)."""
-    sign = _sign(words)
-    negative = (words & sign) != 0
-    return np.where(negative, ~words, words | sign)
+    signed = words.view(_SIGNED[words.dtype.itemsize])
+    mask = _flip_mask(signed, invert=False)
+    np.bitwise_xor(mask, signed, out=mask)
+    return mask.view(words.dtype)
 
 
 def unordered(words: npt.NDArray[_W]) -> npt.NDArray[_W]:
     """Inverse of :func:`ordered` (a new array)."""
-    sign = _sign(words)
-    positive = (words & sign) != 0
-    return np.where(positive, words ^ sign, ~words)
+    signed = words.view(_SIGNED[words.dtype.itemsize])
+    mask = _flip_mask(signed, invert=True)
+    np.bitwise_xor(mask, signed, out=mask)
+    return mask.view(words.dtype)
 
 
 def ulp_delta(new: npt.NDArray[_W], old: npt.NDArray[_W]) -> npt.NDArray[_W]:
     """``(ordered(new) - ordered(old)) mod 2**w``: the ULP encoding's value of each entry."""
+    out = ordered(new)
     with np.errstate(over="ignore"):
-        return ordered(new) - ordered(old)
+        np.subtract(out, ordered(old), out=out)
+    return out
 
 
 def add_ordered(stored: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -74,16 +86,12 @@ def add_ordered(stored: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """
     if stored.dtype != delta.dtype:
         raise TypeError(f"dtype mismatch: {stored.dtype} vs {delta.dtype}")
-    width = stored.element_size() * 8
-    if stored.dtype == torch.uint8:
-        sign = torch.tensor(0x80, dtype=torch.uint8, device=stored.device)
-        neg = (stored & sign) != 0
-        o = torch.where(neg, ~stored, stored | sign) + delta
-        pos = (o & sign) != 0
-        return torch.where(pos, o ^ sign, ~o)
-    # Signed views: the sign bit is the integer's sign; ``| min`` sets it, ``^ min`` flips it.
-    low = torch.tensor(-(1 << (width - 1)), dtype=stored.dtype, device=stored.device)
-    neg = stored < 0
-    o = torch.where(neg, ~stored, stored | low) + delta
-    pos = o < 0
-    return torch.where(pos, o ^ low, ~o)
+    unsigned = stored.dtype == torch.uint8
+    s = stored.view(torch.int8) if unsigned else stored
+    d = delta.view(torch.int8) if unsigned else delta
+    width = s.element_size() * 8
+    low = -(1 << (width - 1))
+    o = s ^ ((s >> (width - 1)) | low)  # arithmetic shift on the signed view
+    o += d
+    out = o ^ ((~o >> (width - 1)) | low)
+    return out.view(torch.uint8) if unsigned else out
