@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
     app = bsub.add_parser(
         "apply",
-        help="in-place apply of one refit against a dense native load (issue 7)",
+        help="in-place apply of one refit against a dense native load",
         description=(
             "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
             "encoded and decoded) are applied with Receiver.apply_items on every rank of each "

@@ -122,9 +122,7 @@ def test_bench_codec_floor_json(capsys):
 
 
 def test_bench_proof_json(capsys):
-    out = run_json(
-        capsys, "bench", "proof", "--size-mb", "16", "--trials", "2", "--repeats", "1"
-    )
+    out = run_json(capsys, "bench", "proof", "--size-mb", "16", "--trials", "2", "--repeats", "1")
     assert out["cost"]["resident_gb"] > 0
     assert out["cost"]["fingerprint_receiver_s_per_gb"] > 0
     # The fingerprint catches every corruption kind in every trial.

@@ -188,7 +188,7 @@ def test_overwrite_retry_repairs_a_partial_mixed_apply():
         assert module_bit_mismatches(a, b) == []
 
 
-# -- proof of the base version (issue 7, point 3) ---------------------------------------------
+# -- proof of the base version -----------------------------------------------------------
 
 
 def _qwen3(seed):

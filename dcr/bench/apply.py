@@ -1,4 +1,4 @@
-"""Apply benchmark (issue 7, point 5): in-place apply of one refit against a dense native load.
+"""Apply benchmark: in-place apply of one refit against a dense native load.
 
 The model is the ``dcr bench construct`` one (a synthetic llama-family bf16 checkpoint in a
 TP=2 training layout, chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``).  For each

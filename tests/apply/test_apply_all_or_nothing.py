@@ -1,4 +1,4 @@
-"""All-or-nothing payloads: a rejected payload leaves every stored bit as it was (issue 7).
+"""All-or-nothing payloads: a rejected payload leaves every stored bit as it was.
 
 Each case builds a payload of valid items plus one bad item at the first, a middle or the last
 position, and compares every stored tensor's integer view before and after.  The valid items

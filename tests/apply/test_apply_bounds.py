@@ -1,4 +1,4 @@
-"""Apply cost is bounded by the payload: ≤ 64 KiB of items costs ≤ 64 MiB and ≤ 1 s (issue 7).
+"""Apply cost is bounded by the payload: ≤ 64 KiB of items costs ≤ 64 MiB and ≤ 1 s.
 
 The bound is the issue's; the real cost is far below it (one loader call per name and encoding
 in a call, merged items, vectorized checks).  The loader-call count is the deterministic part:

@@ -1,4 +1,4 @@
-"""Decoding cost is bounded by the input (issue 7, point 1): no payload or control frame of at
+"""Decoding cost is bounded by the input: no payload or control frame of at
 most 64 KiB costs more than 64 MiB or 1 s of CPU to reject or decode with a small catalog.
 
 Peak memory is tracemalloc's (numpy's allocations are traced); CPU time is

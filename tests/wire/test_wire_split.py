@@ -1,5 +1,5 @@
 """Rice-split coding (format version 2): bit packing, zigzag, nibbles, parameter choice, and
-payloads below the gap + XOR order-0 floor on the paper's workload (issue 7, point 6)."""
+payloads below the gap + XOR order-0 floor on the paper's workload."""
 
 from __future__ import annotations
 
