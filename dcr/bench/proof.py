@@ -32,7 +32,7 @@ from dcr.testing.modules import module_from_state_dict
 from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.testing.updates import perturb
 
-__all__ = ["KINDS", "run_proof_bench"]
+__all__ = ["KINDS", "corrupt", "run_proof_bench"]
 
 KINDS = ("bit", "other", "behind", "layer")
 
@@ -73,13 +73,15 @@ def _cost(size_mb: int, samples: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def _corrupt(
+def corrupt(
     kind: str,
     rng: random.Random,
     sd: Mapping[str, torch.Tensor],
     receivers: Mapping[str, Receiver],
     cfg: Mapping[str, Any],
 ) -> None:
+    """Corrupt the receivers' qwen3 storage in place, one of :data:`KINDS`: one flipped bit in
+    one rank, a whole other version, one refit behind ``sd``, or one layer of another version."""
     with torch.no_grad():
         if kind == "bit":
             rx = receivers[rng.choice(sorted(receivers))]
@@ -115,7 +117,7 @@ def _detection(trials: int, samples: int) -> dict[str, dict[str, float]]:
         rng = random.Random(kind)
         hits = {"sample": 0, "fingerprint": 0}
         for trial in range(trials):
-            _corrupt(kind, rng, sd, receivers, cfg)
+            corrupt(kind, rng, sd, receivers, cfg)
             for label, fingerprint in (("sample", False), ("fingerprint", True)):
                 request = ProofRequest(
                     seed=trial, samples=0 if fingerprint else samples, fingerprint=fingerprint

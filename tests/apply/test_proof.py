@@ -18,6 +18,7 @@ import torch
 from dcr import StateDictSource, TrainLayout
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
+from dcr.bench.proof import KINDS, corrupt
 from dcr.delta import fingerprint
 from dcr.delta.fingerprint import element_hashes, h_reference, hash_view, owner_proof
 from dcr.delta.group import LocalTrainingGroup
@@ -25,7 +26,6 @@ from dcr.delta.records import TensorSpec
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, judge
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.testing.updates import perturb
 
 A_LOG = "model.layers.0.mixer.A_log"
 EXTRA = {A_LOG: TensorSpec(name=A_LOG, shape=(8,), dtype=torch.float32)}
@@ -85,11 +85,7 @@ def test_owners_and_receiver_ranks_agree(family, tp_train, tp_serve):
     assert sum(t.count for t in parts) == src.catalog[name].numel
 
 
-def _flat_params(receiver):
-    return [p for p in receiver.loader.module.parameters() if p.dtype == torch.bfloat16]
-
-
-def _corrupt(kind, rng, sd, receivers, cfg):
+def _corrupt_restorably(kind, rng, sd, receivers, cfg):
     """Corrupt the receivers' storage in place; returns a function that restores it."""
     saved = {
         (n, k): v.detach().clone()
@@ -103,26 +99,11 @@ def _corrupt(kind, rng, sd, receivers, cfg):
                 for k, v in r.loader.module.named_parameters():
                     v.copy_(saved[(n, k)])
 
-    with torch.no_grad():
-        if kind == "bit":
-            rx = receivers[rng.choice(sorted(receivers))]
-            p = rng.choice(_flat_params(rx))
-            flat = p.view(-1).view(torch.int16)
-            flat[rng.randrange(flat.numel())] ^= 1 << rng.randrange(16)
-        else:
-            if kind == "other":
-                other = random_state_dict(cfg, "qwen3", seed=1000 + rng.randrange(10**6))
-            else:
-                other = perturb(sd, rate=0.03, seed=rng.randrange(10**6))
-            if kind == "layer":
-                layer = f"model.layers.{rng.randrange(cfg['num_hidden_layers'])}."
-                other = {k: (other[k] if k.startswith(layer) else v) for k, v in sd.items()}
-            for r in receivers.values():
-                r.loader.dense_load(other)
+    corrupt(kind, rng, sd, receivers, cfg)
     return restore
 
 
-@pytest.mark.parametrize("kind", ["bit", "other", "behind", "layer"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_corruption_is_caught_by_the_fingerprint(kind):
     """100 seeded trials per kind at serving TP 2: the fingerprint catches all of them."""
     cfg, sd, _, group, receivers = _setup("qwen3", 2, 2)
@@ -131,7 +112,7 @@ def test_every_corruption_is_caught_by_the_fingerprint(kind):
     trials = 100
     for trial in range(trials):
         request = ProofRequest(seed=trial, samples=64, fingerprint=True)
-        restore = _corrupt(kind, rng, sd, receivers, cfg)
+        restore = _corrupt_restorably(kind, rng, sd, receivers, cfg)
         owners, ranks = _prove(group, receivers, request)
         assert judge(request, owners, ranks).failed, f"trial {trial} missed"
         sample_only = ProofRequest(seed=trial, samples=64, fingerprint=False)
