@@ -9,8 +9,9 @@ Mapping classes (ARCHITECTURE.md §4): :class:`Direct`, :class:`Replicated`,
 :class:`ColumnParallel` (split dim 0, optional vocabulary padding), :class:`RowParallel` (split
 dim 1), :class:`GatedMLP` (Megatron ``fc1 = [gate_r; up_r]``), :class:`FusedQKV` (a per-element
 permutation of Megatron's per-query-group ``[q heads..., k, v]`` rows), :class:`PerExpert`
-(global expert index ``ep_rank * E / EP + local``) and :class:`Tied` (one source element, several
-canonical destinations).
+(global expert index ``ep_rank * E / EP + local``), :class:`Tied` (one source element, several
+canonical destinations) and :class:`SubTensor` (the shard is one box of the canonical tensor, as a
+DTensor's ``Shard`` placements cut it, even or uneven).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "PerExpert",
     "Replicated",
     "RowParallel",
+    "SubTensor",
     "Tied",
 ]
 
@@ -586,3 +588,104 @@ class Tied(AffineMapping):
 
     def source_blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
         return self.inner.source_blocks(canonical, shard)
+
+
+@dataclass(frozen=True, slots=True)
+class SubTensor(AffineMapping):
+    """The shard is the box ``canonical[offset[0] : offset[0] + shape[0], ...]`` of one tensor.
+
+    This is what ``Shard(d)`` placements of a DTensor give each rank (one or several mesh
+    dimensions, even or uneven chunks, possibly empty): local multi-index ``i`` is canonical
+    multi-index ``offset + i``.  Segments: the dimensions after the last sharded one are
+    contiguous, the sharded rows are spread ``gap`` apart, and one segment covers every run of
+    rows whose stride is uniform (one segment for tensors sharded along one dimension).
+    """
+
+    name: str
+    canonical_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        dims = len(self.canonical_shape)
+        if len(self.offset) != dims or len(self.shape) != dims:
+            raise LayoutError(
+                "offset and shape must have one entry per dimension", tensor=self.name
+            )
+        for o, n, c in zip(self.offset, self.shape, self.canonical_shape, strict=True):
+            if o < 0 or n < 0 or o + n > c:
+                raise LayoutError(
+                    f"box at {list(self.offset)} of {list(self.shape)} is outside "
+                    f"{list(self.canonical_shape)}",
+                    tensor=self.name,
+                )
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return self.shape
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def project(self, local: Index) -> list[Destination]:
+        if not self.shape:
+            return [Destination(name=self.name, indices=local)]
+        multi = np.unravel_index(local, self.shape)
+        moved = tuple(m + o for m, o in zip(multi, self.offset, strict=True))
+        canon = np.ravel_multi_index(moved, self.canonical_shape).astype(np.int64, copy=False)
+        return [Destination(name=self.name, indices=canon)]
+
+    def segments(self) -> list[Segment]:
+        if not self.numel:
+            return []
+        dims = zip(self.shape, self.canonical_shape, strict=True)
+        sharded = [d for d, (n, c) in enumerate(dims) if n != c]
+        if not sharded:
+            return [Segment(0, self.numel, (self.name,), 0)]
+        k = sharded[-1]
+        inner = math.prod(self.canonical_shape[k + 1 :])
+        below = [d for d in sharded if d < k]
+        if k == 0:
+            return [Segment(0, self.numel, (self.name,), self.offset[0] * inner)]
+        # Rows are the dims [p, k): uniform canonical stride, as those after p are whole.
+        p = below[-1] if below else 0
+        period = self.shape[k] * inner
+        gap = (self.canonical_shape[k] - self.shape[k]) * inner
+        rows = math.prod(self.shape[p:k])
+        row_offset = self.offset[p] * math.prod(self.canonical_shape[p + 1 : k])
+        out = []
+        for outer in np.ndindex(*self.shape[:p]):
+            moved = tuple(a + o for a, o in zip(outer, self.offset[:p], strict=True))
+            flat = _flat(moved, self.canonical_shape[:p])
+            start = _flat(outer, self.shape[:p]) * rows * period
+            canon = (
+                (flat * math.prod(self.canonical_shape[p:k]) + row_offset) * self.canonical_shape[k]
+                + self.offset[k]
+            ) * inner
+            if gap:
+                out.append(
+                    Segment(
+                        start,
+                        start + rows * period,
+                        (self.name,),
+                        canon - start - (start // period) * gap,
+                        period=period,
+                        gap=gap,
+                    )
+                )
+            else:
+                out.append(Segment(start, start + rows * period, (self.name,), canon - start))
+        return out
+
+    def blocks(self, canonical: Canonical, shard: torch.Tensor) -> Blocks:
+        box = tuple(slice(o, o + n) for o, n in zip(self.offset, self.shape, strict=True))
+        return [(self.name, canonical[self.name][box], shard)]
+
+
+def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Row-major flat position of multi-index ``index`` in ``shape``."""
+    out = 0
+    for i, n in zip(index, shape, strict=True):
+        out = out * n + i
+    return out
