@@ -7,11 +7,11 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-dev
 PYTEST  ?= -q
 
-.PHONY: help venv demo test test-main test-fast test-vllm lint bench soak docs clean
+.PHONY: help venv demo test test-main test-fast test-vllm test-megatron lint bench soak docs clean
 
 help:
 	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
-	@echo "make test       lint, type-check and run the whole suite (incl. heavy and vLLM tests)"
+	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
 	@echo "make bench      dcr bench codec, construct, apply, proof, relay (JSON to out/)"
 	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
@@ -42,7 +42,11 @@ test-vllm:
 	scripts/vllm-venv.sh
 	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm
 
-test: test-main test-vllm
+test-megatron:
+	scripts/megatron-venv.sh
+	.venv-megatron/bin/python -m pytest $(PYTEST) tests/megatron
+
+test: test-main test-vllm test-megatron
 
 bench: $(STAMP)
 	mkdir -p out
@@ -63,4 +67,4 @@ docs: $(STAMP)
 	$(BIN)/python scripts/gen_protocol_doc.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache .hypothesis out
+	rm -rf $(VENV) .venv-vllm .venv-megatron .pytest_cache .mypy_cache .ruff_cache .hypothesis out
