@@ -17,7 +17,8 @@ help:
 	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
 	@echo "make docs       regenerate generated docs (protocol state diagram)"
 
-$(STAMP): pyproject.toml
+# setup.py and the C source: a changed kernel is rebuilt by the editable install.
+$(STAMP): pyproject.toml setup.py dcr/_kernels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -32,8 +33,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check dcr tests
 	$(BIN)/mypy dcr
 
+# DCR_REQUIRE_NATIVE=1: the C kernels must have been built (tests/test_native.py checks).
 test-main: lint
-	$(BIN)/python -m pytest $(PYTEST)
+	DCR_REQUIRE_NATIVE=1 $(BIN)/python -m pytest $(PYTEST)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST) -m "not heavy"

@@ -1,8 +1,18 @@
-"""Suite-wide settings: the vLLM tests run only in their own virtualenv (`make test-vllm`)."""
+"""Suite-wide settings and fixtures.
+
+The vLLM tests run only in their own virtualenv (`make test-vllm`).  ``numpy_path`` runs a test
+with dcr's C kernels disabled (the numpy implementations they must agree with); modules that
+set ``pytestmark = pytest.mark.usefixtures("both_paths")`` run every test on both.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+import dcr.native
 
 
 def _vllm_installed() -> bool:
@@ -12,3 +22,21 @@ def _vllm_installed() -> bool:
 
 
 collect_ignore = [] if _vllm_installed() else ["vllm"]
+
+
+@pytest.fixture
+def numpy_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The data plane without its C kernels (numpy everywhere)."""
+    monkeypatch.setattr(dcr.native, "kernels", None)
+    yield
+
+
+_PATHS = ["native", "numpy"] if dcr.native.kernels is not None else ["numpy"]
+
+
+@pytest.fixture(params=_PATHS)
+def both_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run once with the C kernels (where built) and once with numpy only."""
+    if request.param == "numpy":
+        monkeypatch.setattr(dcr.native, "kernels", None)
+    yield request.param

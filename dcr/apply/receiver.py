@@ -26,15 +26,17 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr import native
 from dcr.apply.call import Fail, LoaderCall, run_loader
 from dcr.apply.geometry import IndexMap
 from dcr.apply.hook import SourceKind
@@ -452,23 +454,10 @@ class Receiver:
         else:
             indices = np.concatenate([i.indices for i in items])
             values = np.concatenate([i.values for i in items])
+        kernels = native.kernels
         if indices.size:
-            rising = indices[1:] > indices[:-1]
-            ordered = bool(rising.all())
-            if not ordered and len(items) > 1:
-                # Item boundaries may fall anywhere; inside each item the order is strict.
-                ends = np.cumsum([len(i.indices) for i in items])[:-1] - 1
-                rising[ends[(ends >= 0) & (ends < rising.size)]] = True
-            if not ordered and not bool(rising.all()):
-                raise reject("indices must be strictly increasing", "schema")
-            if not ordered:
-                order = np.argsort(indices, kind="stable")
-                indices, values = indices[order], values[order]
-                if not bool((indices[1:] > indices[:-1]).all()):
-                    raise reject(
-                        f"two {encoding.name} items of this tensor write the same position",
-                        "overlap",
-                    )
+            if kernels is None or not kernels.increasing(indices):
+                indices, values = self._sorted(items, indices, values, encoding, reject)
             if int(indices[0]) < 0 or int(indices[-1]) >= spec.numel:
                 raise reject("index out of range", "bounds")
         return _Group(
@@ -478,6 +467,34 @@ class Receiver:
             entries=entries_of(indices, values, spec.dtype),
             merged=len(items),
         )
+
+    @staticmethod
+    def _sorted(
+        items: list[Item],
+        indices: npt.NDArray[np.int64],
+        values: npt.NDArray[Any],
+        encoding: Encoding,
+        reject: Callable[[str, str], PayloadRejected],
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[Any]]:
+        """The merged entries of ``items`` sorted by index; raises if an item's indices do
+        not strictly increase or two items share a position."""
+        rising = indices[1:] > indices[:-1]
+        ordered = bool(rising.all())
+        if not ordered and len(items) > 1:
+            # Item boundaries may fall anywhere; inside each item the order is strict.
+            ends = np.cumsum([len(i.indices) for i in items])[:-1] - 1
+            rising[ends[(ends >= 0) & (ends < rising.size)]] = True
+        if not ordered and not bool(rising.all()):
+            raise reject("indices must be strictly increasing", "schema")
+        if not ordered:
+            order = np.argsort(indices, kind="stable")
+            indices, values = indices[order], values[order]
+            if not bool((indices[1:] > indices[:-1]).all()):
+                raise reject(
+                    f"two {encoding.name} items of this tensor write the same position",
+                    "overlap",
+                )
+        return indices, values
 
     def _stages(self, groups: list[_Group], planned: list[_Planned]) -> list[Stage]:
         """Writes that may run concurrently, in payload order where order matters.

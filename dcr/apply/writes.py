@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr import native
 from dcr.apply.call import Fail
 from dcr.apply.geometry import IndexMap, byte_intervals, enumerate_map, overlapping_groups
 from dcr.apply.hook import InterceptedCopy
@@ -364,9 +365,34 @@ def _write_torch(
     return int((undone != before).sum())
 
 
+def _run_native(
+    kernels: Any, plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
+) -> tuple[int, int]:
+    """:func:`_run_chunk` in C: one pass maps, reads, applies, writes (and re-reads)."""
+    flat = _words(plan.flat)
+    if plan.entries is None:
+        assert plan.positions is not None and plan.values is not None
+        pos = plan.positions[start:stop]
+        return int(pos.shape[0]), int(
+            kernels.rmw(flat, pos, plan.values[start:stop], int(encoding), check)
+        )
+    imap = plan.imap
+    assert imap is not None
+    entries = plan.entries
+    dims = np.array(imap.dims, dtype=np.int64).reshape(-1)
+    written, wrong = kernels.rmw_mapped(
+        flat, entries.indices, entries.values, start, stop, imap.src_offset, imap.dst_offset,
+        dims, int(encoding), check,
+    )  # fmt: skip
+    return int(written), int(wrong)
+
+
 def _run_chunk(
     plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
 ) -> tuple[int, int]:
+    kernels = native.kernels
+    if kernels is not None and plan.cast is None and plan.flat.device.type == "cpu":
+        return _run_native(kernels, plan, encoding, start, stop, check)
     pos, values = plan.chunk(start, stop)
     if not pos.size:
         return 0, 0

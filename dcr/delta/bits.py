@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr import native
+from dcr.delta.ordered import ulp_delta
 from dcr.errors import ConfigError
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "bits",
     "bits_dtype",
     "changed_indices",
+    "changed_values",
     "changed_words",
     "dtype_name",
     "numpy_bits_dtype",
@@ -164,6 +167,68 @@ def _words(a: UInt, b: UInt, new_values: bool) -> tuple[Index, UInt, UInt | None
     return pos, lanes.take(hit, mode="clip"), nv
 
 
+def _check_views(new: UInt, old: UInt, what: str) -> None:
+    if new.ndim != 1 or new.shape != old.shape or new.dtype != old.dtype or new.dtype.kind != "u":
+        raise ConfigError(
+            f"{what} needs two 1-D unsigned bit views of one shape, got "
+            f"{new.dtype}{list(new.shape)} and {old.dtype}{list(old.shape)}",
+            check="shape",
+        )
+
+
+_SLACK = 64
+"""Entries the C scan may write past the changed count (whole-vector stores)."""
+
+
+def _scan_buffers(
+    n: int, dtype: np.dtype[Any]
+) -> tuple[npt.NDArray[np.uint32], UInt, UInt]:
+    """This thread's output buffers of the C scan, for ``n`` entries (reused)."""
+    key = f"scan{dtype.itemsize}"
+    bufs: tuple[npt.NDArray[np.uint32], UInt, UInt] | None = getattr(_scratch, key, None)
+    if bufs is None or bufs[0].shape[0] < n + _SLACK:
+        size = max(n, _BLOCK) + _SLACK
+        bufs = (np.empty(size, np.uint32), np.empty(size, dtype), np.empty(size, dtype))
+        setattr(_scratch, key, bufs)
+    return bufs
+
+
+def changed_values(
+    new: UInt, old: UInt, kind: str, *, offset: int = 0
+) -> tuple[Index, UInt, UInt | None]:
+    """Where two 1-D bit views differ, and what construction sends there, in one pass.
+
+    ``kind`` is ``"xor"`` (``new ^ old``), ``"ulp"`` (the ULP delta,
+    :func:`~dcr.delta.ordered.ulp_delta`), ``"new"`` (the new words) or ``"xor+new"`` (both:
+    the second array holds the new words).  Returns sorted int64 positions, the values and the
+    second array or ``None``; the arrays are new and exactly as long as the changed set.
+    ``offset`` is added to every position.  Runs in C when :mod:`dcr.native` has its kernels
+    (one pass: detect, gather, encode), else through :func:`changed_words`; blocks of more
+    than ``2**32 - 1`` elements go through :func:`changed_words` too.
+    """
+    _check_views(new, old, "changed_values")
+    if kind not in native.SCAN_KIND:
+        raise ConfigError(f"unknown scan kind {kind!r}", check="kind")
+    k = native.kernels
+    if k is None or new.shape[0] >= 1 << 32:
+        pos, xv, nv = changed_words(new, old, new_values=kind != "xor")
+        if offset:
+            pos += offset
+        if kind == "xor":
+            return pos, xv, None
+        assert nv is not None
+        if kind == "new":
+            return pos, nv, None
+        if kind == "ulp":
+            return pos, ulp_delta(nv, nv ^ xv), None
+        return pos, xv, nv
+    pos_buf, out, out2 = _scan_buffers(new.shape[0], new.dtype)
+    count = k.scan(new, old, native.SCAN_KIND[kind], pos_buf, out, out2)
+    second = out2[:count].copy() if kind == "xor+new" else None
+    pos = np.add(pos_buf[:count], np.int64(offset), dtype=np.int64)
+    return pos, out[:count].copy(), second
+
+
 def changed_words(
     new: UInt, old: UInt, *, new_values: bool = False
 ) -> tuple[Index, UInt, UInt | None]:
@@ -175,12 +240,7 @@ def changed_words(
     on blocks of about a million elements; numpy releases the GIL, so blocks run in
     parallel threads.
     """
-    if new.ndim != 1 or new.shape != old.shape or new.dtype != old.dtype or new.dtype.kind != "u":
-        raise ConfigError(
-            f"changed_words needs two 1-D unsigned bit views of one shape, got "
-            f"{new.dtype}{list(new.shape)} and {old.dtype}{list(old.shape)}",
-            check="shape",
-        )
+    _check_views(new, old, "changed_words")
     n = new.shape[0]
     width = new.itemsize
     if width >= 8 or n < 64:
@@ -232,7 +292,7 @@ def changed_indices(
     parts = []
     for start in range(0, n, block):
         stop = min(start + block, n)
-        hit = changed_words(a[start:stop], b[start:stop])[0]
+        hit = changed_values(a[start:stop], b[start:stop], "xor")[0]
         if hit.size:
             if start:
                 hit += start

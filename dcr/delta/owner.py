@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits, changed_indices, changed_words
+from dcr.delta.bits import bits, changed_indices, changed_values
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.ordered import ULP_DTYPES, ulp_delta
@@ -238,31 +238,45 @@ class _Hits:
     project_seconds: float
 
 
+_SCAN_KINDS = {Encoding.XOR: "xor", Encoding.ULP: "ulp", Encoding.OVERWRITE: "new"}
+
+
 def _scan(block: _Block) -> _Hits:
-    """Detect, gather and project one block (runs on a worker thread)."""
+    """Detect, gather and project one block (runs on a worker thread).
+
+    One pass finds the changed words and gathers what their encoding sends (XOR masks, ULP
+    deltas or new words; :func:`~dcr.delta.bits.changed_values`); a segment whose names take
+    several encodings (tied tensors on different loader paths) gathers masks and new words
+    and derives the rest.
+    """
     t0 = time.thread_time()
     encodings = block.encodings
-    wants_new = any(e is not Encoding.XOR for e in encodings)
-    pos, xor, new = changed_words(
+    distinct = set(encodings)
+    kind = _SCAN_KINDS[encodings[0]] if len(distinct) == 1 else "xor+new"
+    if not encodings:
+        kind = "xor"
+    pos, first, second = changed_values(
         block.new[block.start : block.stop],
         block.old[block.start : block.stop],
-        new_values=wants_new,
+        kind,
+        offset=block.start,
     )
     t1 = time.thread_time()
-    if block.start:
-        pos += block.start
     canonical = None
     values: dict[Encoding, UInt] = {}
     if pos.size and encodings:
         canonical = block.segment.canonical(pos)
-        for enc in encodings:
-            if enc in values:
-                continue
-            if enc is Encoding.XOR:
-                values[enc] = xor
-            else:
-                assert new is not None
-                values[enc] = new if enc is Encoding.OVERWRITE else ulp_delta(new, new ^ xor)
+        if second is None:
+            values[encodings[0]] = first
+        else:
+            xor, new = first, second
+            for enc in distinct:
+                if enc is Encoding.XOR:
+                    values[enc] = xor
+                elif enc is Encoding.OVERWRITE:
+                    values[enc] = new
+                else:
+                    values[enc] = ulp_delta(new, new ^ xor)
     return _Hits(pos, canonical, values, t1 - t0, time.thread_time() - t1)
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from dcr import native
 from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
 from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, Item
@@ -54,8 +56,9 @@ from dcr.wire.split import (
     gap_k,
     pack_bits,
     pack_nibbles,
+    remainder_bytes,
     split,
-    value_k,
+    value_k_of,
     zigzag,
 )
 
@@ -177,10 +180,6 @@ def _classes() -> Classes:
     return {w: [] for w in WORD_WIDTHS}
 
 
-def _class_bytes(classes: Classes) -> int:
-    return sum(w * sum(int(a.shape[0]) for a in arrays) for w, arrays in classes.items())
-
-
 def encode_payload(
     header: PayloadHeader,
     items: Sequence[Item],
@@ -211,8 +210,9 @@ def encode_payload(
         compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
         compressed = compressor.compress(body.data)
     else:
-        body, cuts = _body_v2(items, layout, attempt)
-        compressed = _compress_sections(body, cuts, level)
+        sections = _body_v2(items, layout, attempt)
+        body_size = sum(int(sec.shape[0]) for sec in sections)
+        compressed = _compress_sections(sections, body_size, level)
     fixed = HEADER_FIELDS.pack(
         MAGIC,
         version,
@@ -226,7 +226,7 @@ def encode_payload(
         level,
         len(items),
         0,
-        body.shape[0],
+        body.shape[0] if version == V1 else body_size,
         len(compressed),
     )
     return b"".join((fixed, payload_digest(fixed, compressed), compressed))
@@ -238,10 +238,10 @@ gets Huffman tables of its own instead of sharing one with a differently distrib
 neighbour."""
 
 
-def _compress_sections(body: npt.NDArray[np.uint8], cuts: list[int], level: int) -> bytes:
-    """One zstd frame (content size stated, window at most ``2**WINDOW_LOG_MAX``) of ``body``,
-    with a block boundary at each of the section ends ``cuts`` that follows enough data."""
-    size = int(body.shape[0])
+def _compress_sections(sections: list[npt.NDArray[np.uint8]], size: int, level: int) -> bytes:
+    """One zstd frame (content size stated, window at most ``2**WINDOW_LOG_MAX``) of the
+    concatenated ``sections`` (``size`` bytes in all), with a block boundary at the end of
+    each section that follows enough data."""
     params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size)
     if params.window_log > WINDOW_LOG_MAX:
         params = zstandard.ZstdCompressionParameters.from_level(
@@ -249,26 +249,134 @@ def _compress_sections(body: npt.NDArray[np.uint8], cuts: list[int], level: int)
         )
     compressor = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
     out: list[bytes] = []
-    view = body.data
     done = pending = 0
-    for cut in [*cuts, size]:
-        if cut <= done:
+    for section in sections:
+        n = int(section.shape[0])
+        if not n:
             continue
-        out.append(compressor.compress(view[done:cut]))
-        pending += cut - done
-        done = cut
-        if pending >= _FLUSH_MIN and cut < size:
+        out.append(compressor.compress(section.data))
+        pending += n
+        done += n
+        if pending >= _FLUSH_MIN and done < size:
             out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
             pending = 0
     out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
     return b"".join(out)
 
 
+@dataclass(slots=True)
+class _Streams:
+    """Rice-split streams of one kind (locations or ULP values) of a payload: the symbol
+    stream, one remainder stream per parameter (ascending) and the escapes in item order."""
+
+    symbols: npt.NDArray[np.uint8]
+    remainders: list[npt.NDArray[np.uint8]]
+    escapes: list[npt.NDArray[np.uint64]]
+
+    @property
+    def escape_count(self) -> int:
+        return sum(int(a.shape[0]) for a in self.escapes)
+
+
+_Job = tuple[str, int, npt.NDArray[Any]]
+"""One item's words to split: tensor name (for errors), Rice parameter, the item's array
+(sorted indices for locations, ULP deltas for values)."""
+
+
+def _split_numpy(jobs: list[_Job], gaps: bool, attempt: int) -> _Streams:
+    cap = GAP_CAP if gaps else VALUE_CAP
+    symbols: list[npt.NDArray[np.uint8]] = []
+    remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
+    escapes: list[npt.NDArray[np.uint64]] = []
+    for name, k, array in jobs:
+        if gaps:
+            words = np.subtract(array[1:], array[:-1])
+            if int(words.min()) < 1:
+                raise ConfigError(
+                    "indices must be strictly increasing", attempt=attempt, tensor=name
+                )
+            words = words.view(np.uint64)
+            words -= np.uint64(1)
+        else:
+            words = zigzag(array)
+        sym, esc, rem = split(words, k, cap)
+        symbols.append(sym)
+        if esc.shape[0]:
+            escapes.append(esc)
+        if k:
+            remainders.setdefault(k, []).append(rem)
+    packed = _concat(symbols)
+    return _Streams(
+        symbols=packed if gaps else pack_nibbles(packed),
+        remainders=[pack_bits(_concat(remainders[k]), k) for k in sorted(remainders)],
+        escapes=escapes,
+    )
+
+
+def _split_native(jobs: list[_Job], gaps: bool, attempt: int, kernels: Any) -> _Streams:
+    """:func:`_split_numpy` in C: every item's words go straight into the shared streams."""
+    cap = GAP_CAP if gaps else VALUE_CAP
+    sizes = [int(a.shape[0]) - 1 if gaps else int(a.shape[0]) for _, _, a in jobs]
+    per_k: dict[int, int] = {}
+    for (_, k, _), n in zip(jobs, sizes, strict=True):
+        if k:
+            per_k[k] = per_k.get(k, 0) + n
+    total = sum(sizes)
+    symbols = np.empty(total, np.uint8) if gaps else np.zeros((total + 1) // 2, np.uint8)
+    streams = {k: np.zeros(remainder_bytes(n, k), np.uint8) for k, n in sorted(per_k.items())}
+    empty = np.empty(0, np.uint8)
+    split_fn = kernels.split_gaps if gaps else kernels.split_ulp
+    escapes: list[npt.NDArray[np.uint64]] = []
+    at_sym = 0
+    at_rem = dict.fromkeys(per_k, 0)
+    for (name, k, array), n in zip(jobs, sizes, strict=True):
+        esc = np.empty(n, np.uint64)
+        n_esc = split_fn(
+            array, k, cap, symbols, at_sym, streams.get(k, empty), per_k.get(k, 0),
+            at_rem.get(k, 0), esc,
+        )  # fmt: skip
+        if n_esc < 0:
+            raise ConfigError("indices must be strictly increasing", attempt=attempt, tensor=name)
+        if n_esc:
+            escapes.append(esc[:n_esc].copy())
+        at_sym += n
+        if k:
+            at_rem[k] += n
+    return _Streams(symbols=symbols, remainders=list(streams.values()), escapes=escapes)
+
+
+def _split_streams(jobs: list[_Job], *, gaps: bool, attempt: int) -> _Streams:
+    """The streams of ``jobs`` (gaps of sorted indices, or ULP deltas), in C when built."""
+    kernels = native.kernels
+    if kernels is None:
+        return _split_numpy(jobs, gaps, attempt)
+    return _split_native(jobs, gaps, attempt, kernels)
+
+
+def _class_sections(classes: Classes, layout: ValueLayout) -> list[npt.NDArray[np.uint8]]:
+    """The width classes of ``classes`` as body sections: one per byte plane, or one per
+    class in the plain layout."""
+    out: list[npt.NDArray[np.uint8]] = []
+    for width in WORD_WIDTHS:
+        arrays = classes[width]
+        total = sum(int(a.shape[0]) for a in arrays)
+        if not total:
+            continue
+        region = np.empty(total * width, dtype=np.uint8)
+        _write_classes(region, 0, {**_classes(), width: arrays}, layout)
+        if layout is ValueLayout.BYTEPLANE:
+            out.extend(region.reshape(width, total))
+        else:
+            out.append(region)
+    return out
+
+
 def _body_v2(
     items: Sequence[Item], layout: ValueLayout, attempt: int
-) -> tuple[npt.NDArray[np.uint8], list[int]]:
-    """The uncompressed version 2 body of ``items`` and its section ends (byte planes
-    included)."""
+) -> list[npt.NDArray[np.uint8]]:
+    """The uncompressed version 2 body of ``items`` as its sections, in order (each section
+    ends a zstd block if it is long enough: byte planes and streams get Huffman tables of
+    their own)."""
     tensors: dict[str, tuple[int, tuple[int, ...], Any]] = {}
     tensor_list: list[bytes] = []
     n_items = len(items)
@@ -279,15 +387,12 @@ def _body_v2(
     value_ks = [0] * n_items
     counts = [0] * n_items
     starts = [0] * n_items
-    location_symbols: list[npt.NDArray[np.uint8]] = []
-    location_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
-    location_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
+    location_jobs: list[_Job] = []
+    value_jobs: list[_Job] = []
     value_words = _classes()
-    value_symbols: list[npt.NDArray[np.uint8]] = []
-    value_remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
-    value_escapes: list[npt.NDArray[np.unsignedinteger[Any]]] = []
     rice = int(LocationKind.RICE)
     ulp = Encoding.ULP
+    kernels = native.kernels
     for i, item in enumerate(items):
         name, shape = _entry_metadata(item, attempt, 2)
         known = tensors.get(item.name)
@@ -316,31 +421,19 @@ def _body_v2(
             first, last = int(idx[0]), int(idx[-1])
             starts[i] = first
             if count > 1:
-                gaps = np.subtract(idx[1:], idx[:-1])
-                if int(gaps.min()) < 1:
-                    raise ConfigError("indices must be strictly increasing", tensor=item.name)
                 if last - first != count - 1:
                     kinds[i] = rice
                     k = gap_k(count, first, last)
                     location_ks[i] = k
-                    words = gaps.view(np.uint64)
-                    words -= np.uint64(1)
-                    sym, esc, rem = split(words, k, GAP_CAP)
-                    location_symbols.append(sym)
-                    if esc.shape[0]:
-                        location_escapes.append(esc)
-                    if k:
-                        location_remainders.setdefault(k, []).append(rem)
+                    location_jobs.append((item.name, k, idx))
+                elif not _increasing(idx, kernels):
+                    raise ConfigError(
+                        "indices must be strictly increasing", attempt=attempt, tensor=item.name
+                    )
             if encoding is ulp:
-                zz = zigzag(item.values)
-                k = value_k(zz)
+                k = value_k_of(item.values)
                 value_ks[i] = k
-                sym, esc, rem = split(zz, k, VALUE_CAP)
-                value_symbols.append(sym)
-                if esc.shape[0]:
-                    value_escapes.append(esc)
-                if k:
-                    value_remainders.setdefault(k, []).append(rem)
+                value_jobs.append((item.name, k, item.values))
             else:
                 value_words[item.values.dtype.itemsize].append(item.values)
 
@@ -355,64 +448,31 @@ def _body_v2(
         ("start", starts),
     ):
         records[field] = column
+    loc = _split_streams(location_jobs, gaps=True, attempt=attempt)
+    val = _split_streams(value_jobs, gaps=False, attempt=attempt)
     tensor_bytes = b"".join(tensor_list)
-    loc_rem = _remainder_streams(location_remainders)
-    val_rem = _remainder_streams(value_remainders)
-    loc_sym = _concat(location_symbols)
-    val_sym = pack_nibbles(_concat(value_symbols))
-    loc_esc: Classes = {**_classes(), 8: location_escapes}
-    val_esc: Classes = {**_classes(), 8: value_escapes}
-    n_loc_esc = sum(int(a.shape[0]) for a in location_escapes)
-    n_val_esc = sum(int(a.shape[0]) for a in value_escapes)
-    head = PREAMBLE_V2.size + len(tensor_bytes) + records.nbytes
-    size = (
-        head
-        + loc_sym.shape[0]
-        + sum(int(a.shape[0]) for a in loc_rem)
-        + 8 * n_loc_esc
-        + _class_bytes(value_words)
-        + val_sym.shape[0]
-        + sum(int(a.shape[0]) for a in val_rem)
-        + 8 * n_val_esc
+    head = bytearray(PREAMBLE_V2.size)
+    PREAMBLE_V2.pack_into(
+        head, 0, len(tensors), 0, len(tensor_bytes), loc.escape_count, val.escape_count
     )
-    body = np.empty(size, dtype=np.uint8)
-    PREAMBLE_V2.pack_into(body.data, 0, len(tensors), 0, len(tensor_bytes), n_loc_esc, n_val_esc)
-    offset = PREAMBLE_V2.size
-    body[offset : offset + len(tensor_bytes)] = np.frombuffer(tensor_bytes, dtype=np.uint8)
-    offset += len(tensor_bytes)
-    body[offset : offset + records.nbytes] = records.view(np.uint8)
-    offset += records.nbytes
-    cuts = [offset]
-    body[offset : offset + loc_sym.shape[0]] = loc_sym
-    offset += loc_sym.shape[0]
-    cuts.append(offset)
-    offset = _write_streams(body, offset, loc_rem, cuts)
-    offset = _write_classes(body, offset, loc_esc, layout, cuts)
-    offset = _write_classes(body, offset, value_words, layout, cuts)
-    body[offset : offset + val_sym.shape[0]] = val_sym
-    offset += val_sym.shape[0]
-    cuts.append(offset)
-    offset = _write_streams(body, offset, val_rem, cuts)
-    offset = _write_classes(body, offset, val_esc, layout, cuts)
-    assert offset == size
-    return body, cuts
+    head += tensor_bytes
+    head += records.tobytes()
+    return [
+        np.frombuffer(head, dtype=np.uint8),
+        loc.symbols,
+        *loc.remainders,
+        *_class_sections({**_classes(), 8: loc.escapes}, layout),
+        *_class_sections(value_words, layout),
+        val.symbols,
+        *val.remainders,
+        *_class_sections({**_classes(), 8: val.escapes}, layout),
+    ]
 
 
-def _remainder_streams(
-    remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]],
-) -> list[npt.NDArray[np.uint8]]:
-    """One bit stream per Rice parameter, ascending, of every remainder with that parameter."""
-    return [pack_bits(_concat(remainders[k]), k) for k in sorted(remainders)]
-
-
-def _write_streams(
-    body: npt.NDArray[np.uint8], offset: int, streams: list[npt.NDArray[np.uint8]], cuts: list[int]
-) -> int:
-    for stream in streams:
-        body[offset : offset + stream.shape[0]] = stream
-        offset += stream.shape[0]
-        cuts.append(offset)
-    return offset
+def _increasing(idx: npt.NDArray[np.int64], kernels: Any) -> bool:
+    if kernels is not None:
+        return bool(kernels.increasing(idx))
+    return bool((idx[1:] > idx[:-1]).all())
 
 
 def _concat(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:

@@ -33,6 +33,7 @@ __all__ = [
     "unpack_nibbles",
     "unzigzag",
     "value_k",
+    "value_k_of",
     "zigzag",
 ]
 
@@ -77,6 +78,12 @@ def value_k(words: npt.NDArray[np.unsignedinteger[Any]]) -> int:
     rank = min(m - 1, m - 1 - m // 256)
     t = int(np.partition(sample, rank)[rank])
     return 0 if t < VALUE_CAP else (t // VALUE_CAP).bit_length()
+
+
+def value_k_of(values: npt.NDArray[np.unsignedinteger[Any]]) -> int:
+    """:func:`value_k` of ``zigzag(values)``, zigzagging only the sample it looks at."""
+    n = int(values.shape[0])
+    return value_k(zigzag(values[:: max(1, n // _SAMPLE)]))
 
 
 def zigzag(values: npt.NDArray[np.unsignedinteger[Any]]) -> npt.NDArray[np.unsignedinteger[Any]]:

@@ -134,8 +134,10 @@ def test_ulp_items_through_a_sharded_loader_equal_a_dense_load() -> None:
         assert bit_diff(snapshot(loader.module), snapshot(want.module)) == []
 
 
+@pytest.mark.usefixtures("numpy_path")
 def test_the_post_apply_check_catches_a_wrong_ulp_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check re-reads the written bits: a write that lands wrong is reported."""
+    """The check re-reads the written bits: a write that lands wrong is reported (numpy
+    writer; the C writer's check is tested in tests/test_native.py)."""
     old, new = _pair(torch.bfloat16, 100, seed=9)
     w0 = {"x": _tensor(old, torch.bfloat16)}
     module = One(old.size, torch.bfloat16)

@@ -1,0 +1,892 @@
+/*
+ * dcr._kernels: the data plane's hot loops in C (optional; dcr.native falls back to numpy).
+ *
+ * Every function takes buffers (numpy arrays) and plain integers, checks every length and
+ * offset against the buffers it was given before it touches memory, and releases the GIL while
+ * it runs, so blocks of one model run on several cores from Python threads.  The numpy
+ * implementations in dcr.delta.bits, dcr.wire.split and dcr.apply.writes define the results;
+ * tests compare both on every width and edge case.
+ *
+ *   scan           changed elements of two bit views: positions and XOR / ULP / new values
+ *   isa, set_isa   the scan's instruction-set level (portable, AVX2, AVX-512)
+ *   split_gaps     Rice split of the gaps between sorted positions (payload format 2)
+ *   split_ulp      Rice split of zigzagged ULP deltas, symbols as nibbles (payload format 2)
+ *   rmw            read-modify-write of storage words at positions (XOR, ULP, overwrite)
+ *   rmw_mapped     the same, positions mapped from canonical indices through a view geometry
+ *   increasing     whether int64 indices are strictly increasing
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__) || defined(_M_X64)
+#include <emmintrin.h>
+#define DCR_SSE2 1
+#endif
+
+enum { K_XOR = 0, K_ULP = 1, K_NEW = 2, K_XOR_NEW = 3 };
+/* Entry encodings: the wire codes of dcr.delta.records.Encoding. */
+enum { E_XOR = 0, E_OVERWRITE = 1, E_ULP = 2 };
+
+/* ------------------------------------------------------------------ word helpers */
+
+static inline uint64_t load_word(const unsigned char *p, int w) {
+    switch (w) {
+    case 1: return *(const uint8_t *)p;
+    case 2: { uint16_t v; memcpy(&v, p, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, p, 4); return v; }
+    default: { uint64_t v; memcpy(&v, p, 8); return v; }
+    }
+}
+
+static inline void store_word(unsigned char *p, int w, uint64_t v) {
+    switch (w) {
+    case 1: *(uint8_t *)p = (uint8_t)v; break;
+    case 2: { uint16_t x = (uint16_t)v; memcpy(p, &x, 2); break; }
+    case 4: { uint32_t x = (uint32_t)v; memcpy(p, &x, 4); break; }
+    default: memcpy(p, &v, 8); break;
+    }
+}
+
+static inline uint64_t width_mask(int w) { return w == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * w)) - 1); }
+
+/* Order-preserving pattern of a w-byte word (dcr.delta.ordered.ordered): non-negative
+ * patterns get the sign bit set, negative ones are inverted. */
+static inline uint64_t ordered_word(uint64_t x, int w) {
+    uint64_t sign = (uint64_t)1 << (8 * w - 1);
+    return (x & sign) ? (~x & width_mask(w)) : (x | sign);
+}
+
+static inline uint64_t unordered_word(uint64_t y, int w) {
+    uint64_t sign = (uint64_t)1 << (8 * w - 1);
+    return (y & sign) ? (y & ~sign) : (~y & width_mask(w));
+}
+
+static inline uint64_t zigzag_word(uint64_t x, int w) {
+    unsigned bits = 8 * (unsigned)w;
+    uint64_t m = width_mask(w);
+    uint64_t neg = (x >> (bits - 1)) & 1;
+    return ((x << 1) ^ (neg ? m : 0)) & m;
+}
+
+/* ------------------------------------------------------------------ buffer helpers */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static void release(Buf *b) {
+    if (b->held) {
+        PyBuffer_Release(&b->view);
+        b->held = 0;
+    }
+}
+
+/* A C-contiguous buffer of `obj`; writable if asked.  Returns 0 and sets an exception on
+ * failure. */
+static int get_buf(PyObject *obj, Buf *b, int writable, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", what,
+                     writable ? " writable" : "");
+        return 0;
+    }
+    b->held = 1;
+    if (b->view.itemsize != 1 && b->view.itemsize != 2 && b->view.itemsize != 4 &&
+        b->view.itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "%s has item size %zd (1, 2, 4 or 8 expected)", what,
+                     b->view.itemsize);
+        release(b);
+        return 0;
+    }
+    return 1;
+}
+
+static inline Py_ssize_t count_of(const Buf *b) { return b->view.len / b->view.itemsize; }
+
+static int need_itemsize(const Buf *b, Py_ssize_t size, const char *what) {
+    if (b->view.itemsize != size) {
+        PyErr_Format(PyExc_ValueError, "%s must have %zd-byte items, has %zd", what, size,
+                     b->view.itemsize);
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ scan */
+
+/* Instruction-set level of the scan: 0 portable (SSE2 on x86-64), 1 AVX2, 2 AVX-512 (BW,
+ * VBMI2).  Chosen at import from what the CPU and OS support; set_isa() can lower it (tests
+ * run every level the machine has). */
+static int isa_level = 0;
+static int isa_max = 0;
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define DCR_X86_DISPATCH 1
+#include <immintrin.h>
+#define TARGET_AVX2 __attribute__((target("avx2,popcnt")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
+#endif
+
+/* Bit j of the result is set when byte j of the 64 bytes at a and b differ. */
+static inline uint64_t byte_diff_mask(const unsigned char *a, const unsigned char *b) {
+#ifdef DCR_SSE2
+    uint64_t eq = 0;
+    for (int q = 0; q < 4; q++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * q));
+        __m128i y = _mm_loadu_si128((const __m128i *)(b + 16 * q));
+        eq |= (uint64_t)(uint32_t)_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) << (16 * q);
+    }
+    return ~eq;
+#else
+    uint64_t m = 0;
+    for (int q = 0; q < 8; q++) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * q, 8);
+        memcpy(&y, b + 8 * q, 8);
+        uint64_t d = x ^ y;
+        if (!d) continue;
+        for (int j = 0; j < 8; j++)
+            if ((d >> (8 * j)) & 0xFF) m |= (uint64_t)1 << (8 * q + j);
+    }
+    return m;
+#endif
+}
+
+/* Fold a byte mask into one bit per w-byte element (at the element's first byte). */
+static inline uint64_t element_mask(uint64_t m, int w) {
+    switch (w) {
+    case 1: return m;
+    case 2: return (m | (m >> 1)) & 0x5555555555555555ULL;
+    case 4: m |= m >> 1; m |= m >> 2; return m & 0x1111111111111111ULL;
+    default: m |= m >> 1; m |= m >> 2; m |= m >> 4; return m & 0x0101010101010101ULL;
+    }
+}
+
+static inline void emit(int kind, int w, uint64_t nv, uint64_t ov, unsigned char *o1,
+                        unsigned char *o2, Py_ssize_t c) {
+    switch (kind) {
+    case K_XOR: store_word(o1 + c * w, w, nv ^ ov); break;
+    case K_ULP:
+        store_word(o1 + c * w, w, (ordered_word(nv, w) - ordered_word(ov, w)) & width_mask(w));
+        break;
+    case K_NEW: store_word(o1 + c * w, w, nv); break;
+    default:
+        store_word(o1 + c * w, w, nv ^ ov);
+        store_word(o2 + c * w, w, nv);
+        break;
+    }
+}
+
+/* Scalar emission of every set bit of m (element starts of the group at byte i). */
+#define EMIT_BITS(W, MASK)                                                                 \
+    do {                                                                                   \
+        uint64_t m_ = (MASK);                                                              \
+        while (m_) {                                                                       \
+            unsigned bit = (unsigned)__builtin_ctzll(m_);                                  \
+            m_ &= m_ - 1;                                                                  \
+            size_t e = (i + bit) / (W);                                                    \
+            pos[c] = (uint32_t)e;                                                          \
+            emit(kind, W, load_word(a + e * (W), W), load_word(b + e * (W), W), o1, o2, c); \
+            c++;                                                                           \
+        }                                                                                  \
+    } while (0)
+
+#define SCAN_LOOP(W, MASKFN)                                                               \
+    do {                                                                                   \
+        for (; i + 64 <= nbytes; i += 64) {                                                \
+            uint64_t m = MASKFN(a + i, b + i);                                             \
+            if (!m) continue;                                                              \
+            EMIT_BITS(W, element_mask(m, W));                                              \
+        }                                                                                  \
+    } while (0)
+
+/* Scans bytes [0, nbytes - nbytes % 64) of every width; returns where it stopped. */
+static size_t scan_portable(const unsigned char *a, const unsigned char *b, size_t nbytes, int w,
+                            int kind, uint32_t *pos, unsigned char *o1, unsigned char *o2,
+                            Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    switch (w) {
+    case 1: SCAN_LOOP(1, byte_diff_mask); break;
+    case 2: SCAN_LOOP(2, byte_diff_mask); break;
+    case 4: SCAN_LOOP(4, byte_diff_mask); break;
+    default: SCAN_LOOP(8, byte_diff_mask); break;
+    }
+    *count = c;
+    return i;
+}
+
+#ifdef DCR_X86_DISPATCH
+TARGET_AVX2 static inline uint64_t byte_diff_mask_avx2(const unsigned char *a,
+                                                       const unsigned char *b) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)a), y0 = _mm256_loadu_si256((const __m256i *)b);
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(a + 32));
+    __m256i y1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+    uint64_t eq = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x0, y0)) |
+                  ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x1, y1)) << 32);
+    return ~eq;
+}
+
+TARGET_AVX2 static size_t scan_avx2(const unsigned char *a, const unsigned char *b, size_t nbytes,
+                                    int w, int kind, uint32_t *pos, unsigned char *o1,
+                                    unsigned char *o2, Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    switch (w) {
+    case 1: SCAN_LOOP(1, byte_diff_mask_avx2); break;
+    case 2: SCAN_LOOP(2, byte_diff_mask_avx2); break;
+    case 4: SCAN_LOOP(4, byte_diff_mask_avx2); break;
+    default: SCAN_LOOP(8, byte_diff_mask_avx2); break;
+    }
+    *count = c;
+    return i;
+}
+
+/* AVX-512, 2-byte words: 64 words per step, changed lanes compressed into the outputs (no
+ * branch per change).  Outputs need 64 entries of slack past the last change. */
+TARGET_AVX512 static size_t scan_avx512_w2(const uint16_t *a, const uint16_t *b, size_t n,
+                                           int kind, uint32_t *pos, uint16_t *o1, uint16_t *o2,
+                                           Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    const __m512i sign = _mm512_set1_epi16((short)0x8000);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (; i + 64 <= n; i += 64) {
+        __m512i va0 = _mm512_loadu_si512(a + i), vb0 = _mm512_loadu_si512(b + i);
+        __m512i va1 = _mm512_loadu_si512(a + i + 32), vb1 = _mm512_loadu_si512(b + i + 32);
+        __mmask32 k0 = _mm512_cmpneq_epi16_mask(va0, vb0), k1 = _mm512_cmpneq_epi16_mask(va1, vb1);
+        if (!(k0 | k1)) continue;
+        for (int h = 0; h < 2; h++) {
+            __m512i va = h ? va1 : va0, vb = h ? vb1 : vb0;
+            __mmask32 k = h ? k1 : k0;
+            __m512i v;
+            switch (kind) {
+            case K_XOR: v = _mm512_xor_si512(va, vb); break;
+            case K_ULP: {
+                __m512i oa = _mm512_xor_si512(va, _mm512_or_si512(_mm512_srai_epi16(va, 15), sign));
+                __m512i ob = _mm512_xor_si512(vb, _mm512_or_si512(_mm512_srai_epi16(vb, 15), sign));
+                v = _mm512_sub_epi16(oa, ob);
+                break;
+            }
+            case K_NEW: v = va; break;
+            default:
+                v = _mm512_xor_si512(va, vb);
+                _mm512_storeu_si512(o2 + c, _mm512_maskz_compress_epi16(k, va));
+                break;
+            }
+            _mm512_storeu_si512(o1 + c, _mm512_maskz_compress_epi16(k, v));
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)(i + 32 * h)), lane);
+            unsigned lo = (uint16_t)k;
+            _mm512_storeu_si512(pos + c, _mm512_maskz_compress_epi32((__mmask16)lo, at));
+            Py_ssize_t c1 = c + __builtin_popcount(lo);
+            _mm512_storeu_si512(pos + c1, _mm512_maskz_compress_epi32((__mmask16)(k >> 16),
+                                                                       _mm512_add_epi32(at, sixteen)));
+            c += __builtin_popcount(k);
+        }
+    }
+    *count = c;
+    return i * 2;
+}
+
+/* AVX-512, 4-byte words: 32 words per step. */
+TARGET_AVX512 static size_t scan_avx512_w4(const uint32_t *a, const uint32_t *b, size_t n,
+                                           int kind, uint32_t *pos, uint32_t *o1, uint32_t *o2,
+                                           Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (; i + 32 <= n; i += 32) {
+        __m512i va0 = _mm512_loadu_si512(a + i), vb0 = _mm512_loadu_si512(b + i);
+        __m512i va1 = _mm512_loadu_si512(a + i + 16), vb1 = _mm512_loadu_si512(b + i + 16);
+        __mmask16 k0 = _mm512_cmpneq_epi32_mask(va0, vb0), k1 = _mm512_cmpneq_epi32_mask(va1, vb1);
+        if (!(k0 | k1)) continue;
+        for (int h = 0; h < 2; h++) {
+            __m512i va = h ? va1 : va0, vb = h ? vb1 : vb0;
+            __mmask16 k = h ? k1 : k0;
+            __m512i v;
+            switch (kind) {
+            case K_XOR: v = _mm512_xor_si512(va, vb); break;
+            case K_ULP: {
+                __m512i oa = _mm512_xor_si512(va, _mm512_or_si512(_mm512_srai_epi32(va, 31), sign));
+                __m512i ob = _mm512_xor_si512(vb, _mm512_or_si512(_mm512_srai_epi32(vb, 31), sign));
+                v = _mm512_sub_epi32(oa, ob);
+                break;
+            }
+            case K_NEW: v = va; break;
+            default:
+                v = _mm512_xor_si512(va, vb);
+                _mm512_storeu_si512(o2 + c, _mm512_maskz_compress_epi32(k, va));
+                break;
+            }
+            _mm512_storeu_si512(o1 + c, _mm512_maskz_compress_epi32(k, v));
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)(i + 16 * h)), lane);
+            _mm512_storeu_si512(pos + c, _mm512_maskz_compress_epi32(k, at));
+            c += __builtin_popcount(k);
+        }
+    }
+    *count = c;
+    return i * 4;
+}
+#endif
+
+static void init_isa(void) {
+#ifdef DCR_X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt")) isa_max = 1;
+    if (isa_max == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2"))
+        isa_max = 2;
+#endif
+    isa_level = isa_max;
+}
+
+/* Slack the outputs of the scan need past the changed count (the AVX-512 stores). */
+#define SCAN_SLACK 64
+
+static Py_ssize_t scan_impl(const unsigned char *a, const unsigned char *b, Py_ssize_t n, int w,
+                            int kind, uint32_t *pos, unsigned char *o1, unsigned char *o2,
+                            int level) {
+    Py_ssize_t c = 0;
+    size_t nbytes = (size_t)n * (size_t)w, i = 0;
+#ifdef DCR_X86_DISPATCH
+    if (level >= 2 && w == 2)
+        i = scan_avx512_w2((const uint16_t *)a, (const uint16_t *)b, (size_t)n, kind, pos,
+                           (uint16_t *)o1, (uint16_t *)o2, &c);
+    else if (level >= 2 && w == 4)
+        i = scan_avx512_w4((const uint32_t *)a, (const uint32_t *)b, (size_t)n, kind, pos,
+                           (uint32_t *)o1, (uint32_t *)o2, &c);
+    else if (level >= 1)
+        i = scan_avx2(a, b, nbytes, w, kind, pos, o1, o2, &c);
+    else
+#endif
+        i = scan_portable(a, b, nbytes, w, kind, pos, o1, o2, &c);
+    (void)level;
+    for (size_t e = i / (size_t)w; e < (size_t)n; e++) {
+        uint64_t nv = load_word(a + e * w, w), ov = load_word(b + e * w, w);
+        if (nv != ov) {
+            pos[c] = (uint32_t)e;
+            emit(kind, w, nv, ov, o1, o2, c);
+            c++;
+        }
+    }
+    return c;
+}
+
+PyDoc_STRVAR(scan_doc,
+"scan(new, old, kind, pos, out, out2) -> count\n\n"
+"Positions where the bit views new and old (same item size and length, fewer than 2**32\n"
+"items) differ, into pos (uint32), with per position: kind 0 new^old, 1 ordered(new) -\n"
+"ordered(old), 2 new, 3 new^old and new (into out2) -- into out (item size of new).  Outputs\n"
+"hold at least len(new) + 64 items (vector stores write past the count).");
+
+static PyObject *py_scan(PyObject *self, PyObject *args) {
+    PyObject *onew, *oold, *opos, *oout, *oout2;
+    int kind;
+    if (!PyArg_ParseTuple(args, "OOiOOO", &onew, &oold, &kind, &opos, &oout, &oout2)) return NULL;
+    if (kind < K_XOR || kind > K_XOR_NEW) return PyErr_Format(PyExc_ValueError, "bad kind %d", kind);
+    Buf bn = {0}, bo = {0}, bp = {0}, b1 = {0}, b2 = {0};
+    PyObject *result = NULL;
+    if (!get_buf(onew, &bn, 0, "new") || !get_buf(oold, &bo, 0, "old") ||
+        !get_buf(opos, &bp, 1, "pos") || !get_buf(oout, &b1, 1, "out"))
+        goto done;
+    if (kind == K_XOR_NEW && !get_buf(oout2, &b2, 1, "out2")) goto done;
+    Py_ssize_t w = bn.view.itemsize, n = count_of(&bn);
+    if (bo.view.itemsize != w || count_of(&bo) != n) {
+        PyErr_SetString(PyExc_ValueError, "new and old differ in item size or length");
+        goto done;
+    }
+    if ((uint64_t)n >= ((uint64_t)1 << 32)) {
+        PyErr_SetString(PyExc_ValueError, "scan at most 2**32 - 1 items at once");
+        goto done;
+    }
+    if (!need_itemsize(&bp, 4, "pos") || !need_itemsize(&b1, w, "out")) goto done;
+    if (count_of(&bp) < n + SCAN_SLACK || count_of(&b1) < n + SCAN_SLACK ||
+        (kind == K_XOR_NEW && (!need_itemsize(&b2, w, "out2") || count_of(&b2) < n + SCAN_SLACK))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "outputs are too short");
+        goto done;
+    }
+    Py_ssize_t c;
+    int level = isa_level;
+    Py_BEGIN_ALLOW_THREADS
+    c = scan_impl(bn.view.buf, bo.view.buf, n, (int)w, kind, bp.view.buf, b1.view.buf,
+                  kind == K_XOR_NEW ? b2.view.buf : NULL, level);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(c);
+done:
+    release(&bn); release(&bo); release(&bp); release(&b1); release(&b2);
+    return result;
+}
+
+PyDoc_STRVAR(isa_doc,
+"isa() -> (level, highest)\n\nThe scan's instruction-set level in use and the highest this\n"
+"machine supports: 0 portable, 1 AVX2, 2 AVX-512.");
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("ii", isa_level, isa_max);
+}
+
+PyDoc_STRVAR(set_isa_doc,
+"set_isa(level) -> previous level\n\nUse at most instruction-set level `level` (clamped to\n"
+"what the machine supports).  Results are identical at every level.");
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    long level = PyLong_AsLong(arg);
+    if (level == -1 && PyErr_Occurred()) return NULL;
+    int previous = isa_level;
+    isa_level = level < 0 ? 0 : (level > isa_max ? isa_max : (int)level);
+    return PyLong_FromLong(previous);
+}
+
+/* ------------------------------------------------------------------ Rice split / join */
+
+/* Where one item's words go in the shared streams of payload format 2: the symbol stream
+ * (bytes, or nibbles for values) from symbol index `at_sym`, the remainder stream of its
+ * parameter k (holding `stream_n` words) from word index `at_rem`. */
+typedef struct {
+    unsigned char *sym;
+    Py_ssize_t sym_len; /* bytes */
+    Py_ssize_t at_sym;
+    int nibbles;
+    unsigned char *rem;
+    Py_ssize_t rem_len; /* bytes */
+    Py_ssize_t stream_n;
+    Py_ssize_t at_rem;
+    int k;
+    uint64_t cap;
+    uint64_t *esc;
+    Py_ssize_t esc_cap;
+} Streams;
+
+static Py_ssize_t remainder_bytes(Py_ssize_t n, int k) {
+    return n * (k / 8) + (n * (k % 8) + 7) / 8;
+}
+
+/* Bounds of one item's writes: 0 and an exception if they leave the buffers. */
+static int check_streams(const Streams *s, Py_ssize_t count) {
+    Py_ssize_t sym_need = s->nibbles ? (s->at_sym + count + 1) / 2 : s->at_sym + count;
+    if (s->at_sym < 0 || sym_need > s->sym_len) {
+        PyErr_SetString(PyExc_ValueError, "symbol stream too short");
+        return 0;
+    }
+    if (s->k < 0 || s->k > 63) {
+        PyErr_SetString(PyExc_ValueError, "Rice parameter out of range");
+        return 0;
+    }
+    if (s->k && (s->at_rem < 0 || s->stream_n < s->at_rem + count ||
+                 remainder_bytes(s->stream_n, s->k) > s->rem_len)) {
+        PyErr_SetString(PyExc_ValueError, "remainder stream too short");
+        return 0;
+    }
+    return 1;
+}
+
+/* The split loop: x of word i comes from GETX; symbols, remainders (whole bytes as planes,
+ * the top t bits through a 64-bit accumulator flushed 32 bits at a time) and escapes go into
+ * the streams of s.  Sets bad = -2 when the escape buffer is full (GETX may set bad = -1). */
+#define SPLIT_BODY(COUNT, GETX)                                                            \
+    do {                                                                                   \
+        const int k_ = s.k, planes_ = k_ / 8, t_ = k_ % 8, nibbles_ = s.nibbles;           \
+        const uint64_t cap_ = s.cap, tmask_ = t_ ? (((uint64_t)1 << t_) - 1) : 0;          \
+        unsigned char *restrict sym_ = s.sym;                                              \
+        unsigned char *restrict rem_ = s.rem + (size_t)s.at_rem;                           \
+        uint64_t *restrict esc_ = s.esc;                                                   \
+        const size_t stride_ = (size_t)s.stream_n;                                         \
+        const Py_ssize_t at_sym_ = s.at_sym, esc_cap_ = s.esc_cap;                         \
+        unsigned char *restrict tail_ = s.rem + (size_t)planes_ * stride_;                 \
+        uint64_t bitpos_ = (uint64_t)s.at_rem * (uint64_t)t_;                              \
+        size_t tbyte_ = (size_t)(bitpos_ >> 3);                                            \
+        uint64_t acc_ = 0;                                                                 \
+        int nb_ = (int)(bitpos_ & 7);                                                      \
+        for (Py_ssize_t i = 0; i < (COUNT); i++) {                                         \
+            uint64_t x;                                                                    \
+            GETX;                                                                          \
+            uint64_t q = x >> k_;                                                          \
+            if (q >= cap_) {                                                               \
+                if (n_esc >= esc_cap_) { bad = -2; break; }                                \
+                esc_[n_esc++] = q;                                                         \
+                q = cap_;                                                                  \
+            }                                                                              \
+            if (nibbles_) {                                                                \
+                Py_ssize_t at_ = at_sym_ + i;                                              \
+                sym_[at_ >> 1] |= (unsigned char)(q << (4 * (at_ & 1)));                   \
+            } else {                                                                       \
+                sym_[at_sym_ + i] = (unsigned char)q;                                      \
+            }                                                                              \
+            for (int p_ = 0; p_ < planes_; p_++)                                           \
+                rem_[(size_t)p_ * stride_ + (size_t)i] = (unsigned char)(x >> (8 * p_));   \
+            if (t_) {                                                                      \
+                acc_ |= ((x >> (8 * planes_)) & tmask_) << nb_;                            \
+                nb_ += t_;                                                                 \
+                if (nb_ >= 32) {                                                           \
+                    uint32_t v_;                                                           \
+                    memcpy(&v_, tail_ + tbyte_, 4);                                        \
+                    v_ |= (uint32_t)acc_;                                                  \
+                    memcpy(tail_ + tbyte_, &v_, 4);                                        \
+                    tbyte_ += 4;                                                           \
+                    acc_ >>= 32;                                                           \
+                    nb_ -= 32;                                                             \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        if (t_ && !bad)                                                                    \
+            for (size_t j_ = 0; nb_ > 0; j_++, nb_ -= 8)                                   \
+                tail_[tbyte_ + j_] |= (unsigned char)(acc_ >> (8 * j_));                   \
+    } while (0)
+
+static int parse_streams(PyObject *args_sym, PyObject *args_rem, PyObject *args_esc, Buf *bs,
+                         Buf *br, Buf *be, int writable, Streams *s) {
+    if (!get_buf(args_sym, bs, writable, "symbols") || !get_buf(args_rem, br, writable, "remainders"))
+        return 0;
+    if (args_esc != Py_None) {
+        if (!get_buf(args_esc, be, writable, "escapes") || !need_itemsize(be, 8, "escapes")) return 0;
+        s->esc = be->view.buf;
+        s->esc_cap = count_of(be);
+    } else {
+        s->esc = NULL;
+        s->esc_cap = 0;
+    }
+    if (!need_itemsize(bs, 1, "symbols") || !need_itemsize(br, 1, "remainders")) return 0;
+    s->sym = bs->view.buf;
+    s->sym_len = bs->view.len;
+    s->rem = br->view.buf;
+    s->rem_len = br->view.len;
+    return 1;
+}
+
+PyDoc_STRVAR(split_gaps_doc,
+"split_gaps(indices, k, cap, symbols, at_sym, remainders, stream_n, at_rem, escapes) -> n_esc\n\n"
+"Rice split (parameter k) of the gaps minus one between the strictly increasing int64\n"
+"indices: symbol min(q, cap) bytes into symbols from at_sym, remainders into the k-bit stream\n"
+"of stream_n words from word at_rem (zero-initialised), quotients >= cap into escapes (u64).\n"
+"Returns the escape count, or -1 if the indices do not strictly increase.");
+
+static PyObject *py_split_gaps(PyObject *self, PyObject *args) {
+    PyObject *oidx, *osym, *orem, *oesc;
+    int k;
+    unsigned long long cap;
+    Py_ssize_t at_sym, stream_n, at_rem;
+    if (!PyArg_ParseTuple(args, "OiKOnOnnO", &oidx, &k, &cap, &osym, &at_sym, &orem, &stream_n,
+                          &at_rem, &oesc))
+        return NULL;
+    Buf bi = {0}, bs = {0}, br = {0}, be = {0};
+    PyObject *result = NULL;
+    Streams s = {0};
+    s.at_sym = at_sym; s.stream_n = stream_n; s.at_rem = at_rem; s.k = k; s.cap = cap; s.nibbles = 0;
+    if (!get_buf(oidx, &bi, 0, "indices") || !need_itemsize(&bi, 8, "indices")) goto done;
+    if (!parse_streams(osym, orem, oesc, &bs, &br, &be, 1, &s)) goto done;
+    Py_ssize_t n = count_of(&bi), gaps = n > 1 ? n - 1 : 0;
+    if (!check_streams(&s, gaps)) goto done;
+    const int64_t *idx = bi.view.buf;
+    Py_ssize_t n_esc = 0;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    SPLIT_BODY(gaps, {
+        if (idx[i + 1] <= idx[i]) { bad = -1; break; }
+        x = (uint64_t)(idx[i + 1] - idx[i] - 1);
+    });
+    Py_END_ALLOW_THREADS
+    if (bad == -2) PyErr_SetString(PyExc_ValueError, "escape buffer too short");
+    else result = PyLong_FromSsize_t(bad ? -1 : n_esc);
+done:
+    release(&bi); release(&bs); release(&br); release(&be);
+    return result;
+}
+
+PyDoc_STRVAR(split_ulp_doc,
+"split_ulp(values, k, cap, symbols, at_sym, remainders, stream_n, at_rem, escapes) -> n_esc\n\n"
+"Rice split of the zigzagged two's-complement words values (item size = word width):\n"
+"symbols as nibbles (the low nibble first) from nibble at_sym of the zero-initialised\n"
+"symbols, remainders and escapes as in split_gaps.");
+
+static PyObject *py_split_ulp(PyObject *self, PyObject *args) {
+    PyObject *ovals, *osym, *orem, *oesc;
+    int k;
+    unsigned long long cap;
+    Py_ssize_t at_sym, stream_n, at_rem;
+    if (!PyArg_ParseTuple(args, "OiKOnOnnO", &ovals, &k, &cap, &osym, &at_sym, &orem, &stream_n,
+                          &at_rem, &oesc))
+        return NULL;
+    Buf bv = {0}, bs = {0}, br = {0}, be = {0};
+    PyObject *result = NULL;
+    Streams s = {0};
+    s.at_sym = at_sym; s.stream_n = stream_n; s.at_rem = at_rem; s.k = k; s.cap = cap; s.nibbles = 1;
+    if (cap > 15) { PyErr_SetString(PyExc_ValueError, "nibble symbols need cap <= 15"); goto done; }
+    if (!get_buf(ovals, &bv, 0, "values")) goto done;
+    if (!parse_streams(osym, orem, oesc, &bs, &br, &be, 1, &s)) goto done;
+    Py_ssize_t n = count_of(&bv);
+    if (!check_streams(&s, n)) goto done;
+    int w = (int)bv.view.itemsize;
+    const unsigned char *v = bv.view.buf;
+    Py_ssize_t n_esc = 0;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    SPLIT_BODY(n, x = zigzag_word(load_word(v + i * w, w), w));
+    Py_END_ALLOW_THREADS
+    if (bad) PyErr_SetString(PyExc_ValueError, "escape buffer too short");
+    else result = PyLong_FromSsize_t(n_esc);
+done:
+    release(&bv); release(&bs); release(&br); release(&be);
+    return result;
+}
+
+/* ------------------------------------------------------------------ apply */
+
+static inline uint64_t apply_one(int enc, int w, uint64_t before, uint64_t v) {
+    switch (enc) {
+    case E_XOR: return before ^ v;
+    case E_ULP: return unordered_word((ordered_word(before, w) + v) & width_mask(w), w);
+    default: return v;
+    }
+}
+
+/* Whether the written word holds what the entry asked for (paper App. A.2 post-apply
+ * checks): undoing a relative value restores `before`, an overwrite holds its value. */
+static inline int check_one(int enc, int w, uint64_t before, uint64_t now, uint64_t v) {
+    switch (enc) {
+    case E_XOR: return (now ^ v) == before;
+    case E_ULP: return unordered_word((ordered_word(now, w) - v) & width_mask(w), w) == before;
+    default: return now == v;
+    }
+}
+
+#define PREFETCH_AHEAD 16
+
+/* Where entry i of a chunk lands: an explicit position array, or a canonical index mapped
+ * through a nested view geometry (see rmw_mapped); -1 when the index lies outside the view. */
+typedef struct {
+    const int64_t *pos;     /* explicit positions, or NULL */
+    const int64_t *idx;     /* canonical indices (mapped) */
+    int64_t src_off, dst_off;
+    const int64_t *dims;    /* (source stride, size, destination stride) triples */
+    Py_ssize_t nd;
+} Where;
+
+static inline int64_t where_of(const Where *m, Py_ssize_t i) {
+    if (m->pos) return m->pos[i];
+    int64_t r = m->idx[i] - m->src_off;
+    if (r < 0) return -1;
+    if (m->nd == 1 && m->dims[0] == 1) return r < m->dims[1] ? m->dst_off + r * m->dims[2] : -1;
+    int64_t at = m->dst_off;
+    for (Py_ssize_t d = 0; d < m->nd; d++) {
+        int64_t stride = m->dims[3 * d], size = m->dims[3 * d + 1], digit;
+        if (stride == 1) { digit = r; r = 0; }
+        else { digit = r / stride; r -= digit * stride; }
+        if (digit >= size) return -1;
+        at += digit * m->dims[3 * d + 2];
+    }
+    return r == 0 ? at : -1;
+}
+
+/* Entries lo..hi: every landing word is read, combined with its value and written, with the
+ * next ones prefetched.  With `before` (check mode) the read words are kept and a second
+ * pass re-reads every written word: an entry whose word does not hold what it asked for --
+ * because another entry of the chunk wrote it too, say -- counts as wrong. */
+static void rmw_core(unsigned char *flat, int w, const unsigned char *vals, const Where *m,
+                     Py_ssize_t lo, Py_ssize_t hi, int enc, uint64_t *before,
+                     Py_ssize_t *written, Py_ssize_t *wrong) {
+    Py_ssize_t n_written = 0, n_wrong = 0;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        if (i + PREFETCH_AHEAD < hi) {
+            int64_t ahead = where_of(m, i + PREFETCH_AHEAD);
+            if (ahead >= 0) __builtin_prefetch(flat + (size_t)ahead * w, 1);
+        }
+        int64_t at = where_of(m, i);
+        if (at < 0) continue;
+        unsigned char *p = flat + (size_t)at * w;
+        uint64_t b = load_word(p, w);
+        store_word(p, w, apply_one(enc, w, b, load_word(vals + (size_t)i * w, w)));
+        if (before) before[i - lo] = b;
+        n_written++;
+    }
+    if (before) {
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            int64_t at = where_of(m, i);
+            if (at < 0) continue;
+            uint64_t now = load_word(flat + (size_t)at * w, w);
+            if (!check_one(enc, w, before[i - lo], now, load_word(vals + (size_t)i * w, w)))
+                n_wrong++;
+        }
+    }
+    *written = n_written;
+    *wrong = n_wrong;
+}
+
+static int check_encoding(int enc) {
+    if (enc != E_XOR && enc != E_ULP && enc != E_OVERWRITE) {
+        PyErr_Format(PyExc_ValueError, "bad encoding %d", enc);
+        return 0;
+    }
+    return 1;
+}
+
+/* Runs rmw_core without the GIL; 0 and MemoryError if check mode cannot get its buffer. */
+static int run_rmw(unsigned char *flat, int w, const unsigned char *vals, const Where *m,
+                   Py_ssize_t lo, Py_ssize_t hi, int enc, int check, Py_ssize_t *written,
+                   Py_ssize_t *wrong) {
+    uint64_t *before = NULL;
+    if (check && hi > lo) {
+        before = PyMem_RawMalloc((size_t)(hi - lo) * sizeof(uint64_t));
+        if (!before) {
+            PyErr_NoMemory();
+            return 0;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rmw_core(flat, w, vals, m, lo, hi, enc, before, written, wrong);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(before);
+    return 1;
+}
+
+PyDoc_STRVAR(rmw_doc,
+"rmw(flat, pos, values, encoding, check) -> wrong\n\n"
+"flat[pos[i]] = apply(flat[pos[i]], values[i]) for every entry (encoding 0 XOR, 1 overwrite,\n"
+"2 ULP delta: dcr.delta.records.Encoding), flat and values of one item size; with check,\n"
+"every written word is re-read after all writes and the entries that do not hold the\n"
+"expected bits are counted.  Every position is checked against len(flat) before the first\n"
+"write (ValueError, nothing written).");
+
+static PyObject *py_rmw(PyObject *self, PyObject *args) {
+    PyObject *oflat, *opos, *ovals;
+    int enc, check;
+    if (!PyArg_ParseTuple(args, "OOOip", &oflat, &opos, &ovals, &enc, &check)) return NULL;
+    Buf bf = {0}, bp = {0}, bv = {0};
+    PyObject *result = NULL;
+    if (!get_buf(oflat, &bf, 1, "flat") || !get_buf(opos, &bp, 0, "pos") ||
+        !get_buf(ovals, &bv, 0, "values"))
+        goto done;
+    if (!need_itemsize(&bp, 8, "pos") || !need_itemsize(&bv, bf.view.itemsize, "values") ||
+        !check_encoding(enc))
+        goto done;
+    Py_ssize_t n = count_of(&bp), len = count_of(&bf);
+    if (count_of(&bv) != n) { PyErr_SetString(PyExc_ValueError, "pos and values differ in length"); goto done; }
+    const int64_t *pos = bp.view.buf;
+    int oob = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (pos[i] < 0 || pos[i] >= len) { oob = 1; break; }
+    Py_END_ALLOW_THREADS
+    if (oob) { PyErr_SetString(PyExc_ValueError, "a position lies outside the storage"); goto done; }
+    Where m = {0};
+    m.pos = pos;
+    Py_ssize_t written, wrong;
+    if (!run_rmw(bf.view.buf, (int)bf.view.itemsize, bv.view.buf, &m, 0, n, enc, check, &written,
+                 &wrong))
+        goto done;
+    result = PyLong_FromSsize_t(wrong);
+done:
+    release(&bf); release(&bp); release(&bv);
+    return result;
+}
+
+#define MAX_DIMS 16
+
+PyDoc_STRVAR(rmw_mapped_doc,
+"rmw_mapped(flat, indices, values, lo, hi, src_offset, dst_offset, dims, encoding, check)\n"
+"    -> (written, wrong)\n\n"
+"rmw of entries lo..hi whose canonical index lies in a nested view: i - src_offset is\n"
+"decomposed by the (source stride, size, destination stride) triples of dims (an int64\n"
+"buffer of 3*d values, outermost first); entries outside the view are skipped, the others\n"
+"written at dst_offset + sum(digit * destination stride).  The largest reachable position\n"
+"is checked against len(flat) before the first write.");
+
+static PyObject *py_rmw_mapped(PyObject *self, PyObject *args) {
+    PyObject *oflat, *oidx, *ovals, *odims;
+    Py_ssize_t lo, hi;
+    long long src_off, dst_off;
+    int enc, check;
+    if (!PyArg_ParseTuple(args, "OOOnnLLOip", &oflat, &oidx, &ovals, &lo, &hi, &src_off, &dst_off,
+                          &odims, &enc, &check))
+        return NULL;
+    Buf bf = {0}, bi = {0}, bv = {0}, bd = {0};
+    PyObject *result = NULL;
+    if (!get_buf(oflat, &bf, 1, "flat") || !get_buf(oidx, &bi, 0, "indices") ||
+        !get_buf(ovals, &bv, 0, "values") || !get_buf(odims, &bd, 0, "dims"))
+        goto done;
+    if (!need_itemsize(&bi, 8, "indices") || !need_itemsize(&bd, 8, "dims") ||
+        !need_itemsize(&bv, bf.view.itemsize, "values") || !check_encoding(enc))
+        goto done;
+    Py_ssize_t n = count_of(&bi), len = count_of(&bf), nd = count_of(&bd) / 3;
+    if (count_of(&bv) != n || lo < 0 || hi < lo || hi > n || count_of(&bd) % 3 || nd > MAX_DIMS) {
+        PyErr_SetString(PyExc_ValueError, "bad entry range or dims");
+        goto done;
+    }
+    const int64_t *dims = bd.view.buf;
+    /* The largest position any in-view entry can reach, from the geometry alone. */
+    long long top = dst_off;
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        long long reach;
+        if (dims[3 * d] <= 0 || dims[3 * d + 1] <= 0 || dims[3 * d + 2] < 0 ||
+            __builtin_mul_overflow((long long)dims[3 * d + 1] - 1, (long long)dims[3 * d + 2], &reach) ||
+            __builtin_add_overflow(top, reach, &top)) {
+            PyErr_SetString(PyExc_ValueError, "bad dims");
+            goto done;
+        }
+    }
+    if (dst_off < 0 || top >= len) {
+        PyErr_SetString(PyExc_ValueError, "the view lies outside the storage");
+        goto done;
+    }
+    Where m = {0};
+    m.idx = bi.view.buf;
+    m.src_off = src_off;
+    m.dst_off = dst_off;
+    m.dims = dims;
+    m.nd = nd;
+    Py_ssize_t written, wrong;
+    if (!run_rmw(bf.view.buf, (int)bf.view.itemsize, bv.view.buf, &m, lo, hi, enc, check,
+                 &written, &wrong))
+        goto done;
+    result = Py_BuildValue("nn", written, wrong);
+done:
+    release(&bf); release(&bi); release(&bv); release(&bd);
+    return result;
+}
+
+PyDoc_STRVAR(increasing_doc,
+"increasing(indices) -> bool\n\nWhether the int64 indices strictly increase.");
+
+static PyObject *py_increasing(PyObject *self, PyObject *arg) {
+    Buf bi = {0};
+    if (!get_buf(arg, &bi, 0, "indices")) return NULL;
+    if (!need_itemsize(&bi, 8, "indices")) { release(&bi); return NULL; }
+    Py_ssize_t n = count_of(&bi);
+    const int64_t *idx = bi.view.buf;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t bad = 0;
+    for (Py_ssize_t i = 1; i < n; i++) bad |= (idx[i] <= idx[i - 1]);
+    ok = !bad;
+    Py_END_ALLOW_THREADS
+    release(&bi);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"scan", py_scan, METH_VARARGS, scan_doc},
+    {"isa", py_isa, METH_NOARGS, isa_doc},
+    {"set_isa", py_set_isa, METH_O, set_isa_doc},
+    {"split_gaps", py_split_gaps, METH_VARARGS, split_gaps_doc},
+    {"split_ulp", py_split_ulp, METH_VARARGS, split_ulp_doc},
+    {"rmw", py_rmw, METH_VARARGS, rmw_doc},
+    {"rmw_mapped", py_rmw_mapped, METH_VARARGS, rmw_mapped_doc},
+    {"increasing", py_increasing, METH_O, increasing_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "dcr._kernels",
+    "The data plane's hot loops in C (see dcr.native).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    init_isa();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,324 @@
+"""The C kernels (``dcr._kernels``) against the numpy implementations that define them.
+
+Every kernel is compared with its numpy counterpart on every word width, at every
+instruction-set level this machine has (the results must not depend on the CPU), on lengths
+around the vector widths, unaligned views, every Rice parameter and odd stream offsets; and
+every kernel refuses buffers it could overrun before it writes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dcr.native
+from dcr.delta.bits import changed_values, changed_words
+from dcr.delta.ordered import ordered, ulp_delta, unordered
+from dcr.delta.records import Encoding
+from dcr.wire.split import GAP_CAP, VALUE_CAP, pack_bits, pack_nibbles, remainder_bytes, split
+from dcr.wire.split import zigzag as np_zigzag
+
+kernels: Any = dcr.native.kernels
+pytestmark = pytest.mark.skipif(kernels is None, reason="dcr._kernels is not built here")
+
+WORDS = (np.uint8, np.uint16, np.uint32, np.uint64)
+LEVELS = range(3)
+
+
+def test_kernels_are_built_where_the_build_requires_them() -> None:
+    """``make test`` sets DCR_REQUIRE_NATIVE=1: a build that lost its kernels fails here."""
+    if os.environ.get("DCR_REQUIRE_NATIVE") == "1":
+        dcr.native.require()
+    assert dcr.native.available() == (kernels is not None)
+
+
+@pytest.fixture(params=LEVELS, ids=["portable", "avx2", "avx512"])
+def level(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Each instruction-set level up to the machine's highest (lower levels run everywhere)."""
+    want = int(request.param)
+    highest = kernels.isa()[1]
+    previous = kernels.set_isa(min(want, highest))
+    try:
+        yield min(want, highest)
+    finally:
+        kernels.set_isa(previous)
+
+
+def _pair(
+    word: Any, n: int, density: float, seed: int, special: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    top = np.iinfo(word).max
+    old = rng.integers(0, top, n, dtype=word, endpoint=True)
+    if special and n:
+        # +-0, all-ones (NaN payloads), the sign bit alone, the largest positive pattern.
+        sign = word(1 << (8 * np.dtype(word).itemsize - 1))
+        picks = np.array([0, sign, top, sign - word(1), word(1)], dtype=word)
+        old[rng.integers(0, n, max(1, n // 8))] = rng.choice(picks, max(1, n // 8))
+    new = old.copy()
+    hit = rng.random(n) < density
+    new[hit] = rng.integers(0, top, int(hit.sum()), dtype=word, endpoint=True)
+    if special and n:
+        flip = rng.random(n) < density
+        new[flip] ^= np.array(1 << (8 * np.dtype(word).itemsize - 1), dtype=word)
+    return new, old
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 1.0])
+def test_scan_equals_the_numpy_scan(level: int, word: Any, n: int, density: float) -> None:
+    new, old = _pair(word, n + 3, density, seed=n + int(density * 100), special=True)
+    for lo in (0, 1, 3):  # unaligned views
+        a, b = new[lo : lo + n], old[lo : lo + n]
+        ref_pos, ref_xor, ref_new = changed_words(a, b, new_values=True)
+        assert ref_new is not None
+        for kind in ("xor", "ulp", "new", "xor+new"):
+            pos, values, second = changed_values(a, b, kind, offset=lo)
+            np.testing.assert_array_equal(pos, ref_pos + lo)
+            expect = {
+                "xor": ref_xor,
+                "ulp": ulp_delta(ref_new, ref_new ^ ref_xor),
+                "new": ref_new,
+                "xor+new": ref_xor,
+            }[kind]
+            assert values.dtype == a.dtype
+            np.testing.assert_array_equal(values, expect)
+            if kind == "xor+new":
+                assert second is not None
+                np.testing.assert_array_equal(second, ref_new)
+            else:
+                assert second is None
+
+
+def test_scan_refuses_what_it_could_overrun() -> None:
+    a = np.zeros(100, np.uint16)
+    pos = np.zeros(200, np.uint32)
+    out = np.zeros(200, np.uint16)
+    with pytest.raises(ValueError, match="too short"):
+        kernels.scan(a, a, 0, pos[:150], out, out)
+    with pytest.raises(ValueError, match="item size or length"):
+        kernels.scan(a, a[:99], 0, pos, out, out)
+    with pytest.raises(ValueError, match="item size or length"):
+        kernels.scan(a, a.view(np.uint8), 0, pos, out, out)
+    with pytest.raises(ValueError, match="4-byte items"):
+        kernels.scan(a, a, 0, np.zeros(200, np.int64), out, out)
+    with pytest.raises(ValueError, match="bad kind"):
+        kernels.scan(a, a, 7, pos, out, out)
+    with pytest.raises(ValueError, match="writable"):
+        kernels.scan(a, a, 0, bytes(800), out, out)
+
+
+def _np_split_stream(
+    arrays: list[np.ndarray], ks: list[int], gaps: bool
+) -> tuple[np.ndarray, dict[int, np.ndarray], np.ndarray]:
+    """The numpy reference: symbols (bytes or packed nibbles), one stream per k, escapes."""
+    cap = GAP_CAP if gaps else VALUE_CAP
+    syms, escs, rems = [], [], {}
+    for a, k in zip(arrays, ks, strict=True):
+        words = (np.diff(a).view(np.uint64) - np.uint64(1)) if gaps else np_zigzag(a)
+        s, e, r = split(words, k, cap)
+        syms.append(s)
+        escs.append(e)
+        if k:
+            rems.setdefault(k, []).append(r)
+    sym = np.concatenate(syms) if syms else np.empty(0, np.uint8)
+    streams = {k: pack_bits(np.concatenate(v), k) for k, v in rems.items()}
+    return (sym if gaps else pack_nibbles(sym)), streams, np.concatenate(escs)
+
+
+def _native_split_stream(
+    arrays: list[np.ndarray], ks: list[int], gaps: bool
+) -> tuple[np.ndarray, dict[int, np.ndarray], np.ndarray]:
+    cap = GAP_CAP if gaps else VALUE_CAP
+    sizes = [a.shape[0] - 1 if gaps else a.shape[0] for a in arrays]
+    per_k: dict[int, int] = {}
+    for k, n in zip(ks, sizes, strict=True):
+        if k:
+            per_k[k] = per_k.get(k, 0) + n
+    total = sum(sizes)
+    sym = np.zeros(total if gaps else (total + 1) // 2, np.uint8)
+    streams = {k: np.zeros(remainder_bytes(n, k), np.uint8) for k, n in per_k.items()}
+    at_rem = dict.fromkeys(per_k, 0)
+    escs = []
+    at = 0
+    fn = kernels.split_gaps if gaps else kernels.split_ulp
+    for a, k, n in zip(arrays, ks, sizes, strict=True):
+        esc = np.zeros(max(n, 1), np.uint64)
+        stream = streams.get(k, np.zeros(0, np.uint8))
+        got = fn(a, k, cap, sym, at, stream, per_k.get(k, 0), at_rem.get(k, 0), esc)
+        assert got >= 0
+        escs.append(esc[:got])
+        at += n
+        if k:
+            at_rem[k] += n
+    return sym, streams, np.concatenate(escs)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7, 8, 9, 13, 16, 21, 31, 40, 63])
+def test_split_gaps_equals_numpy(k: int) -> None:
+    rng = np.random.default_rng(k)
+    # Items of odd lengths share the streams, so items start at odd bit and symbol offsets.
+    arrays = []
+    for n in (2, 3, 17, 1001, 64):
+        step = rng.geometric(1.0 / min(2.0 ** (k + 2), 2.0**50), n).astype(np.int64)
+        arrays.append(np.cumsum(step) + int(rng.integers(0, 1000)))
+    ks = [k, max(0, k - 1), k, k, max(0, k - 2)]
+    ref = _np_split_stream(arrays, ks, gaps=True)
+    got = _native_split_stream(arrays, ks, gaps=True)
+    np.testing.assert_array_equal(got[0], ref[0])
+    assert got[1].keys() == ref[1].keys()
+    for key in ref[1]:
+        np.testing.assert_array_equal(got[1][key], ref[1][key])
+    np.testing.assert_array_equal(got[2], ref[2])
+
+
+@pytest.mark.parametrize(
+    ("word", "k"),
+    [(w, k) for w in WORDS for k in (0, 1, 2, 5, 8, 11) if k < 8 * np.dtype(w).itemsize],
+)
+def test_split_ulp_equals_numpy(word: Any, k: int) -> None:
+    rng = np.random.default_rng(k * 7 + np.dtype(word).itemsize)
+    arrays = []
+    for n in (1, 3, 0, 1001, 64):
+        small = rng.integers(-(2 ** (k + 3)), 2 ** (k + 3), n)
+        big = rng.integers(np.iinfo(word).min, np.iinfo(word).max, n, dtype=word, endpoint=True)
+        mix = np.where(rng.random(n) < 0.02, big, small.astype(word))
+        arrays.append(mix.astype(word))
+    ks = [k] * len(arrays)
+    ref = _np_split_stream(arrays, ks, gaps=False)
+    got = _native_split_stream(arrays, ks, gaps=False)
+    np.testing.assert_array_equal(got[0], ref[0])
+    for key in ref[1]:
+        np.testing.assert_array_equal(got[1][key], ref[1][key])
+    np.testing.assert_array_equal(got[2], ref[2])
+
+
+def test_split_refuses_short_streams_and_unsorted_indices() -> None:
+    idx = np.array([1, 5, 9, 30], np.int64)
+    sym = np.zeros(3, np.uint8)
+    esc = np.zeros(3, np.uint64)
+    rem = np.zeros(remainder_bytes(3, 3), np.uint8)
+    assert kernels.split_gaps(idx, 3, GAP_CAP, sym, 0, rem, 3, 0, esc) == 0
+    with pytest.raises(ValueError, match="symbol stream"):
+        kernels.split_gaps(idx, 3, GAP_CAP, sym, 1, rem, 3, 0, esc)
+    with pytest.raises(ValueError, match="remainder stream"):
+        kernels.split_gaps(idx, 3, GAP_CAP, sym, 0, rem, 3, 1, esc)
+    with pytest.raises(ValueError, match="Rice parameter"):
+        kernels.split_gaps(idx, 64, GAP_CAP, sym, 0, rem, 3, 0, esc)
+    unsorted = np.array([1, 5, 5, 30], np.int64)
+    assert kernels.split_gaps(unsorted, 0, GAP_CAP, sym, 0, rem[:0], 0, 0, esc) == -1
+    big = np.array([0, 10_000], np.int64)
+    with pytest.raises(ValueError, match="escape buffer"):
+        kernels.split_gaps(big, 0, GAP_CAP, sym, 0, rem[:0], 0, 0, esc[:0])
+
+
+def _np_apply(flat: np.ndarray, pos: np.ndarray, values: np.ndarray, enc: Encoding) -> None:
+    if enc is Encoding.XOR:
+        flat[pos] ^= values
+    elif enc is Encoding.ULP:
+        o = ordered(flat[pos])
+        o += values
+        flat[pos] = unordered(o)
+    else:
+        flat[pos] = values
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("enc", list(Encoding))
+def test_rmw_equals_numpy(word: Any, enc: Encoding) -> None:
+    rng = np.random.default_rng(int(enc) * 10 + np.dtype(word).itemsize)
+    flat = rng.integers(0, np.iinfo(word).max, 5000, dtype=word, endpoint=True)
+    pos = np.sort(rng.choice(5000, 700, replace=False)).astype(np.int64)
+    values = rng.integers(0, np.iinfo(word).max, 700, dtype=word, endpoint=True)
+    ref = flat.copy()
+    _np_apply(ref, pos, values, enc)
+    assert kernels.rmw(flat, pos, values, int(enc), True) == 0
+    np.testing.assert_array_equal(flat, ref)
+
+
+def test_rmw_checks_every_position_before_writing() -> None:
+    flat = np.arange(10, dtype=np.uint16)
+    before = flat.copy()
+    with pytest.raises(ValueError, match="outside the storage"):
+        kernels.rmw(flat, np.array([1, 2, 10], np.int64), np.ones(3, np.uint16), 0, False)
+    with pytest.raises(ValueError, match="outside the storage"):
+        kernels.rmw(flat, np.array([-1, 2], np.int64), np.ones(2, np.uint16), 0, False)
+    np.testing.assert_array_equal(flat, before)
+    with pytest.raises(ValueError, match="2-byte items"):
+        kernels.rmw(flat, np.array([1], np.int64), np.ones(1, np.uint32), 0, False)
+    with pytest.raises(ValueError, match="bad encoding"):
+        kernels.rmw(flat, np.array([1], np.int64), np.ones(1, np.uint16), 3, False)
+
+
+@pytest.mark.parametrize("enc", list(Encoding))
+def test_the_post_apply_check_counts_words_that_do_not_hold_the_expected_bits(
+    enc: Encoding,
+) -> None:
+    """The check re-reads every word after all writes: two entries that land on one word
+    (never sent by dcr; the receiver refuses them) leave each other's bits wrong."""
+    flat = np.arange(1, 33, dtype=np.uint16)
+    pos = np.array([3, 3, 5, 7, 7], np.int64)
+    values = np.array([9, 4, 1, 2, 2], np.uint16)
+    wrong = kernels.rmw(flat, pos, values, int(enc), True)
+    # The earlier entry of each pair no longer finds its bits; overwrites of one word with
+    # the same value (7: 2 and 2) agree.
+    assert wrong == (1 if enc is Encoding.OVERWRITE else 2)
+    assert kernels.rmw(flat, np.array([1, 2], np.int64), values[:2], int(enc), True) == 0
+
+
+@pytest.mark.parametrize(
+    ("dims", "src_offset", "dst_offset"),
+    [
+        ([(1, 50, 1)], 10, 3),  # a run
+        ([(1, 50, 2)], 0, 0),  # a run written every other element
+        ([(20, 5, 40), (1, 8, 1)], 4, 7),  # rows of 8 of a 20-wide source into a 40-wide storage
+        ([(60, 2, 30), (20, 3, 8), (2, 4, 1)], 1, 0),  # nested, innermost stride 2
+        ([], 17, 5),  # a single element
+    ],
+)
+@pytest.mark.parametrize("enc", list(Encoding))
+def test_rmw_mapped_equals_the_index_map(
+    dims: list[tuple[int, int, int]], src_offset: int, dst_offset: int, enc: Encoding
+) -> None:
+    from dcr.apply.geometry import IndexMap
+
+    imap = IndexMap(src_offset=src_offset, src_span=sum((s - 1) * t for t, s, _ in dims),
+                    dst_offset=dst_offset, dims=tuple(dims))  # fmt: skip
+    rng = np.random.default_rng(len(dims) + int(enc))
+    indices = np.sort(rng.choice(200, 120, replace=False)).astype(np.int64)
+    values = rng.integers(0, 65535, 120, dtype=np.uint16, endpoint=True)
+    flat = rng.integers(0, 65535, 400, dtype=np.uint16, endpoint=True)
+    ref = flat.copy()
+    for lo, hi in ((0, 50), (50, 120)):  # two chunks of one item
+        sel, where = imap.select(indices[lo:hi])
+        _np_apply(ref, where, values[lo:hi][sel], enc)
+        d = np.array(dims, dtype=np.int64).reshape(-1)
+        written, wrong = kernels.rmw_mapped(
+            flat, indices, values, lo, hi, src_offset, dst_offset, d, int(enc), True
+        )
+        assert wrong == 0
+        assert written == len(where)
+    np.testing.assert_array_equal(flat, ref)
+
+
+def test_rmw_mapped_refuses_a_view_outside_the_storage() -> None:
+    flat = np.zeros(10, np.uint16)
+    d = np.array([1, 11, 1], np.int64)
+    with pytest.raises(ValueError, match="outside the storage"):
+        kernels.rmw_mapped(flat, np.arange(3), np.ones(3, np.uint16), 0, 3, 0, 0, d, 0, False)
+    with pytest.raises(ValueError, match="entry range"):
+        kernels.rmw_mapped(flat, np.arange(3), np.ones(3, np.uint16), 0, 4, 0, 0, d[:3], 0, False)
+    assert not flat.any()
+
+
+def test_increasing() -> None:
+    assert kernels.increasing(np.array([], np.int64))
+    assert kernels.increasing(np.array([5], np.int64))
+    assert kernels.increasing(np.array([1, 2, 9], np.int64))
+    assert not kernels.increasing(np.array([1, 2, 2], np.int64))
+    assert not kernels.increasing(np.array([3, 2, 9], np.int64))
