@@ -73,6 +73,8 @@ for _kind, _name, _target, _install in (
     ("loader", "reference", "dcr.testing.reference:ShardedReferenceLoader", None),
     ("loader", "vllm", "dcr.adapters.loaders.vllm:VllmLoader", "pip install 'dcr[vllm]'"),
     ("transport", "memory", "dcr.adapters.transport.memory:MemoryTransport", None),
+    ("transport", "directory", "dcr.adapters.transport.directory:DirectoryTransport", None),
+    ("transport", "s3", "dcr.adapters.transport.s3:S3Transport", "pip install 'dcr[s3]'"),
     ("transport", "relay", "dcr.adapters.transport.relay:RelayTransport", "pip install 'dcr[zmq]'"),
 ):
     register(_kind, _name, _target, install=_install)
