@@ -22,6 +22,9 @@ from dcr.delta.ordered import ulp_delta
 from dcr.delta.records import Encoding, Item
 from dcr.errors import DcrError, LoaderConditionViolated, PayloadRejected
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 
 class Model(torch.nn.Module):
     def __init__(self) -> None:

@@ -25,6 +25,9 @@ from dcr.apply import CopyStrategy, Loader, Receiver
 from dcr.delta.bits import bits
 from dcr.delta.records import Encoding, Item
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 _INDEX_PUT = {torch.ops.aten.index_put_.default, torch.ops.aten._index_put_impl_.default}
 _SCATTER = {torch.ops.aten.scatter_.src}
 

@@ -20,6 +20,9 @@ from dcr.errors import LayoutError
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.updates import apply_to_state_dict, perturb, special_patterns
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 XOR = BuildConfig(relative_encoding=Encoding.XOR)
 
 

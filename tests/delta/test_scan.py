@@ -24,6 +24,9 @@ from dcr.errors import ConfigError
 from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
 from dcr.testing.updates import apply_to_state_dict, perturb, special_patterns
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 WORDS = [np.uint8, np.uint16, np.uint32, np.uint64]
 
 

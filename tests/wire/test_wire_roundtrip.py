@@ -19,6 +19,9 @@ from dcr.wire.decode import decode_payload, read_header
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 # Bit patterns float comparisons get wrong or that sit at the edges of a word.
 _SPECIAL: dict[int, list[int]] = {
     1: [0x00, 0x01, 0x7F, 0x80, 0xFF],

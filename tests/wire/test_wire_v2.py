@@ -24,6 +24,9 @@ from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import DecodeLimits, Items, PayloadHeader, ValueLayout
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 ATTEMPT = 11
 _HEADER = struct.Struct("<4sHHQIIBBHiIIQQ")  # docs: header fields before the digest
 _PRE = struct.Struct("<IIQQQ")  # docs: version 2 preamble
