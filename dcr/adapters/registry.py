@@ -67,6 +67,7 @@ def load(kind: str, name: str) -> type:
 for _kind, _name, _target, _install in (
     ("commit_store", "memory", "dcr.adapters.commit.memory:MemoryCommitStore", None),
     ("commit_store", "sqlite", "dcr.adapters.commit.sqlite:SqliteCommitStore", None),
+    ("commit_store", "s3", "dcr.adapters.commit.s3:S3CommitStore", "pip install 'dcr[s3]'"),
     ("control", "memory", "dcr.adapters.control.memory:MemoryControl", None),
     ("control", "zmq", "dcr.adapters.control.zmq:ZmqControl", "pip install 'dcr[zmq]'"),
     ("loader", "torch", "dcr.adapters.loaders.torch_module:TorchModuleLoader", None),

@@ -77,6 +77,8 @@ class CommitStore(ABC):
     async def _transact(self, fn: Transaction) -> CommitState:
         """Atomically apply ``fn`` to the stored state; return the state after it.
 
+        An optimistic store may call ``fn`` again after losing a race (S3 conditional
+        writes); every operation's ``fn`` therefore answers from its last call only.
         Implementations convert vendor errors into :class:`~dcr.errors.CommitStoreError`.
         """
 
@@ -128,6 +130,7 @@ class CommitStore(ABC):
         replaced: list[int] = []
 
         def fn(s: CommitState) -> CommitState | None:
+            replaced.clear()
             if s.epoch != epoch:
                 replaced.append(s.epoch)
                 return None
@@ -151,6 +154,7 @@ class CommitStore(ABC):
         conflict: list[str] = []
 
         def fn(s: CommitState) -> CommitState | None:
+            conflict.clear()
             if s.epoch != epoch:
                 conflict.append(f"coordinator epoch {epoch} was replaced by epoch {s.epoch}")
                 return None
@@ -183,6 +187,7 @@ class CommitStore(ABC):
         outcome: list[CommitOutcome] = []
 
         def fn(s: CommitState) -> CommitState | None:
+            outcome.clear()
             if s.epoch != epoch:
                 outcome.append(CommitOutcome.CONFLICT)
             elif s.record == new:

@@ -1,0 +1,185 @@
+"""The S3 commit store: the commit record as one object, changed by conditional writes.
+
+The whole :class:`~dcr.adapters.commit.base.CommitState` is one JSON object.  A transaction
+reads it with its ETag, computes the new state and writes it back with ``If-Match: <etag>``
+(``If-None-Match: *`` when the object does not exist yet), so two writers can never both
+succeed: the loser's condition fails and it reads again (optimistic concurrency, paper App.
+B.2's compare-and-set).  An ETag is a hash of the content, so the body carries the state's
+``revision`` and a fresh random ``nonce``: two writes of equal states still differ, and an old
+writer holding a stale ETag cannot win twice.  When a write's answer is lost (a cut
+connection, a 5xx), the nonce also tells whether it landed: the store reads the object back
+and finds its own nonce or not.  Stores differ in how a failed condition is answered -- 412
+Precondition Failed, 409 ConditionalRequestConflict, or 404 NoSuchKey for ``If-Match`` on a
+missing object (AWS, moto; SeaweedFS answers 412) -- and all of them count as a lost race.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+
+import anyio
+import msgspec
+
+from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
+from dcr.adapters.transport.s3 import S3Backend, S3Options
+from dcr.errors import CommitStoreError, ConfigError, TransportError
+from dcr.protocol.types import CommitRecord
+
+__all__ = ["S3CommitStore"]
+
+FORMAT = 1
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The stored object (JSON)."""
+
+    format: int
+    version: int
+    candidate: str
+    epoch: int
+    attempt: int | None
+    deadline: float | None
+    obsolete: list[int]
+    info: str
+    address: str
+    lease: float | None
+    revision: int
+    nonce: str
+
+
+_DECODER = msgspec.json.Decoder(_Body, strict=True)
+
+
+def _encode(s: CommitState, nonce: str) -> bytes:
+    return msgspec.json.encode(
+        _Body(
+            format=FORMAT,
+            version=s.record.version,
+            candidate=s.record.candidate,
+            epoch=s.epoch,
+            attempt=s.attempt,
+            deadline=s.deadline,
+            obsolete=sorted(s.obsolete),
+            info=s.info,
+            address=s.address,
+            lease=s.lease,
+            revision=s.revision,
+            nonce=nonce,
+        )
+    )
+
+
+class S3CommitStore(CommitStore):
+    """The commit record at ``s3://bucket/prefix/key`` (registered as ``s3``).
+
+    A missing object stands for a store that never committed: ``record`` (default version
+    0).  Credentials and region come from the standard AWS chain; ``endpoint_url`` points at
+    another S3.  ``max_races`` bounds how often one operation re-reads after losing a race
+    before it gives up with a retryable :class:`~dcr.errors.CommitStoreError`.
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket: str,
+        key: str = "commit.json",
+        prefix: str = "dcr",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        addressing_style: str = "auto",
+        record: CommitRecord = INITIAL_RECORD,
+        max_races: int = 64,
+        clock: Callable[[], float] = time.time,
+        poll_s: float = 0.05,
+    ) -> None:
+        super().__init__(clock=clock, poll_s=poll_s)
+        if not key or key.startswith("/") or max_races < 1:
+            raise ConfigError(f"S3 commit store: invalid key {key!r} or max_races {max_races}")
+        self.key = key
+        self.max_races = max_races
+        self._initial = record
+        self._backend = S3Backend(
+            S3Options(
+                bucket=bucket,
+                prefix=prefix,
+                endpoint_url=endpoint_url,
+                region=region,
+                profile=profile,
+                addressing_style=addressing_style,
+            )
+        )
+        self._rng = random.Random()
+
+    def describe(self) -> str:
+        return f"{self._backend.describe()}/{self.key}"
+
+    async def _read(self) -> tuple[CommitState, str | None, str]:
+        """The stored state, its ETag (``None``: no object yet) and its nonce."""
+        try:
+            found = await self._backend.read_versioned(self.key)
+        except TransportError as exc:
+            raise CommitStoreError(f"reading {self.describe()}: {exc.message}",
+                                   retryable=exc.retryable, check="read") from exc  # fmt: skip
+        if found is None:
+            return CommitState(record=self._initial), None, ""
+        raw, etag = found
+        try:
+            body = _DECODER.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise CommitStoreError(f"{self.describe()} is not a commit record: {exc}",
+                                   retryable=False, check="record") from exc  # fmt: skip
+        if body.format != FORMAT:
+            raise CommitStoreError(f"{self.describe()} has format {body.format}, not {FORMAT}",
+                                   retryable=False, check="record")  # fmt: skip
+        state = CommitState(
+            record=CommitRecord(version=body.version, candidate=body.candidate),
+            epoch=body.epoch,
+            attempt=body.attempt,
+            deadline=body.deadline,
+            obsolete=frozenset(body.obsolete),
+            info=body.info,
+            address=body.address,
+            lease=body.lease,
+            revision=body.revision,
+        )
+        return state, etag, body.nonce
+
+    async def _transact(self, fn: Transaction) -> CommitState:
+        for race in range(self.max_races):
+            state, etag, _ = await self._read()
+            new = fn(state)
+            if new is None:
+                return state
+            nonce = uuid.uuid4().hex
+            try:
+                written = await self._backend.put_if(self.key, _encode(new, nonce), etag=etag)
+            except TransportError as exc:
+                if await self._landed(nonce):
+                    return new
+                raise CommitStoreError(f"writing {self.describe()}: {exc.message}",
+                                       retryable=exc.retryable, check="write") from exc  # fmt: skip
+            if written is not None:
+                return new
+            await anyio.sleep(self._rng.uniform(0, min(0.5, 0.01 * 2**race)))
+        raise CommitStoreError(
+            f"{self.describe()} changed under {self.max_races} tries in a row",
+            retryable=True,
+            check="contended",
+        )
+
+    async def _landed(self, nonce: str) -> bool:
+        """Whether the object now holds the write tagged ``nonce`` (its answer was lost)."""
+        try:
+            return (await self._read())[2] == nonce
+        except CommitStoreError:
+            return False
+
+    async def close(self) -> None:
+        await self._backend.aclose()
+
+    def __repr__(self) -> str:
+        return f"S3CommitStore({self.describe()})"

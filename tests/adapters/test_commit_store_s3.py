@@ -1,0 +1,215 @@
+"""The S3 commit store: the conformance machine on moto and on a real SeaweedFS, processes
+racing compare-and-set, lost answers resolved by the nonce, both servers' failed-condition
+answers, and a damaged record."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from dcr.adapters.commit.s3 import S3CommitStore
+from dcr.adapters.registry import load
+from dcr.errors import CommitStoreError, TransportError
+from dcr.protocol.types import CommitOutcome, CommitRecord
+from dcr.testing.commit_store import CommitStoreMachine, ManualClock
+from dcr.testing.s3servers import S3Endpoint
+
+G0 = CommitRecord(version=0, candidate="g0")
+
+
+@pytest.fixture(scope="module")
+def moto_bucket(moto_s3: S3Endpoint) -> str:
+    return moto_s3.create_bucket()
+
+
+@pytest.fixture(scope="module")
+def seaweed_bucket(seaweed_s3: S3Endpoint) -> str:
+    return seaweed_s3.create_bucket()
+
+
+def _store(endpoint: S3Endpoint, bucket: str, key: str | None = None, **kw: Any) -> S3CommitStore:
+    return S3CommitStore(
+        bucket=bucket,
+        key=key or f"commit-{uuid.uuid4().hex[:10]}.json",
+        endpoint_url=endpoint.url,
+        addressing_style="path",
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("server", "examples", "steps"), [("moto", 20, 20), ("seaweedfs", 8, 15)]
+)
+def test_conformance_machine(
+    server: str, examples: int, steps: int, request: pytest.FixtureRequest
+) -> None:
+    endpoint = request.getfixturevalue("moto_s3" if server == "moto" else "seaweed_s3")
+    bucket = request.getfixturevalue("moto_bucket" if server == "moto" else "seaweed_bucket")
+    machine = CommitStoreMachine.for_store(
+        lambda clock: _store(endpoint, bucket, clock=clock, poll_s=0.001)
+    )
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def _race(url: str, bucket: str, key: str, tag: int, start: Any, results: Any) -> None:
+    """A child process: one compare-and-set from the same expected record."""
+
+    async def main() -> CommitOutcome:
+        store = S3CommitStore(bucket=bucket, key=key, endpoint_url=url, addressing_style="path")
+        try:
+            state = await store.read()
+            start.wait()
+            return await store.compare_and_set(
+                epoch=state.epoch, attempt=7, expected=G0,
+                new=CommitRecord(version=1, candidate=f"g7-{tag}"), deadline=1e12,
+            )  # fmt: skip
+        finally:
+            await store.close()
+
+    results.put((tag, anyio.run(main).value))
+
+
+@pytest.mark.parametrize(("server", "racers"), [("moto", 6), ("seaweedfs", 3)])
+def test_compare_and_set_has_one_winner_across_processes(
+    server: str, racers: int, request: pytest.FixtureRequest
+) -> None:
+    endpoint = request.getfixturevalue("moto_s3" if server == "moto" else "seaweed_s3")
+    bucket = request.getfixturevalue("moto_bucket" if server == "moto" else "seaweed_bucket")
+    key = f"race-{uuid.uuid4().hex[:8]}.json"
+
+    async def setup() -> None:
+        store = _store(endpoint, bucket, key)
+        epoch = await store.claim()
+        await store.register(epoch=epoch, attempt=7, base=G0)
+        await store.close()
+
+    anyio.run(setup)
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race, args=(endpoint.url, bucket, key, tag, start, results))
+        for tag in range(racers)
+    ]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    outcomes = dict(results.get(timeout=5) for _ in procs)
+    winners = [tag for tag, o in outcomes.items() if o == "succeeded"]
+    assert len(winners) == 1, outcomes
+    assert all(o == "conflict" for tag, o in outcomes.items() if tag != winners[0])
+
+    async def check() -> CommitRecord:
+        store = _store(endpoint, bucket, key)
+        try:
+            return (await store.read()).record
+        finally:
+            await store.close()
+
+    assert anyio.run(check) == CommitRecord(version=1, candidate=f"g7-{winners[0]}")
+
+
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_failed_conditions_are_lost_races(server: str, request: pytest.FixtureRequest) -> None:
+    """If-Match on a missing object (404 on moto, 412 on SeaweedFS), a stale ETag and
+    If-None-Match on an existing object are all answered as a failed condition."""
+    endpoint = request.getfixturevalue("moto_s3" if server == "moto" else "seaweed_s3")
+    bucket = request.getfixturevalue("moto_bucket" if server == "moto" else "seaweed_bucket")
+
+    async def main() -> None:
+        store = _store(endpoint, bucket)
+        b = store._backend
+        try:
+            key = f"probe-{uuid.uuid4().hex[:8]}"
+            assert await b.put_if(key, b"a", etag='"0123456789abcdef0123456789abcdef"') is None
+            first = await b.put_if(key, b"a", etag=None)
+            assert first is not None
+            assert await b.put_if(key, b"b", etag=None) is None
+            second = await b.put_if(key, b"b", etag=first)
+            assert second is not None and second != first
+            assert await b.put_if(key, b"c", etag=first) is None  # a stale writer loses
+            # The same state written twice gets two ETags (the nonce): a writer holding the
+            # first cannot replace the second.
+            await store.claim()
+            await store._transact(lambda s: s)
+            one = await b.read_versioned(store.key)
+            await store._transact(lambda s: s)
+            two = await b.read_versioned(store.key)
+            assert one is not None and two is not None and one[1] != two[1]
+            assert await b.put_if(store.key, b"stale", etag=one[1]) is None
+        finally:
+            await store.close()
+
+    anyio.run(main)
+
+
+def test_a_lost_answer_is_resolved_by_the_nonce(moto_s3: S3Endpoint, moto_bucket: str) -> None:
+    """A write that landed but whose answer was lost counts as done; one that did not land
+    is a retryable error, and a compare-and-set in that case is UNKNOWN."""
+
+    async def main() -> None:
+        store = _store(moto_s3, moto_bucket, clock=ManualClock())
+        b = store._backend
+        real = b.put_if
+        mode = {"landed": True}
+
+        async def lossy(key: str, data: bytes, *, etag: str | None) -> str | None:
+            if mode["landed"]:
+                await real(key, data, etag=etag)
+            raise TransportError("connection reset", retryable=True, check="connection")
+
+        try:
+            epoch = await store.claim()
+            b.put_if = lossy  # type: ignore[method-assign]
+            await store.register(epoch=epoch, attempt=1, base=G0)  # landed: no error
+            assert (await store.read()).attempt == 1
+            mode["landed"] = False
+            with pytest.raises(CommitStoreError) as exc:
+                await store.register(epoch=epoch, attempt=2, base=G0)
+            assert exc.value.retryable
+            outcome = await store.compare_and_set(
+                epoch=epoch, attempt=1, expected=G0,
+                new=CommitRecord(version=1, candidate="g1"), deadline=2e9,
+            )  # fmt: skip
+            assert outcome is CommitOutcome.UNKNOWN
+            b.put_if = real  # type: ignore[method-assign]
+            assert (await store.read()).record == G0
+        finally:
+            await store.close()
+
+    anyio.run(main)
+
+
+def test_a_damaged_record_is_refused(moto_s3: S3Endpoint, moto_bucket: str) -> None:
+    async def main() -> None:
+        store = _store(moto_s3, moto_bucket)
+        try:
+            await store._backend.put(store.key, b'{"format": 1, "version": "one"}')
+            with pytest.raises(CommitStoreError) as exc:
+                await store.read()
+            assert exc.value.check == "record" and not exc.value.retryable
+        finally:
+            await store.close()
+
+    anyio.run(main)
+
+
+def test_registered() -> None:
+    assert load("commit_store", "s3") is S3CommitStore
