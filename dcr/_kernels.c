@@ -560,6 +560,60 @@ static int parse_streams(PyObject *args_sym, PyObject *args_rem, PyObject *args_
     return 1;
 }
 
+/* Gaps with k < 8 (no byte planes): the common case, one function per k so that the
+ * remainder shifts are constants.  Same results as SPLIT_BODY. */
+#define DEF_GAPS_SMALL(T)                                                                  \
+    static void gaps_k##T(const int64_t *restrict idx, Py_ssize_t gaps,                    \
+                          unsigned char *restrict sym, unsigned char *restrict tail,        \
+                          uint64_t bitpos, uint64_t cap, uint64_t *restrict esc,            \
+                          Py_ssize_t esc_cap, Py_ssize_t *n_esc_out, int *bad) {            \
+        size_t tbyte = (size_t)(bitpos >> 3);                                              \
+        uint64_t acc = 0;                                                                  \
+        int nb = (int)(bitpos & 7);                                                        \
+        Py_ssize_t n_esc = 0;                                                              \
+        for (Py_ssize_t i = 0; i < gaps; i++) {                                            \
+            int64_t d = idx[i + 1] - idx[i];                                               \
+            if (d <= 0) { *bad = -1; break; }                                              \
+            uint64_t x = (uint64_t)(d - 1), q = x >> (T);                                  \
+            if (q >= cap) {                                                                \
+                if (n_esc >= esc_cap) { *bad = -2; break; }                                \
+                esc[n_esc++] = q;                                                          \
+                q = cap;                                                                   \
+            }                                                                              \
+            sym[i] = (unsigned char)q;                                                     \
+            if ((T) > 0) {                                                                 \
+                acc |= (x & ((1u << (T)) - 1)) << nb;                                      \
+                nb += (T);                                                                 \
+                if (nb >= 32) {                                                            \
+                    uint32_t v;                                                            \
+                    memcpy(&v, tail + tbyte, 4);                                           \
+                    v |= (uint32_t)acc;                                                    \
+                    memcpy(tail + tbyte, &v, 4);                                           \
+                    tbyte += 4;                                                            \
+                    acc >>= 32;                                                            \
+                    nb -= 32;                                                              \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        if ((T) > 0 && !*bad)                                                              \
+            for (size_t j = 0; nb > 0; j++, nb -= 8) tail[tbyte + j] |= (unsigned char)(acc >> (8 * j)); \
+        *n_esc_out = n_esc;                                                                \
+    }
+
+DEF_GAPS_SMALL(0)
+DEF_GAPS_SMALL(1)
+DEF_GAPS_SMALL(2)
+DEF_GAPS_SMALL(3)
+DEF_GAPS_SMALL(4)
+DEF_GAPS_SMALL(5)
+DEF_GAPS_SMALL(6)
+DEF_GAPS_SMALL(7)
+
+typedef void (*GapsSmall)(const int64_t *, Py_ssize_t, unsigned char *, unsigned char *, uint64_t,
+                          uint64_t, uint64_t *, Py_ssize_t, Py_ssize_t *, int *);
+static const GapsSmall gaps_small[8] = {gaps_k0, gaps_k1, gaps_k2, gaps_k3,
+                                        gaps_k4, gaps_k5, gaps_k6, gaps_k7};
+
 PyDoc_STRVAR(split_gaps_doc,
 "split_gaps(indices, k, cap, symbols, at_sym, remainders, stream_n, at_rem, escapes) -> n_esc\n\n"
 "Rice split (parameter k) of the gaps minus one between the strictly increasing int64\n"
@@ -587,16 +641,59 @@ static PyObject *py_split_gaps(PyObject *self, PyObject *args) {
     Py_ssize_t n_esc = 0;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    SPLIT_BODY(gaps, {
-        if (idx[i + 1] <= idx[i]) { bad = -1; break; }
-        x = (uint64_t)(idx[i + 1] - idx[i] - 1);
-    });
+    if (k < 8)
+        gaps_small[k](idx, gaps, s.sym + s.at_sym, s.rem, (uint64_t)s.at_rem * (uint64_t)k, s.cap,
+                      s.esc, s.esc_cap, &n_esc, &bad);
+    else
+        SPLIT_BODY(gaps, {
+            if (idx[i + 1] <= idx[i]) { bad = -1; break; }
+            x = (uint64_t)(idx[i + 1] - idx[i] - 1);
+        });
     Py_END_ALLOW_THREADS
     if (bad == -2) PyErr_SetString(PyExc_ValueError, "escape buffer too short");
     else result = PyLong_FromSsize_t(bad ? -1 : n_esc);
 done:
     release(&bi); release(&bs); release(&br); release(&be);
     return result;
+}
+
+/* ULP deltas of 2-byte words with k = 0 (the usual parameter of small updates): each
+ * zigzagged word is its symbol; pairs of symbols make one byte.  Same results as SPLIT_BODY. */
+static void ulp_nibbles_w2(const uint16_t *restrict v, Py_ssize_t n, unsigned char *restrict sym,
+                           Py_ssize_t at, uint64_t cap, uint64_t *restrict esc, Py_ssize_t esc_cap,
+                           Py_ssize_t *n_esc_out, int *bad) {
+    Py_ssize_t n_esc = 0, i = 0;
+#define ULP_SYM(X, Q)                                                                      \
+    do {                                                                                   \
+        uint16_t x_ = (X);                                                                 \
+        uint64_t z_ = (uint16_t)((x_ << 1) ^ (uint16_t)((int16_t)x_ >> 15));               \
+        if (z_ >= cap) {                                                                   \
+            if (n_esc >= esc_cap) { *bad = -2; *n_esc_out = n_esc; return; }               \
+            esc[n_esc++] = z_;                                                             \
+            z_ = cap;                                                                      \
+        }                                                                                  \
+        (Q) = (unsigned)z_;                                                                \
+    } while (0)
+    if (n && (at & 1)) {
+        unsigned q;
+        ULP_SYM(v[0], q);
+        sym[at >> 1] |= (unsigned char)(q << 4);
+        i = 1;
+    }
+    unsigned char *out = sym + ((at + i) >> 1);
+    for (; i + 1 < n; i += 2) {
+        unsigned lo, hi;
+        ULP_SYM(v[i], lo);
+        ULP_SYM(v[i + 1], hi);
+        *out++ = (unsigned char)(lo | (hi << 4));
+    }
+    if (i < n) {
+        unsigned q;
+        ULP_SYM(v[i], q);
+        *out |= (unsigned char)q;
+    }
+#undef ULP_SYM
+    *n_esc_out = n_esc;
 }
 
 PyDoc_STRVAR(split_ulp_doc,
@@ -627,7 +724,11 @@ static PyObject *py_split_ulp(PyObject *self, PyObject *args) {
     Py_ssize_t n_esc = 0;
     int bad = 0;
     Py_BEGIN_ALLOW_THREADS
-    SPLIT_BODY(n, x = zigzag_word(load_word(v + i * w, w), w));
+    if (k == 0 && w == 2)
+        ulp_nibbles_w2((const uint16_t *)v, n, s.sym, s.at_sym, s.cap, s.esc, s.esc_cap, &n_esc,
+                       &bad);
+    else
+        SPLIT_BODY(n, x = zigzag_word(load_word(v + i * w, w), w));
     Py_END_ALLOW_THREADS
     if (bad) PyErr_SetString(PyExc_ValueError, "escape buffer too short");
     else result = PyLong_FromSsize_t(n_esc);

@@ -229,13 +229,23 @@ class _Block:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _Hits:
-    """What one block found: changed source indices, their canonical indices and values."""
+    """What one block found: changed positions, their canonical indices and values.
 
-    source: Index
+    ``positions - shift`` are the changed source (local) indices; for a segment that maps by
+    a plain offset the scan produces canonical indices directly (``canonical`` is then
+    ``positions`` and ``shift`` the segment's offset).
+    """
+
+    positions: Index
+    shift: int
     canonical: Index | None
     values: dict[Encoding, UInt]
     detect_seconds: float
     project_seconds: float
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.shape[0])
 
 
 _SCAN_KINDS = {Encoding.XOR: "xor", Encoding.ULP: "ulp", Encoding.OVERWRITE: "new"}
@@ -247,7 +257,8 @@ def _scan(block: _Block) -> _Hits:
     One pass finds the changed words and gathers what their encoding sends (XOR masks, ULP
     deltas or new words; :func:`~dcr.delta.bits.changed_values`); a segment whose names take
     several encodings (tied tensors on different loader paths) gathers masks and new words
-    and derives the rest.
+    and derives the rest.  A segment that maps by a plain offset gets canonical indices from
+    the scan itself.
     """
     t0 = time.thread_time()
     encodings = block.encodings
@@ -255,17 +266,19 @@ def _scan(block: _Block) -> _Hits:
     kind = _SCAN_KINDS[encodings[0]] if len(distinct) == 1 else "xor+new"
     if not encodings:
         kind = "xor"
+    seg = block.segment
+    shift = seg.offset if encodings and not seg.period else 0
     pos, first, second = changed_values(
         block.new[block.start : block.stop],
         block.old[block.start : block.stop],
         kind,
-        offset=block.start,
+        offset=block.start + shift,
     )
     t1 = time.thread_time()
     canonical = None
     values: dict[Encoding, UInt] = {}
     if pos.size and encodings:
-        canonical = block.segment.canonical(pos)
+        canonical = seg.canonical(pos) if seg.period else pos
         if second is None:
             values[encodings[0]] = first
         else:
@@ -277,7 +290,7 @@ def _scan(block: _Block) -> _Hits:
                     values[enc] = new
                 else:
                     values[enc] = ulp_delta(new, new ^ xor)
-    return _Hits(pos, canonical, values, t1 - t0, time.thread_time() - t1)
+    return _Hits(pos, shift, canonical, values, t1 - t0, time.thread_time() - t1)
 
 
 def _cover(segments: list[Segment], numel: int) -> list[Segment]:
@@ -342,7 +355,7 @@ class Owner:
         self._residual_candidate: dict[str, torch.Tensor] = {}
         # Changed indices per shard (one array per block) from the last *complete* build of the
         # staged candidate; lets commit update trackers at O(changed) instead of copying.
-        self._changed: dict[str, list[Index]] | None = None
+        self._changed: dict[str, list[tuple[Index, int]]] | None = None
         # Bumped when a commit starts moving the baseline; a dense build that sees it move
         # fails instead of mixing two versions.
         self._epoch = 0
@@ -394,7 +407,8 @@ class Owner:
         for key, tracker in self.trackers.items():
             dst, src = bits(tracker).reshape(-1), bits(cand[key]).reshape(-1)
             if changed is not None and key in changed:
-                for idx in changed[key]:
+                for positions, shift in changed[key]:
+                    idx = positions - shift if shift else positions
                     dst[idx] = src[idx]
             else:
                 np.copyto(dst, src)
@@ -530,7 +544,7 @@ class Owner:
         changed words and gathers their values in one pass (:func:`changed_words`) and maps
         them through its shard's affine segment.
         """
-        changed: dict[str, list[Index]] = {}
+        changed: dict[str, list[tuple[Index, int]]] = {}
         chunks = self.chunks() if project else []
         encodings: dict[str, Encoding] = {}
 
@@ -550,13 +564,13 @@ class Owner:
         for (number, block), hits in zip(tasks, results, strict=True):
             stats.add_time("detect", hits.detect_seconds)
             stats.add_time("project", hits.project_seconds)
-            if hits.source.size:
-                changed.setdefault(block.key, []).append(hits.source)
+            if hits.count:
+                changed.setdefault(block.key, []).append((hits.positions, hits.shift))
                 if hits.canonical is not None:
                     names = block.segment.names
                     for name, enc in zip(names, block.encodings, strict=True):
                         packer.add(name, enc, hits.canonical, hits.values[enc])
-                    stats.changed_elements += int(hits.source.size) * len(names)
+                    stats.changed_elements += hits.count * len(names)
                     emitted[number] = True
             left[number] -= 1
             while finished < len(chunks) and left[finished] == 0:
