@@ -196,8 +196,10 @@ async def test_reset_and_refused_connections_are_retryable() -> None:
 
 
 async def test_a_missing_bucket_is_not_retried(moto_s3: S3Endpoint) -> None:
-    transport = S3Transport(bucket="dcr-no-such-bucket", endpoint_url=moto_s3.url,
-                            addressing_style="path", backoff_s=0.01, backoff_max_s=0.01)  # fmt: skip
+    transport = S3Transport(
+        bucket="dcr-no-such-bucket", endpoint_url=moto_s3.url, addressing_style="path",
+        backoff_s=0.01, backoff_max_s=0.01,
+    )  # fmt: skip
     try:
         with pytest.raises(TransportError) as exc:
             await transport.send(PayloadKey(attempt=1, owner="o0", payload_id=0), b"x")
