@@ -11,6 +11,8 @@
  *   isa, set_isa   the scan's instruction-set level (portable, AVX2, AVX-512)
  *   split_gaps     Rice split of the gaps between sorted positions (payload format 2)
  *   split_ulp      Rice split of zigzagged ULP deltas, symbols as nibbles (payload format 2)
+ *   join_locations every item's positions from the location streams (decoding, format 2)
+ *   join_values    every ULP item's zigzagged words from the value streams
  *   rmw            read-modify-write of storage words at positions (XOR, ULP, overwrite)
  *   rmw_mapped     the same, positions mapped from canonical indices through a view geometry
  *   increasing     whether int64 indices are strictly increasing
@@ -737,6 +739,251 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ Rice join (decoding) */
+
+/* Sequential reader of one item's remainders in a k-stream of stream_n words. */
+typedef struct {
+    const unsigned char *planes; /* byte plane p of word j at planes[p * stream_n + j] */
+    const unsigned char *tail;   /* the top t bits of every word, packed LSB first */
+    size_t stream_n;
+    int planes_n, t;
+} RemStream;
+
+static inline uint64_t rem_at(const RemStream *r, size_t j) {
+    uint64_t v = 0;
+    for (int p = 0; p < r->planes_n; p++) v |= (uint64_t)r->planes[(size_t)p * r->stream_n + j] << (8 * p);
+    if (r->t) {
+        uint64_t bit = (uint64_t)j * (uint64_t)r->t;
+        uint64_t x = r->tail[bit >> 3] >> (bit & 7);
+        if ((bit & 7) + (uint64_t)r->t > 8) x |= (uint64_t)r->tail[(bit >> 3) + 1] << (8 - (bit & 7));
+        v |= (x & (((uint64_t)1 << r->t) - 1)) << (8 * r->planes_n);
+    }
+    return v;
+}
+
+/* The remainder streams of one decoding: streams[k] is the buffer of parameter k (k = 1..63)
+ * or None; each must hold exactly remainder_bytes(words of k, k) bytes. */
+typedef struct {
+    Buf bufs[64];
+    RemStream rs[64];
+    size_t used[64];
+} Streams64;
+
+static void release64(Streams64 *st) {
+    for (int k = 0; k < 64; k++) release(&st->bufs[k]);
+}
+
+static int open_streams(PyObject *list, const size_t *words, Streams64 *st) {
+    if (!PyList_Check(list) || PyList_GET_SIZE(list) != 64) {
+        PyErr_SetString(PyExc_ValueError, "streams must be a list of 64 buffers or None");
+        return 0;
+    }
+    for (int k = 0; k < 64; k++) {
+        PyObject *o = PyList_GET_ITEM(list, k);
+        st->used[k] = 0;
+        if (o == Py_None) {
+            if (k && words[k]) {
+                PyErr_Format(PyExc_ValueError, "no remainder stream for parameter %d", k);
+                return 0;
+            }
+            continue;
+        }
+        if (!get_buf(o, &st->bufs[k], 0, "stream") || !need_itemsize(&st->bufs[k], 1, "stream"))
+            return 0;
+        if (k == 0 || st->bufs[k].view.len != remainder_bytes((Py_ssize_t)words[k], k)) {
+            PyErr_Format(PyExc_ValueError, "remainder stream %d has the wrong length", k);
+            return 0;
+        }
+        st->rs[k].planes = st->bufs[k].view.buf;
+        st->rs[k].stream_n = words[k];
+        st->rs[k].planes_n = k / 8;
+        st->rs[k].t = k % 8;
+        st->rs[k].tail = (const unsigned char *)st->bufs[k].view.buf + (size_t)(k / 8) * words[k];
+    }
+    return 1;
+}
+
+enum { J_OK = 0, J_EXCEEDS = 1, J_OUTSIDE = 2, J_SYMBOLS = 3 };
+
+PyDoc_STRVAR(join_locations_doc,
+"join_locations(symbols, streams, escapes, count, rice, k, start, numel, out)\n"
+"    -> (status, item)\n\n"
+"Positions of every item of a format 2 payload into out (int64, sum(count) entries): runs\n"
+"start..start+count-1, Rice items start plus 1 + gap per step, gap = (q << k) | remainder\n"
+"with q the next gap symbol (cap 255: the next escape word).  The per-item arrays count,\n"
+"rice (0/1), k, start, numel are int64.  Status 0 ok; 1 a gap above numel - 1; 2 a position\n"
+"at or past numel; 3 the symbols or escapes do not match the items (item -1).  The caller\n"
+"has checked escape counts, escape words >= cap and stream padding.");
+
+static PyObject *py_join_locations(PyObject *self, PyObject *args) {
+    PyObject *osym, *ostreams, *oesc, *ocount, *orice, *ok, *ostart, *onumel, *oout;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOO", &osym, &ostreams, &oesc, &ocount, &orice, &ok,
+                          &ostart, &onumel, &oout))
+        return NULL;
+    Buf bs = {0}, be = {0}, bc = {0}, br = {0}, bk = {0}, bst = {0}, bn = {0}, bo = {0};
+    Streams64 st;
+    memset(&st, 0, sizeof st);
+    PyObject *result = NULL;
+    if (!get_buf(osym, &bs, 0, "symbols") || !get_buf(oesc, &be, 0, "escapes") ||
+        !get_buf(ocount, &bc, 0, "count") || !get_buf(orice, &br, 0, "rice") ||
+        !get_buf(ok, &bk, 0, "k") || !get_buf(ostart, &bst, 0, "start") ||
+        !get_buf(onumel, &bn, 0, "numel") || !get_buf(oout, &bo, 1, "out"))
+        goto done;
+    if (!need_itemsize(&bs, 1, "symbols") || !need_itemsize(&be, 8, "escapes") ||
+        !need_itemsize(&bc, 8, "count") || !need_itemsize(&br, 8, "rice") ||
+        !need_itemsize(&bk, 8, "k") || !need_itemsize(&bst, 8, "start") ||
+        !need_itemsize(&bn, 8, "numel") || !need_itemsize(&bo, 8, "out"))
+        goto done;
+    Py_ssize_t m = count_of(&bc);
+    if (count_of(&br) != m || count_of(&bk) != m || count_of(&bst) != m || count_of(&bn) != m) {
+        PyErr_SetString(PyExc_ValueError, "per-item arrays differ in length");
+        goto done;
+    }
+    const int64_t *cnt = bc.view.buf, *rice = br.view.buf, *ks = bk.view.buf, *numel = bn.view.buf;
+    const uint64_t *start = bst.view.buf;
+    size_t words[64] = {0}, total = 0, gaps = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (cnt[i] < 0 || ks[i] < 0 || ks[i] > 63 || (rice[i] && cnt[i] < 2) || numel[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "bad item record");
+            goto done;
+        }
+        total += (size_t)cnt[i];
+        if (rice[i]) {
+            words[ks[i]] += (size_t)cnt[i] - 1;
+            gaps += (size_t)cnt[i] - 1;
+        }
+    }
+    if (total != (size_t)count_of(&bo) || gaps != (size_t)bs.view.len) {
+        result = Py_BuildValue("ii", J_SYMBOLS, -1);
+        goto done;
+    }
+    if (!open_streams(ostreams, words, &st)) goto done;
+    const unsigned char *sym = bs.view.buf;
+    const uint64_t *esc = be.view.buf;
+    size_t n_esc = (size_t)count_of(&be), e = 0, g = 0;
+    int64_t *out = bo.view.buf;
+    int status = J_OK;
+    Py_ssize_t bad_item = -1;
+    Py_BEGIN_ALLOW_THREADS
+    size_t o = 0;
+    for (Py_ssize_t i = 0; i < m && status == J_OK; i++) {
+        int64_t c = cnt[i];
+        uint64_t at = start[i];
+        if (!rice[i]) {
+            for (int64_t j = 0; j < c; j++) out[o + (size_t)j] = (int64_t)(at + (uint64_t)j);
+            o += (size_t)c;
+            continue;
+        }
+        int k = (int)ks[i];
+        uint64_t limit = (uint64_t)numel[i];
+        uint64_t gap_max = limit ? limit - 1 : 0, q_max = gap_max >> k;
+        const RemStream *r = k ? &st.rs[k] : NULL;
+        size_t j0 = k ? st.used[k] : 0;
+        if (at >= limit) { status = J_OUTSIDE; bad_item = i; break; }
+        out[o++] = (int64_t)at;
+        for (int64_t j = 1; j < c; j++) {
+            uint64_t q = sym[g++];
+            if (q == 255) {
+                if (e >= n_esc) { status = J_SYMBOLS; break; }
+                q = esc[e++];
+            }
+            if (q > q_max) { status = J_EXCEEDS; bad_item = i; break; }
+            uint64_t gap = (q << k) | (r ? rem_at(r, j0 + (size_t)(j - 1)) : 0);
+            if (gap > gap_max) { status = J_EXCEEDS; bad_item = i; break; }
+            at += 1 + gap;
+            if (at >= limit) { status = J_OUTSIDE; bad_item = i; break; }
+            out[o++] = (int64_t)at;
+        }
+        if (k) st.used[k] += (size_t)c - 1;
+    }
+    if (status == J_OK && e != n_esc) status = J_SYMBOLS;
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("in", status, bad_item);
+done:
+    release(&bs); release(&be); release(&bc); release(&br); release(&bk); release(&bst);
+    release(&bn); release(&bo);
+    release64(&st);
+    return result;
+}
+
+PyDoc_STRVAR(join_values_doc,
+"join_values(symbols, streams, escapes, count, k, limit, out) -> (status, item)\n\n"
+"Zigzagged ULP words of every ULP item into out (u64, sum(count)): word = (q << k) |\n"
+"remainder, q the next nibble symbol of the packed symbols (cap 15: the next escape word).\n"
+"count and k are int64 per ULP item, limit u64 (the largest word the item's width holds).\n"
+"Status 0 ok; 1 a word above its limit; 3 the symbols or escapes do not match (item -1).");
+
+static PyObject *py_join_values(PyObject *self, PyObject *args) {
+    PyObject *osym, *ostreams, *oesc, *ocount, *ok, *olimit, *oout;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &osym, &ostreams, &oesc, &ocount, &ok, &olimit, &oout))
+        return NULL;
+    Buf bs = {0}, be = {0}, bc = {0}, bk = {0}, bl = {0}, bo = {0};
+    Streams64 st;
+    memset(&st, 0, sizeof st);
+    PyObject *result = NULL;
+    if (!get_buf(osym, &bs, 0, "symbols") || !get_buf(oesc, &be, 0, "escapes") ||
+        !get_buf(ocount, &bc, 0, "count") || !get_buf(ok, &bk, 0, "k") ||
+        !get_buf(olimit, &bl, 0, "limit") || !get_buf(oout, &bo, 1, "out"))
+        goto done;
+    if (!need_itemsize(&bs, 1, "symbols") || !need_itemsize(&be, 8, "escapes") ||
+        !need_itemsize(&bc, 8, "count") || !need_itemsize(&bk, 8, "k") ||
+        !need_itemsize(&bl, 8, "limit") || !need_itemsize(&bo, 8, "out"))
+        goto done;
+    Py_ssize_t m = count_of(&bc);
+    if (count_of(&bk) != m || count_of(&bl) != m) {
+        PyErr_SetString(PyExc_ValueError, "per-item arrays differ in length");
+        goto done;
+    }
+    const int64_t *cnt = bc.view.buf, *ks = bk.view.buf;
+    const uint64_t *lim = bl.view.buf;
+    size_t words[64] = {0}, total = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (cnt[i] < 0 || ks[i] < 0 || ks[i] > 63) {
+            PyErr_SetString(PyExc_ValueError, "bad item record");
+            goto done;
+        }
+        total += (size_t)cnt[i];
+        words[ks[i]] += (size_t)cnt[i];
+    }
+    if (total != (size_t)count_of(&bo) || (total + 1) / 2 != (size_t)bs.view.len) {
+        result = Py_BuildValue("ii", J_SYMBOLS, -1);
+        goto done;
+    }
+    if (!open_streams(ostreams, words, &st)) goto done;
+    const unsigned char *sym = bs.view.buf;
+    const uint64_t *esc = be.view.buf;
+    size_t n_esc = (size_t)count_of(&be), e = 0, g = 0;
+    uint64_t *out = bo.view.buf;
+    int status = J_OK;
+    Py_ssize_t bad_item = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m && status == J_OK; i++) {
+        int k = (int)ks[i];
+        uint64_t limit = lim[i], q_max = limit >> k;
+        const RemStream *r = k ? &st.rs[k] : NULL;
+        size_t j0 = k ? st.used[k] : 0;
+        for (int64_t j = 0; j < cnt[i]; j++, g++) {
+            uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;
+            if (q == 15) {
+                if (e >= n_esc) { status = J_SYMBOLS; break; }
+                q = esc[e++];
+            }
+            if (q > q_max) { status = J_EXCEEDS; bad_item = i; break; }
+            uint64_t word = (q << k) | (r ? rem_at(r, j0 + (size_t)j) : 0);
+            if (word > limit) { status = J_EXCEEDS; bad_item = i; break; }
+            out[g] = word;
+        }
+        if (k) st.used[k] += (size_t)cnt[i];
+    }
+    if (status == J_OK && e != n_esc) status = J_SYMBOLS;
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("in", status, bad_item);
+done:
+    release(&bs); release(&be); release(&bc); release(&bk); release(&bl); release(&bo);
+    release64(&st);
+    return result;
+}
+
 /* ------------------------------------------------------------------ apply */
 
 static inline uint64_t apply_one(int enc, int w, uint64_t before, uint64_t v) {
@@ -976,6 +1223,8 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_O, set_isa_doc},
     {"split_gaps", py_split_gaps, METH_VARARGS, split_gaps_doc},
     {"split_ulp", py_split_ulp, METH_VARARGS, split_ulp_doc},
+    {"join_locations", py_join_locations, METH_VARARGS, join_locations_doc},
+    {"join_values", py_join_values, METH_VARARGS, join_values_doc},
     {"rmw", py_rmw, METH_VARARGS, rmw_doc},
     {"rmw_mapped", py_rmw_mapped, METH_VARARGS, rmw_mapped_doc},
     {"increasing", py_increasing, METH_O, increasing_doc},

@@ -21,13 +21,14 @@ import math
 import struct
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import zstandard
 
+from dcr import native
 from dcr.delta.bits import DTYPE_CODES, DTYPE_FROM_CODE, dtype_name, numpy_bits_dtype
 from dcr.delta.ordered import ULP_DTYPES
 from dcr.delta.records import Encoding, TensorSpec
@@ -851,23 +852,202 @@ def _decode_v2(
             "bounds",
         )
 
-    def remainders(ks: dict[int, int]) -> dict[int, npt.NDArray[np.unsignedinteger[Any]]]:
-        out = {}
-        for k, m in ks.items():
-            words = unpack_bits(body.read(remainder_bytes(m, k)), k, m)
-            if words is None:
-                raise _reject(attempt, "a padding bit of a remainder stream is set", "schema")
-            out[k] = words
-        return out
-
     # -- locations -------------------------------------------------------------------------
     n = int(count.sum())
     offs = np.zeros(n_items, dtype=np.int64)
     np.cumsum(count[:-1], out=offs[1:])
     loc_sym = body.read(sizes[0])
-    loc_rems = remainders(loc_ks)
+    kernels = native.kernels
+    if kernels is not None:
+        indices = _locations_native(
+            kernels, body, loc_sym, loc_ks, esc_loc, layout, sizes, count, rice, lk, start_u,
+            numel, n, attempt, reject,
+        )  # fmt: skip
+    else:
+        indices = _locations_numpy(
+            body, loc_sym, loc_ks, esc_loc, layout, sizes, count, rice, lk, start_u, numel, n,
+            n_gaps, gaps_n, n_items, attempt, reject,
+        )  # fmt: skip
+
+    # -- values ----------------------------------------------------------------------------
+    words = _class_words(body.read(sizes[3]), val_words, layout)
+    packed = body.read(sizes[4])
+    if n_ulp % 2 and int(packed[-1]) >> 4:
+        raise _reject(attempt, "the padding nibble of the value symbols is not zero", "schema")
+    value_max = np.where(item_width == 8, -1, (1 << (8 * np.minimum(item_width, 4))) - 1)
+    if kernels is not None:
+        streams = _streams(body, val_ks, attempt)
+        val_escs = _class_words(body.read(sizes[6]), esc_val, layout)[8]
+        caps = int(np.count_nonzero((packed & 15) == VALUE_CAP))
+        caps += int(np.count_nonzero((packed >> 4) == VALUE_CAP))
+        _check_escapes(caps, val_escs, VALUE_CAP, reject)
+        zz = np.empty(n_ulp, dtype=_U64)
+        status, _ = kernels.join_values(
+            packed, streams, np.ascontiguousarray(val_escs, dtype=_U64), count[ulp],
+            vk[ulp], np.ascontiguousarray(value_max[ulp]).view(_U64), zz,
+        )  # fmt: skip
+        if status:
+            raise _join_failure(status, None, reject)
+    else:
+        val_sym = unpack_nibbles(packed, n_ulp)
+        assert val_sym is not None
+        val_rems = _remainders(body, val_ks, attempt)
+        val_escs = _class_words(body.read(sizes[6]), esc_val, layout)[8]
+        zz = _join(val_sym, VALUE_CAP, val_escs, val_rems, ulp_n, vk, value_max, reject)
+    value_start = np.zeros(n_items, dtype=np.int64)
+    values: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
+    for w in WORD_WIDTHS:
+        of_width = item_width == w
+        total = int(count[of_width].sum())
+        if not total:
+            continue
+        sizes_w = count[of_width]
+        starts_w = np.zeros(sizes_w.shape[0], dtype=np.int64)
+        np.cumsum(sizes_w[:-1], out=starts_w[1:])
+        value_start[of_width] = starts_w
+        ulp_w = ulp & of_width
+        if not ulp_w.any():
+            out = words[w]
+        else:
+            ulp_vals = (
+                zz
+                if bool(ulp_w.sum() == ulp.sum())
+                else zz[np.repeat(item_width[ulp], count[ulp]) == w]
+            )
+            decoded = unzigzag(ulp_vals.astype(np.dtype(f"u{w}")))
+            if not (word_items & of_width).any():
+                out = decoded
+            else:
+                out = np.empty(total, dtype=np.dtype(f"u{w}"))
+                mask = np.repeat(ulp[of_width], sizes_w)
+                out[mask] = decoded
+                out[~mask] = words[w]
+        values[w] = out
+    bools = is_bool[tid] & (count > 0)
+    if (
+        bools.any()
+        and int(values[1][np.repeat(bools[item_width == 1], count[item_width == 1])].max()) > 1
+    ):
+        raise _reject(attempt, "bool value other than 0 or 1", "bounds")
+    return Items(
+        tensors=tensors,
+        tensor=tid,
+        encoding=enc,
+        start=offs,
+        count=count,
+        value_start=value_start,
+        indices=indices,
+        values=values,
+    )
+
+
+def _remainders(
+    body: _Body, ks: dict[int, int], attempt: int
+) -> dict[int, npt.NDArray[np.unsignedinteger[Any]]]:
+    """The remainder streams of ``ks`` (parameter -> words), read in order and unpacked."""
+    out = {}
+    for k, m in ks.items():
+        words = unpack_bits(body.read(remainder_bytes(m, k)), k, m)
+        if words is None:
+            raise _reject(attempt, "a padding bit of a remainder stream is set", "schema")
+        out[k] = words
+    return out
+
+
+def _padding_ok(stream: npt.NDArray[np.uint8], m: int, k: int) -> bool:
+    """Whether the bits after the last of ``m`` ``k``-bit remainders are zero."""
+    used = m * (k % 8)
+    return not used % 8 or not int(stream[-1]) >> (used % 8)
+
+
+def _streams(body: _Body, ks: dict[int, int], attempt: int) -> list[Any]:
+    """The remainder streams of ``ks`` (parameter -> words), read in order, as the C join
+    takes them: a list indexed by parameter, ``None`` where absent."""
+    out: list[Any] = [None] * 64
+    for k, m in ks.items():
+        stream = body.read(remainder_bytes(m, k))
+        if not _padding_ok(stream, m, k):
+            raise _reject(attempt, "a padding bit of a remainder stream is set", "schema")
+        out[k] = stream
+    return out
+
+
+def _check_escapes(
+    caps: int, escapes: npt.NDArray[np.unsignedinteger[Any]], cap: int, reject: Any
+) -> None:
+    """One escape word per cap symbol, each at least the cap."""
+    if caps != escapes.shape[0]:
+        raise reject(f"{caps} escape symbols, {escapes.shape[0]} escape words", "bounds")
+    if escapes.shape[0] and int(escapes.min()) < cap:
+        raise reject("an escape word below the symbol cap", "bounds")
+
+
+def _join_failure(status: int, item: int | None, reject: Any) -> PayloadRejected:
+    """The rejection of a failed C join (status codes of ``dcr._kernels``)."""
+    if status == 1:
+        return cast(PayloadRejected, reject("a Rice-coded word exceeds its bound", "bounds"))
+    if status == 2:
+        return cast(PayloadRejected, reject("a position is outside the tensor", "bounds", item))
+    return cast(PayloadRejected, reject("the symbol streams do not match the items", "bounds"))
+
+
+def _locations_native(
+    kernels: Any,
+    body: _Body,
+    symbols: npt.NDArray[np.uint8],
+    ks: dict[int, int],
+    esc_loc: dict[int, int],
+    layout: ValueLayout,
+    sizes: list[int],
+    count: npt.NDArray[np.int64],
+    rice: npt.NDArray[np.bool_],
+    lk: npt.NDArray[np.int64],
+    start_u: npt.NDArray[np.uint64],
+    numel: npt.NDArray[np.int64],
+    n: int,
+    attempt: int,
+    reject: Any,
+) -> npt.NDArray[np.int64]:
+    """Every item's positions in one C pass (:func:`_locations_numpy` without temporaries)."""
+    streams = _streams(body, ks, attempt)
+    escapes = _class_words(body.read(sizes[2]), esc_loc, layout)[8]
+    _check_escapes(int(np.count_nonzero(symbols == GAP_CAP)), escapes, GAP_CAP, reject)
+    indices = np.empty(n, dtype=np.int64)
+    status, bad = kernels.join_locations(
+        symbols, streams, np.ascontiguousarray(escapes, dtype=_U64), count,
+        rice.astype(np.int64), lk, np.ascontiguousarray(start_u, dtype=_U64),
+        np.ascontiguousarray(numel, dtype=np.int64), indices,
+    )  # fmt: skip
+    if status:
+        raise _join_failure(status, int(bad), reject)
+    return indices
+
+
+def _locations_numpy(
+    body: _Body,
+    loc_sym: npt.NDArray[np.uint8],
+    loc_ks: dict[int, int],
+    esc_loc: dict[int, int],
+    layout: ValueLayout,
+    sizes: list[int],
+    count: npt.NDArray[np.int64],
+    rice: npt.NDArray[np.bool_],
+    lk: npt.NDArray[np.int64],
+    start_u: npt.NDArray[np.uint64],
+    numel: npt.NDArray[np.int64],
+    n: int,
+    n_gaps: int,
+    gaps_n: npt.NDArray[np.int64],
+    n_items: int,
+    attempt: int,
+    reject: Any,
+) -> npt.NDArray[np.int64]:
+    """Every item's positions: the gaps joined, then runs and cumulative sums, vectorized."""
+    loc_rems = _remainders(body, loc_ks, attempt)
     loc_escs = _class_words(body.read(sizes[2]), esc_loc, layout)[8]
     gaps = _join(loc_sym, GAP_CAP, loc_escs, loc_rems, gaps_n, lk, numel - 1, reject)
+    offs = np.zeros(n_items, dtype=np.int64)
+    np.cumsum(count[:-1], out=offs[1:])
     steps = np.ones(n, dtype=_U64)
     nonempty = count > 0
     firsts = offs[nonempty]
@@ -897,61 +1077,7 @@ def _decode_v2(
             bad = int(np.flatnonzero(nonempty)[int(np.flatnonzero(bad_last)[0])])
             raise reject("a position is outside the tensor", "bounds", bad)
     indices = steps.view(np.int64)
-
-    # -- values ----------------------------------------------------------------------------
-    words = _class_words(body.read(sizes[3]), val_words, layout)
-    val_sym = unpack_nibbles(body.read(sizes[4]), n_ulp)
-    if val_sym is None:
-        raise _reject(attempt, "the padding nibble of the value symbols is not zero", "schema")
-    val_rems = remainders(val_ks)
-    val_escs = _class_words(body.read(sizes[6]), esc_val, layout)[8]
-    value_max = np.where(item_width == 8, -1, (1 << (8 * np.minimum(item_width, 4))) - 1)
-    zz = _join(val_sym, VALUE_CAP, val_escs, val_rems, ulp_n, vk, value_max, reject)
-    value_start = np.zeros(n_items, dtype=np.int64)
-    values: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
-    for w in WORD_WIDTHS:
-        of_width = item_width == w
-        total = int(count[of_width].sum())
-        if not total:
-            continue
-        sizes_w = count[of_width]
-        starts_w = np.zeros(sizes_w.shape[0], dtype=np.int64)
-        np.cumsum(sizes_w[:-1], out=starts_w[1:])
-        value_start[of_width] = starts_w
-        ulp_w = ulp & of_width
-        if not ulp_w.any():
-            out = words[w]
-        else:
-            ulp_vals = (
-                zz
-                if bool(ulp_w.sum() == ulp.sum())
-                else zz[np.repeat(item_width[ulp], count[ulp]) == w]
-            )
-            native = unzigzag(ulp_vals.astype(np.dtype(f"u{w}")))
-            if not (word_items & of_width).any():
-                out = native
-            else:
-                out = np.empty(total, dtype=np.dtype(f"u{w}"))
-                mask = np.repeat(ulp[of_width], sizes_w)
-                out[mask] = native
-                out[~mask] = words[w]
-        values[w] = out
-    bools = is_bool[tid] & (count > 0)
-    if (
-        bools.any()
-        and int(values[1][np.repeat(bools[item_width == 1], count[item_width == 1])].max()) > 1
-    ):
-        raise _reject(attempt, "bool value other than 0 or 1", "bounds")
-    return Items(
-        tensors=tensors,
-        tensor=tid,
-        encoding=enc,
-        start=offs,
-        count=count,
-        value_start=value_start,
-        indices=indices,
-        values=values,
-    )
+    return indices
 
 
 def _per_k(ks: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]) -> dict[int, int]:
