@@ -322,3 +322,67 @@ def test_increasing() -> None:
     assert kernels.increasing(np.array([1, 2, 9], np.int64))
     assert not kernels.increasing(np.array([1, 2, 2], np.int64))
     assert not kernels.increasing(np.array([3, 2, 9], np.int64))
+
+
+def _streams_for(
+    arrays: list[np.ndarray], ks: list[int], gaps: bool
+) -> tuple[np.ndarray, list[Any], np.ndarray]:
+    sym, streams, esc = _native_split_stream(arrays, ks, gaps)
+    as_list: list[Any] = [None] * 64
+    for k, stream in streams.items():
+        as_list[k] = stream
+    return sym, as_list, esc
+
+
+@pytest.mark.parametrize("k", [0, 2, 3, 7, 8, 12, 33])
+def test_join_locations_inverts_split_gaps(k: int) -> None:
+    rng = np.random.default_rng(k + 100)
+    rice_items = [
+        np.cumsum(rng.geometric(1.0 / 2.0 ** (k + 1), n)).astype(np.int64) for n in (2, 9, 500)
+    ]
+    ks = [k, k, max(0, k - 1)]
+    sym, streams, esc = _streams_for(rice_items, ks, gaps=True)
+    # A run between the Rice items, and an empty item.
+    counts = [2, 0, 9, 4, 500]
+    rice = [1, 0, 1, 0, 1]
+    k_col = [ks[0], 0, ks[1], 0, ks[2]]
+    starts = [int(rice_items[0][0]), 0, int(rice_items[1][0]), 7, int(rice_items[2][0])]
+    numel = [int(a[-1]) + 1 for a in rice_items]
+    numel = [numel[0], 5, numel[1], 11, numel[2]]
+    out = np.empty(sum(counts), np.int64)
+    args = [np.array(c, np.int64) for c in (counts, rice, k_col)]
+    status, item = kernels.join_locations(
+        sym, streams, esc, *args, np.array(starts, np.uint64), np.array(numel, np.int64), out
+    )
+    assert (status, item) == (0, -1)
+    expect = np.concatenate([rice_items[0], rice_items[1], np.arange(7, 11), rice_items[2]])
+    np.testing.assert_array_equal(out, expect)
+    # One element short of the last position: the item is outside its tensor.
+    numel[4] -= 1
+    status, item = kernels.join_locations(
+        sym, streams, esc, *args, np.array(starts, np.uint64), np.array(numel, np.int64), out
+    )
+    assert status in (1, 2) and item == 4
+    # Streams that do not match the items.
+    status, _ = kernels.join_locations(
+        sym[:-1], streams, esc, *args, np.array(starts, np.uint64), np.array(numel, np.int64), out
+    )
+    assert status == 3
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 9])
+def test_join_values_inverts_split_ulp(k: int) -> None:
+    rng = np.random.default_rng(k + 200)
+    arrays = [rng.integers(-(2 ** (k + 4)), 2 ** (k + 4), n).astype(np.int16) for n in (3, 0, 70)]
+    arrays = [a.view(np.uint16) for a in arrays]
+    sym, streams, esc = _streams_for(arrays, [k] * 3, gaps=False)
+    out = np.empty(73, np.uint64)
+    counts = np.array([3, 0, 70], np.int64)
+    limit = np.full(3, 0xFFFF, np.uint64)
+    status, _ = kernels.join_values(sym, streams, esc, counts, np.full(3, k, np.int64), limit, out)
+    assert status == 0
+    np.testing.assert_array_equal(out, np_zigzag(np.concatenate(arrays)).astype(np.uint64))
+    status, _ = kernels.join_values(
+        sym, streams, esc, counts, np.full(3, k, np.int64), np.full(3, 3, np.uint64), out
+    )
+    assert status == 1

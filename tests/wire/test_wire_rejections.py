@@ -25,6 +25,9 @@ from dcr.wire.decode import decode_payload, read_header
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import DecodeLimits, Payload, PayloadHeader, ValueLayout
 
+# Every test runs with the C kernels and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("both_paths")
+
 ATTEMPT = 5
 _HEADER = struct.Struct("<4sHHQIIBBHiIIQQ")  # docs: header fields before the digest
 _ENTRY = struct.Struct("<HBBBBQQQ")  # docs: fixed part of an item table entry
