@@ -93,6 +93,7 @@ class FlatViews:
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._words: dict[tuple[int, torch.dtype], Words] = {}
 
     def of(self, dst: torch.Tensor) -> torch.Tensor:
         key = (int(dst.untyped_storage().data_ptr()), dst.dtype)
@@ -100,6 +101,16 @@ class FlatViews:
         if flat is None:
             flat = self._views[key] = _flat_bits(dst)
         return flat
+
+    def words_of(self, dst: torch.Tensor) -> Words | None:
+        """The flat view of :meth:`of` as numpy words, for CPU storages (else ``None``)."""
+        if dst.device.type != "cpu":
+            return None
+        key = (int(dst.untyped_storage().data_ptr()), dst.dtype)
+        words = self._words.get(key)
+        if words is None:
+            words = self._words[key] = _words(self.of(dst))
+        return words
 
 
 def _words(t: torch.Tensor) -> Words:
@@ -125,6 +136,8 @@ class WritePlan:
     label: str
     flat: torch.Tensor
     itemsize: int
+    words: Words | None = None
+    """``flat`` as numpy words (CPU storages)."""
     imap: IndexMap | None = None
     entries: Entries | None = None
     cast: torch.dtype | None = None
@@ -166,6 +179,7 @@ def _plan(
         label=copy.storage.label,
         flat=flats.of(copy.dst),
         itemsize=copy.dst_geometry.itemsize,
+        words=flats.words_of(copy.dst),
         imap=imap,
         entries=entries,
         cast=cast,
@@ -369,7 +383,8 @@ def _run_native(
     kernels: Any, plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
 ) -> tuple[int, int]:
     """:func:`_run_chunk` in C: one pass maps, reads, applies, writes (and re-reads)."""
-    flat = _words(plan.flat)
+    flat = plan.words
+    assert flat is not None
     if plan.entries is None:
         assert plan.positions is not None and plan.values is not None
         pos = plan.positions[start:stop]
@@ -391,7 +406,7 @@ def _run_chunk(
     plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
 ) -> tuple[int, int]:
     kernels = native.kernels
-    if kernels is not None and plan.cast is None and plan.flat.device.type == "cpu":
+    if kernels is not None and plan.cast is None and plan.words is not None:
         return _run_native(kernels, plan, encoding, start, stop, check)
     pos, values = plan.chunk(start, stop)
     if not pos.size:
