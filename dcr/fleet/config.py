@@ -279,10 +279,20 @@ def load_fleet(path: str | Path) -> FleetConfig:
         proof=proof,
         commit_store={"kind": "sqlite", **raw.get("commit_store", {})},
         control={"kind": "zmq", **raw.get("control", {})},
-        transport={"kind": "relay", "fanout": 2, **raw.get("transport", {})},
+        transport=_transport(raw.get("transport", {})),
     )
     _check(cfg)
     return cfg
+
+
+def _transport(raw: Any) -> dict[str, Any]:
+    """``[transport]`` with its defaults: the relay tree of fan-out 2 unless a kind is named
+    (an object store's keys are its own)."""
+    if not isinstance(raw, dict):
+        raise ConfigError("[transport] must be a table")
+    if raw.get("kind", "relay") == "relay":
+        return {"kind": "relay", "fanout": 2, **raw}
+    return dict(raw)
 
 
 def _check(cfg: FleetConfig) -> None:

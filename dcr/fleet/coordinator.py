@@ -36,7 +36,7 @@ from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
 from dcr.engine.coordinator import CoordinatorService
 from dcr.engine.setup import attempt_from_json
-from dcr.errors import CommitConflict, CommitStoreError, ConfigError
+from dcr.errors import CommitConflict, CommitStoreError, ConfigError, TransportError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.runtime import make_control, make_store, make_transport
@@ -294,7 +294,7 @@ class FleetCoordinator:
                     self.statuses[reply.receiver] = replace(status, record=reply.record)
                 job = self._jobs.get(reply.receiver)
                 if job is not None and job.record == reply.record:
-                    del self._jobs[reply.receiver]
+                    self._release(self._jobs.pop(reply.receiver))
                     self.log.emit("restored", receiver=reply.receiver, version=reply.record.version)
             elif isinstance(reply, msg.AttemptFailed):
                 self._on_job_failed(reply)
@@ -316,7 +316,7 @@ class FleetCoordinator:
             # A new process of that name: the old one is gone for good.
             self._restarted.add(status.endpoint)
             self._unverified.add(status.endpoint)
-            self._jobs.pop(status.endpoint, None)
+            self._release(self._jobs.pop(status.endpoint, None))
             self.log.emit("restarted", endpoint=status.endpoint)
             service = self._service
             info = service.core.attempt if service is not None and service.core else None
@@ -357,7 +357,7 @@ class FleetCoordinator:
             for r in self.receivers:
                 s = self.statuses.get(r)
                 if s is not None and s.record == record:
-                    self._jobs.pop(r, None)
+                    self._release(self._jobs.pop(r, None))
                 if s is None or s.record == record:
                     continue
                 job = self._jobs.get(r)
@@ -371,6 +371,7 @@ class FleetCoordinator:
 
     def _start_job(self, receiver: str, record: CommitRecord) -> None:
         """Ask the owners to send ``record`` to ``receiver`` as a fresh dense-refit job."""
+        self._release(self._jobs.get(receiver))
         self._counter += 1
         job = (self.epoch << 32) | (1 << 31) | self._counter  # above every attempt of epoch
         self._jobs[receiver] = _Job(
@@ -388,6 +389,19 @@ class FleetCoordinator:
                 await self._call(name, call)
 
         self._spawn(send)
+
+    def _release(self, job: _Job | None) -> None:
+        """A dense job that ended or was replaced: the transport releases what it holds of
+        it (on object storage, its payloads; paper App. B.2, cleanup)."""
+        if job is not None:
+            self._spawn(partial(self._cleanup, job.job))
+
+    async def _cleanup(self, job: int) -> None:
+        with (
+            anyio.move_on_after(self.config.coordinator.timeouts.stop_s),
+            contextlib.suppress(TransportError),
+        ):
+            await self.transport.cleanup(job)
 
     def _current_epoch(self) -> int:
         service = self._service

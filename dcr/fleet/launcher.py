@@ -54,9 +54,14 @@ class Fault:
     after: str = "applied"
 
 
+def _relayed(cfg: FleetConfig) -> bool:
+    """Whether the fleet's payloads travel through relay processes (not object storage)."""
+    return cfg.transport.get("kind") == "relay"
+
+
 def default_faults(cfg: FleetConfig) -> list[Fault]:
     """The demo's plan from refit 2 on: a receiver, an owner, the active coordinator and a
-    relay node, each SIGKILLed mid-refit, cycling."""
+    relay node (when the fleet has a relay tree), each SIGKILLed mid-refit, cycling."""
     receivers = [r.name for r in cfg.receivers]
     victim_rx = receivers[1] if len(receivers) > 1 else receivers[0]
     relay = cfg.rollout[-1].name
@@ -64,8 +69,9 @@ def default_faults(cfg: FleetConfig) -> list[Fault]:
         (victim_rx, "applied"),
         (cfg.owners[min(1, len(cfg.owners) - 1)], "sent"),
         ("coordinator", "replied"),
-        (f"relay-{relay}", "applied"),
     ]
+    if _relayed(cfg):
+        plan.append((f"relay-{relay}", "applied"))
     return [
         Fault(version=v, target=plan[(v - 2) % len(plan)][0], after=plan[(v - 2) % len(plan)][1])
         for v in range(2, cfg.model.refits + 1)
@@ -81,7 +87,8 @@ def random_faults(cfg: FleetConfig, seed: int, *, per_refit: int = 1) -> list[Fa
     choices = [(r.name, "applied") for r in cfg.receivers]
     choices += [(o, "sent") for o in cfg.owners]
     choices += [("coordinator", "replied")]
-    choices += [(f"relay-{n.name}", "applied") for n in cfg.rollout]
+    if _relayed(cfg):
+        choices += [(f"relay-{n.name}", "applied") for n in cfg.rollout]
     plan = []
     for v in range(2, cfg.model.refits + 1):
         for target, after in rng.sample(choices, per_refit):
@@ -196,6 +203,36 @@ class Launcher:
         ports = {n.name: n.port or free_port(self.cfg.host) for n in self.cfg.rollout}
         self.cfg.ports_file.write_text(json.dumps(ports))
         self._write_faults()
+        self._fresh_storage()
+
+    def _fresh_storage(self) -> None:
+        """A fresh run starts from version 0 with attempt ids that begin again: empty an
+        object-store transport and an S3 commit record the fleet file names (the run
+        directory, with a directory transport's default path and a SQLite record in it, was
+        just removed)."""
+        import anyio
+
+        from dcr.adapters.commit.s3 import S3CommitStore
+        from dcr.adapters.transport.objstore import ObjectStoreTransport
+        from dcr.fleet.runtime import OBJECT_STORES, make_store, make_transport
+
+        async def clear() -> None:
+            if self.cfg.transport.get("kind") in OBJECT_STORES:
+                transport = make_transport(self.cfg)
+                try:
+                    if isinstance(transport, ObjectStoreTransport):
+                        await transport.purge()
+                finally:
+                    await transport.aclose()
+            if self.cfg.commit_store.get("kind") == "s3":
+                store = make_store(self.cfg)
+                try:
+                    if isinstance(store, S3CommitStore):
+                        await store.reset()
+                finally:
+                    await store.close()
+
+        anyio.run(clear, backend="asyncio")
 
     def _write_faults(self) -> None:
         """The planned fault points the processes offer themselves up to (atomically)."""
@@ -238,7 +275,7 @@ class Launcher:
 
     def start(self) -> None:
         self._prepare_run_dir()
-        for node in self.cfg.rollout:
+        for node in self.cfg.rollout if _relayed(self.cfg) else ():
             self._add(f"relay-{node.name}", "relay", self._argv("relay", "--node", node.name))
         for i in range(1 + self.cfg.coordinator.standbys):
             name = "coordinator" if i == 0 else f"coordinator-{i}"
@@ -421,7 +458,7 @@ class Launcher:
                 self._supervise()
                 time.sleep(0.05)
             # The root reports its traffic every quarter second: wait (briefly) for the last.
-            settle = time.monotonic() + 5.0
+            settle = time.monotonic() + (5.0 if _relayed(self.cfg) else 0.0)
             while not self._traffic_complete() and time.monotonic() < settle:
                 for e in self._reader.poll():
                     self._on_event(e)

@@ -25,6 +25,7 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig
 
 __all__ = [
+    "OBJECT_STORES",
     "die_with_parent",
     "make_control",
     "make_store",
@@ -87,13 +88,32 @@ def root_node(cfg: FleetConfig) -> str:
     return cfg.rollout[0].name
 
 
+OBJECT_STORES = ("directory", "s3")
+"""Transport kinds that carry payloads through object storage (no relay processes)."""
+
+
 def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
-    """The transport client of a process; ``node`` is the relay node hosting its receivers."""
+    """The transport client of a process; ``node`` is the relay node hosting its receivers.
+
+    ``directory``: every process opens the same directory (``path``, relative to the fleet
+    file; default ``<run_dir>/objects``).  ``s3``: every process opens the same bucket and
+    prefix.  The other keys are the transport's settings.
+    """
     opts = dict(cfg.transport)
     kind = opts.pop("kind")
     cls = load("transport", kind)
+    if kind == "directory":
+        path = opts.pop("path", None)
+        root = cfg.path.parent / str(path) if path is not None else cfg.run_dir / "objects"
+        directory: Transport = cls(root, **opts)
+        return directory
+    if kind == "s3":
+        s3: Transport = cls(**opts)
+        return s3
     if kind != "relay":
-        raise ConfigError(f"transport {kind!r} is not available to a fleet yet; use 'relay'")
+        raise ConfigError(
+            f"transport {kind!r} is not available to a fleet; use 'relay', 'directory' or 's3'"
+        )
     from dcr.adapters.transport.relay_node import RelayConfig
 
     opts.pop("fanout", None)

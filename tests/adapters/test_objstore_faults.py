@@ -99,8 +99,9 @@ def world(
             refit.close()
 
 
-def refit_once(world: World, modes: list[str]) -> None:
-    """One refit: the attempts it took, bit-exact receivers, the new record committed."""
+def refit_once(world: World, modes: list[str], *, clean: bool = True) -> None:
+    """One refit: the attempts it took, bit-exact receivers, the new record committed, and
+    (``clean``) nothing of any attempt left in storage."""
     w1 = perturb(world.w0, rate=0.05, seed=1)
     report = world.refit.refit(w1)
     assert [a.mode.value for a in report.attempts] == modes
@@ -108,6 +109,8 @@ def refit_once(world: World, modes: list[str]) -> None:
     record = world.call(world.store.read).record
     assert record == world.refit.record and record.version == 1
     assert record != CommitRecord(version=0, candidate="g0")
+    if clean:
+        assert world.call(world.faulty.inner.list, "payload/") == []
 
 
 @pytest.mark.parametrize("world", [StorageFaults(throttle=3)], indirect=True)
@@ -163,7 +166,7 @@ def test_an_upload_that_lands_after_the_stop_is_never_fetched(world: World) -> N
     straggler writes two of its payloads and their entries again.  The tombstone keeps every
     node from fetching them, the retry commits, a later refit is clean, and once the
     tombstone expires a cleanup sweeps what the straggler left."""
-    refit_once(world, ["mixed", "overwrite"])
+    refit_once(world, ["mixed", "overwrite"], clean=False)
     log = world.faulty.log
     world.call(world.faulty.settled)
     assert len(log.late) >= 2 and log.landed_at is not None

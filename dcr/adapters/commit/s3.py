@@ -178,6 +178,14 @@ class S3CommitStore(CommitStore):
         except CommitStoreError:
             return False
 
+    async def reset(self) -> None:
+        """Delete the record object: the store holds ``record`` again (a fresh fleet)."""
+        try:
+            await self._backend.delete([self.key])
+        except TransportError as exc:
+            raise CommitStoreError(f"deleting {self.describe()}: {exc.message}",
+                                   retryable=exc.retryable, check="write") from exc  # fmt: skip
+
     async def close(self) -> None:
         await self._backend.aclose()
 

@@ -59,7 +59,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 from urllib.parse import unquote
@@ -225,6 +225,9 @@ class ObjectStoreConfig:
     """Largest payload sent or fetched (a manifest entry above it is refused)."""
     tombstone_ttl_s: float = 3600.0
     """How long a stopped attempt's tombstone refuses late senders."""
+    cleanup_timeout_s: float = 60.0
+    """Bound on a cleanup (and on writing a tombstone), which finishes even when its caller
+    is cancelled."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -237,6 +240,7 @@ class ObjectStoreConfig:
             "backoff_s": 0 <= self.backoff_s <= self.backoff_max_s,
             "max_payload_bytes": self.max_payload_bytes >= 1,
             "tombstone_ttl_s": self.tombstone_ttl_s >= 0,
+            "cleanup_timeout_s": self.cleanup_timeout_s > 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -523,21 +527,42 @@ class ObjectStoreTransport(Transport):
         fetches it) and wait for this process's sends of it."""
         self._check_open()
         self._stop_here(attempt)
-        await self._tombstone(attempt)
+        with self._finishing("writing the tombstone", attempt):
+            await self._tombstone(attempt)
         await self._drained(attempt)
 
     async def cleanup(self, attempt: int) -> None:
         """Stop the attempt, delete its objects, abort its incomplete uploads; then sweep
-        attempts whose tombstones outlived ``tombstone_ttl_s``."""
+        attempts whose tombstones outlived ``tombstone_ttl_s``.
+
+        Once begun, a cleanup runs to its end even when its caller is cancelled (a
+        coordinator ends its transition right after asking for it), bounded by
+        ``cleanup_timeout_s``: a cleanup cut short would leave objects behind.
+        """
         self._check_open()
         self._stop_here(attempt)
-        await self._tombstone(attempt)
-        await self._drained(attempt)
-        await self._sweep(attempt)
-        for k in [k for k in self._turns if k[0] == attempt]:
-            del self._turns[k]
-        self._sent_keys = {k for k in self._sent_keys if k.attempt != attempt}
-        await self._collect_tombstones()
+        with self._finishing("cleanup", attempt):
+            await self._tombstone(attempt)
+            await self._drained(attempt)
+            await self._sweep(attempt)
+            for k in [k for k in self._turns if k[0] == attempt]:
+                del self._turns[k]
+            self._sent_keys = {k for k in self._sent_keys if k.attempt != attempt}
+            await self._collect_tombstones()
+
+    @contextlib.contextmanager
+    def _finishing(self, what: str, attempt: int) -> Iterator[None]:
+        """Shielded from cancellation, bounded by ``cleanup_timeout_s``."""
+        with anyio.CancelScope(shield=True) as scope:
+            scope.deadline = anyio.current_time() + self.config.cleanup_timeout_s
+            yield
+        if scope.cancelled_caught:
+            raise TransportError(
+                f"{what} on {self.backend.describe()} took over {self.config.cleanup_timeout_s} s",
+                retryable=True,
+                attempt=attempt,
+                check="timeout",
+            )
 
     def _stop_here(self, attempt: int) -> None:
         self._stopped.add(attempt)
@@ -578,6 +603,15 @@ class ObjectStoreTransport(Transport):
             m = _MANIFEST_RE.match(info.key)
             if m is not None and m[2] is None and info.modified < horizon:
                 await self._sweep(int(m[1]), tombstone=True)
+
+    async def purge(self) -> None:
+        """Delete every payload, manifest entry and tombstone under the store's root and
+        abort incomplete uploads: a fresh start for a fleet whose attempt ids begin again
+        (never while a fleet uses the store)."""
+        found = [o.key for p in (PAYLOADS, MANIFEST) for o in await self._list(p)]
+        if found:
+            await self._retry("purging the store", lambda: self.backend.delete(found))
+        await self._retry("aborting uploads", lambda: self.backend.abort_uploads(PAYLOADS))
 
     # -- Transport: receiving ---------------------------------------------------------------
 
