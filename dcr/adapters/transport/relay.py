@@ -35,6 +35,8 @@ import zmq
 import zmq.asyncio
 
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
+from dcr.adapters.transport.link import CHUNK as LINK_CHUNK
+from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.relay_node import (
     CLIENT,
     RECEIVER,
@@ -123,6 +125,9 @@ class _Request:
     done: anyio.Event = field(default_factory=anyio.Event)
     error: TransportError | None = None
     answer: Answer | None = None
+    paced: bool = False
+    """Granted, its data waits for the sender's emulated link before it leaves."""
+    sent: bool = False
 
     def fail(self, error: TransportError) -> None:
         if self.error is None and not self.done.is_set():
@@ -153,10 +158,12 @@ class _RootClient:
         ctx: zmq.asyncio.Context,
         config: RelayConfig,
         on_data: Callable[[PayloadKey, int], None],
+        uplink: LinkLimit | None = None,
     ) -> None:
         self.address = address
         self.config = config
         self.on_data = on_data
+        self.uplink = uplink if uplink is not None and uplink.bytes_per_s is not None else None
         self.sock = ctx.socket(zmq.DEALER)
         set_common_options(self.sock, config)
         self.sock.setsockopt(zmq.ROUTING_ID, CLIENT + secrets.token_hex(8).encode())
@@ -229,13 +236,27 @@ class _RootClient:
             self._queue([header])
             await req.granted.wait()
             req.check()
+            if req.paced and self.uplink is not None:
+                assert req.data is not None
+                left = len(req.data)
+                while left > 0 and req.error is None:  # a refusal ends the wait early
+                    await self.uplink.take(min(left, LINK_CHUNK))
+                    left -= LINK_CHUNK
+                req.check()
+                self._send_data(seq, req)
             await req.done.wait()
             req.check()
             return req
         finally:
             self.pending.pop(seq, None)
-            if req.data is not None and not req.granted.is_set():
-                self._queue([encode(Cancel(seq=seq))])  # the caller gave up before a grant
+            if req.data is not None and not req.sent and req.error is None:
+                self._queue([encode(Cancel(seq=seq))])  # the caller gave up before its data
+
+    def _send_data(self, seq: int, req: _Request) -> None:
+        assert req.data is not None and req.key is not None
+        self._queue([encode(Data(seq=seq, size=len(req.data))), req.data])
+        req.sent = True
+        self.on_data(req.key, len(req.data))
 
     async def _handshake(self, req: _Request) -> None:
         """Wait for the root's incarnation (the keepalive pings until it answers)."""
@@ -299,8 +320,10 @@ class _RootClient:
             if req is None or req.data is None or req.key is None:
                 self._queue([encode(Cancel(seq=frame.seq))])
                 return
-            self._queue([encode(Data(seq=frame.seq, size=len(req.data))), req.data])
-            self.on_data(req.key, len(req.data))
+            if self.uplink is None:
+                self._send_data(frame.seq, req)
+            else:
+                req.paced = True  # call() sends it once the link carried it
             req.granted.set()
         elif req is None:
             self.drops["unknown"] += 1
@@ -502,6 +525,9 @@ class RelayTransport(Transport):
         self._seen: set[PayloadKey] = set()
         self._stats = TransportStats()
         self._closed = False
+        self.uplink = LinkLimit(self.config.link_gbps)
+        """This process's side of the cross-cluster link: payload bytes it sends to the root
+        pass it first (``config.link_gbps``; unlimited by default)."""
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -538,7 +564,9 @@ class RelayTransport(Transport):
         ctx = self._ctx()
         if self._client is None or self._client.broken is not None:
             try:
-                self._client = _RootClient(self.root, ctx, self.config, self._count_sent)
+                self._client = _RootClient(
+                    self.root, ctx, self.config, self._count_sent, self.uplink
+                )
             except zmq.ZMQError as exc:
                 raise TransportError(
                     f"cannot connect to the relay root {self.root}: {exc}",

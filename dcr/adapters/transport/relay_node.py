@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from dcr.adapters.transport.base import TransportStats
+from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.relay_wire import (
     HEADER_LIMIT,
     Ack,
@@ -88,6 +89,7 @@ class RelayConfig:
     ping_interval_s: float = 0.25
     peer_timeout_s: float = 3.0
     hwm: int = 10_000
+    link_gbps: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +104,8 @@ class RelayConfig:
             raise ConfigError("relay ping_interval_s must be positive and below peer_timeout_s")
         if self.hwm < 4 * max(self.max_buffered, self.receiver_window):
             raise ConfigError("relay hwm must be at least 4x the largest window")
+        if self.link_gbps is not None and self.link_gbps < 0:
+            raise ConfigError("relay link_gbps must be >= 0 (0 or None: no limit)")
 
     @property
     def max_message_bytes(self) -> int:
@@ -286,6 +290,11 @@ class RelayNode:
         self._last_payload = (0, 0)
         self._last_wave = (0, 0)
         self._announced: frozenset[str] | None = None
+        self.ingress = LinkLimit(self.config.link_gbps)
+        """The root's side of the cross-cluster link: payload bytes from owners pass it in
+        arrival order before the root takes them (``link_gbps``; unlimited by default)."""
+        self._arrivals: deque[tuple[bytes, Data, Sized]] = deque()
+        self._arrived = anyio.Event()
 
     # -- public view ------------------------------------------------------------------------
 
@@ -362,6 +371,8 @@ class RelayNode:
                 if dealer is not None:
                     tg.start_soon(self._read_parent, dealer)
                 tg.start_soon(self._tick_forever)
+                if self.ingress.bytes_per_s is not None:
+                    tg.start_soon(self._ingress_forever)
                 task_status.started()
         finally:
             self._router = self._dealer = None
@@ -378,6 +389,24 @@ class RelayNode:
     async def _read_parent(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             self._on_parent(await _receive(sock, self.name))
+
+    async def _ingress_forever(self) -> None:
+        """Take payload bytes from owners through the emulated link, one transfer after the
+        other in arrival order; control frames do not wait behind them."""
+        while True:
+            while not self._arrivals:
+                self._arrived = anyio.Event()
+                await self._arrived.wait()
+            ident, frame, body = self._arrivals[0]
+            await self.ingress.pace(frame.size)
+            self._arrivals.popleft()
+            client = self._clients.get(ident)
+            if client is None:
+                # Forgotten meanwhile: the room it was granted is released; tell it, as for
+                # data that arrives after its client was forgotten.
+                client = _Client(ident=ident, heard=time.monotonic())
+            self._on_data(client, frame, body)
+            self._admit()
 
     async def _tick_forever(self) -> None:
         while True:
@@ -480,6 +509,10 @@ class RelayNode:
             return
         if isinstance(frame, Data):
             assert body is not None
+            if self.ingress.bytes_per_s is not None:
+                self._arrivals.append((ident, frame, body))
+                self._arrived.set()
+                return
             self._on_data(client, frame, body)
             return
         if isinstance(frame, Cancel):
