@@ -341,3 +341,49 @@ def test_registered_and_configured() -> None:
         S3Transport(bucket="b", part_mb=1)
     with pytest.raises(ConfigError):
         ObjectStoreConfig(fetch_concurrency=0)
+
+
+async def test_an_owner_remembers_a_bounded_number_of_attempts(tmp_path: Path) -> None:
+    """An owner process never cleans up (the coordinator does): what it keeps per attempt
+    (posting order, V_payload keys) stays bounded while it sends attempt after attempt."""
+    from dcr.adapters.transport.objstore import KEEP_ATTEMPTS
+
+    owner = directory_maker(tmp_path)()
+    try:
+        for attempt in range(1, KEEP_ATTEMPTS + 20):
+            await owner.send(_key(attempt, "o0", 0), b"p")
+        assert len({a for a, _ in owner._turns}) <= KEEP_ATTEMPTS
+        assert len(owner._sent_keys) <= KEEP_ATTEMPTS
+        assert owner.stats().payloads == KEEP_ATTEMPTS + 19
+    finally:
+        await owner.aclose()
+
+
+def test_local_refit_over_a_directory_by_name() -> None:
+    """``LocalRefit(transport="directory")``: the embedded default object store, a temporary
+    directory removed when the refit closes; receivers end bit-exact."""
+    from dcr import LocalRefit, StateDictSource, TrainLayout
+    from dcr.delta.owner import BuildConfig
+    from dcr.local import RefitConfig
+    from dcr.testing.compare import module_bit_mismatches
+    from dcr.testing.models import random_state_dict, tiny_config
+    from dcr.testing.reference import ShardedReferenceLoader
+    from dcr.testing.updates import perturb
+
+    cfg = tiny_config("qwen3")
+    w0 = random_state_dict(cfg, "qwen3", seed=3)
+    ranks = [ShardedReferenceLoader.dense(cfg, "qwen3", w0, tp_size=2, tp_rank=r) for r in (0, 1)]
+    source = StateDictSource(w0, layout=TrainLayout(tp=2, dp=1), family="qwen3", config=cfg)
+    small = RefitConfig(build=BuildConfig(chunk_bytes=4096, bucket_bytes=8192))
+    with LocalRefit(source, ranks, config=small, transport="directory") as refit:
+        transport = refit.cluster.transport
+        assert isinstance(transport, DirectoryTransport) and transport.path.exists()
+        w1 = perturb(w0, rate=0.05, seed=4)
+        report = refit.refit(w1)
+        assert report.version == 1 and report.num_payloads > 2
+        fresh = [ShardedReferenceLoader.dense(cfg, "qwen3", w1, tp_size=2, tp_rank=r)
+                 for r in (0, 1)]  # fmt: skip
+        for a, b in zip(ranks, fresh, strict=True):
+            assert module_bit_mismatches(a.module, b.module) == []
+        assert transport.fetch_stats().traffic.payloads == report.num_payloads
+    assert not transport.path.exists()

@@ -90,6 +90,7 @@ T = TypeVar("T")
 MANIFEST = "manifest/"
 PAYLOADS = "payload/"
 ENTRY_FORMAT = 1
+KEEP_ATTEMPTS = 64
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -457,6 +458,8 @@ class ObjectStoreTransport(Transport):
             )
         if to is not None and not to:
             return  # addressed to nobody
+        if (attempt, key.owner) not in self._turns:
+            self._forget_old_sends()
         turns = self._turns.setdefault((attempt, key.owner), _Turns())
         seq = turns.take()
         obj = payload_key(attempt, key.owner, self.writer, seq)
@@ -510,6 +513,17 @@ class ObjectStoreTransport(Transport):
             cross_bytes=s.cross_bytes + len(data),
         )
         self._nudge.set()
+
+    def _forget_old_sends(self) -> None:
+        """Bound what an owner process remembers: the posting order and V_payload keys of
+        the most recent ``KEEP_ATTEMPTS`` attempts it sent for (an owner never cleans up;
+        the coordinator does, in its own process)."""
+        attempts = sorted({a for a, _ in self._turns} - set(self._inflight))
+        if len(attempts) < KEEP_ATTEMPTS:
+            return
+        old = set(attempts[: len(attempts) - KEEP_ATTEMPTS + 1])
+        self._turns = {k: t for k, t in self._turns.items() if k[0] not in old}
+        self._sent_keys = {k for k in self._sent_keys if k.attempt not in old}
 
     async def _guard(self, attempt: int) -> None:
         """Refuse the send when the attempt was stopped here or anywhere (its tombstone)."""
@@ -684,6 +698,11 @@ class ObjectStoreTransport(Transport):
             self._drop_fetches(attempt)
         self._remote_stopped = stopped
         self._known &= present  # entries cleaned up are forgotten
+        live = {int(k[len(MANIFEST) : len(MANIFEST) + 20]) for k in present} | {
+            a for a, _, _ in self._streams
+        }
+        if len(self._fetched_keys) > len(present):
+            self._fetched_keys = {k for k in self._fetched_keys if k.attempt in live}
         new = [n for n in new if n[1] not in stopped and n[1] not in self._stopped]
         new.sort(key=lambda n: (n[1], n[2], n[3], n[4]))
         entries = await self._read_entries([n[0] for n in new])
