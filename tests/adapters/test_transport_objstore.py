@@ -264,6 +264,7 @@ async def test_window_bounds_fetches(make: Make) -> None:
             only_fast = _key(1, "o1", 0)
             await owner.send(only_fast, b"f", to=frozenset({"fast"}))
             await _until(lambda: only_fast in [d.key for d in fast], "the payload for fast")
+            await _until(lambda: len(slow) >= window, "a full window for slow")
             await anyio.sleep(0.3)
             assert len(slow) == window
             assert node.fetch_stats().traffic.payloads <= window + node.config.fetch_concurrency + 1
