@@ -1,8 +1,9 @@
 """``dcr fleet``: start every process of a fleet, supervise them by pid, stop them cleanly.
 
-The launcher starts the relay nodes, the coordinator and its standbys, the receivers and the
-trainer ranks (owners) of a fleet file, each as its own OS process running ``dcr <role>``,
-and restarts what dies: a receiver (it rejoins by dense refit), a relay node (at the same
+The launcher starts the relay nodes (of a relay tree; a fleet over object storage has none),
+the coordinator and its standbys, the receivers and the trainer ranks (owners) of a fleet
+file, each as its own OS process running ``dcr <role>``, and restarts what dies: a receiver
+(it rejoins by dense refit), a relay node (at the same
 address, so its receivers reconnect), a coordinator (it comes back as a standby), and the
 whole trainer when one rank dies (a broken torch.distributed group is restarted as a whole,
 as torchrun does; the ranks resume at the committed version).  It follows the processes'
