@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import socket
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ class ModelSection:
     seed: int = 0
     rate: float = 0.01
     """Fraction of elements each optimizer step updates."""
+    rates: tuple[float, ...] = ()
+    """Per-step rates instead of ``rate``: step ``k`` updates ``rates[(k - 1) % len(rates)]``
+    of the elements (a benchmark measures several rates in one run)."""
     refits: int = 5
     """Optimizer steps the trainer publishes."""
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -93,6 +96,10 @@ class TrainerSection:
     sends_in_flight: int = 4
     timeout_s: float = 120.0
     """torch.distributed collective timeout of the trainer's process group."""
+    lockstep: bool = False
+    """Each rank publishes step ``k`` only once every rank computed it and the launcher
+    checked version ``k - 1`` on every receiver (``<run_dir>/go.json``), so that no
+    optimizer step and no check runs beside a refit (benchmarks time refits this way)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,6 +234,16 @@ def _section(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"[{where}]: {exc}") from exc
 
 
+def _model(raw: Any) -> ModelSection:
+    """``[model]``, its ``rates`` as a tuple."""
+    model: ModelSection = _section(ModelSection, raw, "model")
+    if not isinstance(model.rates, tuple):
+        if not isinstance(model.rates, list):
+            raise ConfigError("[model] rates must be a list of numbers")
+        model = replace(model, rates=tuple(model.rates))
+    return model
+
+
 def load_fleet(path: str | Path) -> FleetConfig:
     """Read and check a fleet file; raises :class:`ConfigError` naming what is wrong."""
     path = Path(path).resolve()
@@ -271,7 +288,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         run_dir=run_dir,
         name=str(top.get("name", path.stem)),
         host=str(top.get("host", "127.0.0.1")),
-        model=_section(ModelSection, raw.get("model"), "model"),
+        model=_model(raw.get("model")),
         trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
         rollout=tuple(nodes),
         coordinator=coordinator,
@@ -306,8 +323,8 @@ def _check(cfg: FleetConfig) -> None:
             raise ConfigError(f"receiver {r.name}: rank {r.rank} outside tp={r.tp}")
     if len({n.name for n in cfg.rollout}) != len(cfg.rollout):
         raise ConfigError(f"{cfg.path}: rollout node names must be unique")
-    if cfg.model.refits < 1 or not 0 < cfg.model.rate <= 1:
-        raise ConfigError("[model] needs refits >= 1 and 0 < rate <= 1")
+    if cfg.model.refits < 1 or not all(0 < r <= 1 for r in (cfg.model.rate, *cfg.model.rates)):
+        raise ConfigError("[model] needs refits >= 1 and every rate in (0, 1]")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

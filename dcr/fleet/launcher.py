@@ -187,6 +187,12 @@ class Launcher:
         self._traffic: dict[int, tuple[int, int]] = {}
         """Attempt -> (V_cross, V_payload) the root counted."""
         self._committed = 0
+        self._go = 0
+        """Lockstep: the last version the trainer was let publish."""
+        self._stepped: dict[int, set[str]] = {}
+        """Version -> trainer ranks that computed it (lockstep)."""
+        self._checked: dict[int, set[str]] = {}
+        """Version -> receivers whose report of it was checked."""
         self._stopping = False
         self._last: dict[str, dict[str, Any]] = {}
         """Process -> its latest event (what a timeout reports)."""
@@ -381,6 +387,9 @@ class Launcher:
             self.say(f"refit {int(e['base']) + 1}: disproved {', '.join(e['receivers'])}")
         elif kind == "holds":
             self._check(who, int(e["version"]), e["digests"])
+            self._checked.setdefault(int(e["version"]), set()).add(who)
+        elif kind == "stepped":
+            self._stepped.setdefault(int(e["version"]), set()).add(who)
         elif kind in ("restarted", "dense-failed", "replaced"):
             self.say(f"{who}: {kind} {e.get('endpoint') or e.get('receiver') or ''}".rstrip())
         if kind == "fault-point":
@@ -395,6 +404,21 @@ class Launcher:
         if bad:
             self.mismatches.append(f"{receiver} v{version}: {bad[:3]}")
             self.say(f"[red]{receiver} holds v{version} with {len(bad)} mismatching tensors")
+
+    def _lockstep(self) -> None:
+        """``[trainer] lockstep``: let the trainer publish version ``k`` once every rank
+        computed it and every receiver's report of ``k - 1`` was checked (``go.json``)."""
+        if not self.cfg.trainer.lockstep:
+            return
+        k = self._go + 1
+        receivers = {r.name for r in self.cfg.receivers}
+        if set(self.cfg.owners) <= self._stepped.get(k, set()) and receivers <= self._checked.get(
+            k - 1, set()
+        ):
+            tmp = self.cfg.run_dir / "go.json.tmp"
+            tmp.write_text(json.dumps({"version": k}))
+            tmp.replace(self.cfg.run_dir / "go.json")
+            self._go = k
 
     def _advance_faults(self) -> None:
         """A fault whose refit was committed before its moment came moves to the next one."""
@@ -457,6 +481,7 @@ class Launcher:
                 for e in self._reader.poll():
                     self._on_event(e)
                 self._supervise()
+                self._lockstep()
                 time.sleep(0.05)
             # The root reports its traffic every quarter second: wait (briefly) for the last.
             settle = time.monotonic() + (5.0 if _relayed(self.cfg) else 0.0)

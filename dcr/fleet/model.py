@@ -87,7 +87,9 @@ class FleetModel:
     @cached_property
     def run(self) -> SyntheticRun:
         m = self.fleet.model
-        return SyntheticRun(config=self.config, family=m.family, seed=m.seed, rate=m.rate)
+        return SyntheticRun(
+            config=self.config, family=m.family, seed=m.seed, rate=m.rate, rates=m.rates
+        )
 
     @cached_property
     def catalog(self) -> dict[str, TensorSpec]:

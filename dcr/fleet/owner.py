@@ -12,10 +12,17 @@ updates about ``rate`` of the elements, deterministically.  Like a real trainer 
 checkpoint of its shards after each committed step (``<run_dir>/trainer/o<rank>.npz``, bit
 patterns only), and a rank restarted after a crash resumes from it at the committed version
 (replaying the steps the checkpoint is missing, at most one when it died mid-write).
+
+Besides ``sent`` and ``committed`` the rank reports what the refit benchmark measures
+(:mod:`dcr.fleet.timing`): ``publish`` when it hands a version over, the intervals of each
+bucket it built and each payload it sent, and its baseline update.  With ``[trainer]
+lockstep`` it reports ``stepped`` after each optimizer step and publishes only once the
+launcher says go (``<run_dir>/go.json``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -28,15 +35,19 @@ import torch.distributed as dist
 
 from dcr.delta.bits import bits
 from dcr.delta.dist import DistTrainingGroup
-from dcr.engine.owner import OwnerService, TrainingSide, open_owner
+from dcr.engine.owner import OwnerService, open_owner
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.fleet.timing import TimedSends, TimedTrainingSide
 from dcr.protocol.types import PayloadKey
 from dcr.testing.synthetic import held_by
 
 __all__ = ["run_owner"]
+
+LOCKSTEP_WAIT_S = 3600.0
+"""Longest wait for the launcher's go in lockstep (its checks of a large model included)."""
 
 
 def _join_trainer(cfg: FleetConfig, rank: int, store_port: int) -> None:
@@ -96,6 +107,19 @@ def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str,
     return shards
 
 
+async def _go(cfg: FleetConfig, version: int) -> None:
+    """Lockstep: wait until the launcher's ``go.json`` lets ``version`` be published."""
+    path = cfg.run_dir / "go.json"
+    with anyio.fail_after(LOCKSTEP_WAIT_S):
+        while True:
+            try:
+                if int(json.loads(path.read_text())["version"]) >= version:
+                    return
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            await anyio.sleep(0.02)
+
+
 async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
     """Run trainer rank ``rank`` and its owner: publish every step, then keep serving (dense
     refits of joining receivers) until cancelled."""
@@ -105,7 +129,7 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
     model = FleetModel(cfg)
     store = make_store(cfg)
     control = make_control(cfg, store)
-    transport = make_transport(cfg)
+    transport = TimedSends(make_transport(cfg))
     try:
         await anyio.to_thread.run_sync(_join_trainer, cfg, rank, store_port)
         record = (await store.read()).record
@@ -124,7 +148,8 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
         def on_sent(key: PayloadKey, size: int) -> None:
             traffic["payloads"] += 1
             traffic["bytes"] += size
-            log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size)
+            log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size,
+                     start=transport.started(key))  # fmt: skip
             info = service.core.attempt
             if info is not None and info.attempt == key.attempt:
                 faults.reached("sent", info.base.version + 1, role="owner")
@@ -132,7 +157,7 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
         service = OwnerService(
             name=name,
             rank=rank,
-            side=TrainingSide(group, integration.xor_names),
+            side=TimedTrainingSide(group, integration.xor_names, log),
             integration=integration,
             control=control,
             transport=transport,
@@ -144,11 +169,15 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
         log.emit("started", role="owner", rank=rank, version=record.version,
                  incarnation=service.incarnation)  # fmt: skip
         async with open_owner(service):
-            weights = {k: t.clone() for k, t in shards.items()}  # the trainer's own copy
+            weights = shards  # the trainer's own copy (the group copied it into its trackers)
             for step in range(record.version + 1, cfg.model.refits + 1):
                 await anyio.to_thread.run_sync(_optimizer_step, model, weights, step)
                 candidate = {k: t.clone() for k, t in weights.items()}
                 traffic.update(payloads=0, bytes=0)
+                if cfg.trainer.lockstep:
+                    log.emit("stepped", version=step)
+                    await _go(cfg, step)
+                log.emit("publish", version=step)
                 committed = await service.publish(candidate)
                 await anyio.to_thread.run_sync(
                     _save_checkpoint, checkpoint, committed.version, weights
@@ -159,6 +188,7 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
                     candidate=committed.candidate,
                     payload_bytes=traffic["bytes"],
                     payloads=traffic["payloads"],
+                    stage_s=group.exchange.seconds,
                 )
             log.emit("trained", version=cfg.model.refits)
             await anyio.sleep_forever()

@@ -7,8 +7,9 @@ name, element index, step), so any subset of elements of any version is computed
 rest of the model and without replaying other processes' random draws:
 
 * version 0: ``N(0, std)`` (``1 + N(0, std)`` for norm weights), rounded to the tensor's dtype;
-* step ``k`` chooses each element with probability ``rate`` and sets it to
-  ``round(w * (1 + relative * eps))`` computed in float32 -- the update :func:`perturb` makes.
+* step ``k`` chooses each element with probability ``rate`` (or the ``k``-th of ``rates``,
+  cycling) and sets it to ``round(w * (1 + relative * eps))`` computed in float32 -- the
+  update :func:`perturb` makes.
 
 Shards of a training plan are filled through the plan's own affine mappings, so a rank's
 shards equal the plan's slicing of the canonical version bit for bit.
@@ -81,6 +82,8 @@ class SyntheticRun:
     family: str
     seed: int = 0
     rate: float = 0.01
+    rates: tuple[float, ...] = ()
+    """Per-step rates: step ``k`` uses ``rates[(k - 1) % len(rates)]``; empty: ``rate``."""
     relative: float = 0.01
     std: float = 0.02
     dtype: torch.dtype = torch.bfloat16
@@ -107,13 +110,17 @@ class SyntheticRun:
 
     def step(self, name: str, idx: npt.NDArray[np.int64], t: torch.Tensor, k: int) -> None:
         """Move elements ``idx`` of ``name``, held in ``t`` at version ``k - 1``, to ``k``."""
-        threshold = _U32(min(int(self.rate * 2**32), 2**32 - 1))
+        threshold = _U32(min(int(self.rate_of(k) * 2**32), 2**32 - 1))
         chosen = np.flatnonzero(_hash(_key(self.seed, name, k, "u"), idx) < threshold)
         if chosen.size:
             eps = _normal(_key(self.seed, name, k, "e"), idx[chosen])
             old = t[chosen].to(torch.float32).numpy()
             scale = np.float32(1.0) + np.float32(self.relative) * eps
             t[chosen] = _round(old * scale, self.dtype)
+
+    def rate_of(self, k: int) -> float:
+        """The element change rate of step ``k``."""
+        return self.rates[(k - 1) % len(self.rates)] if self.rates else self.rate
 
     def advance(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Move a canonical ``state`` (or a subset of its tensors) from ``version - 1`` to

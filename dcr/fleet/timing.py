@@ -1,0 +1,174 @@
+"""Intervals an owner process reports for the refit benchmark (paper §8.7, App. C).
+
+The benchmark's lower bounds are unions of intervals on one owner (construction: comparison,
+projection, packing, encoding and zstd of each bucket) or on one sending endpoint (transport:
+from a payload's submission until the transport accepted it).  These wrappers time exactly
+those calls of the owner engine and append them to the process's event file, on the wall
+clock every process of a host shares:
+
+* ``built`` -- one bucket: its records built (``next`` of the owner's bucket stream) and its
+  payload encoded, one worker thread, back to back;
+* ``sent`` -- carries ``start``, the moment the payload was handed to the transport (the
+  owner engine reports the end);
+* ``baseline`` -- the owner's baseline update after the commit.
+
+A receiver on object storage reports ``fetched`` for each payload its node fetched (the
+GET's interval and bytes), the rollout side's transport intervals and V_cross.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Container, Iterator, Sequence
+
+from dcr.adapters.transport.base import Delivery, Transport, TransportStats
+from dcr.adapters.transport.link import LinkLimit
+from dcr.adapters.transport.objstore import (
+    PAYLOADS,
+    ObjectBackend,
+    ObjectInfo,
+    ObjectStoreTransport,
+)
+from dcr.delta.group import TrainingGroup
+from dcr.delta.owner import Bucket
+from dcr.engine.owner import TrainingSide
+from dcr.fleet.events import EventLog
+from dcr.protocol.types import Mode, PayloadKey
+
+__all__ = ["TimedFetches", "TimedSends", "TimedTrainingSide", "time_fetches"]
+
+_PAYLOAD = re.compile(rf"^{PAYLOADS}(\d{{20}})/")
+
+
+class _TimedBuckets(Iterator[Bucket]):
+    """A bucket stream whose every ``next`` records when it started."""
+
+    def __init__(self, inner: Iterator[Bucket], side: TimedTrainingSide, key: tuple[int, int]):
+        self._inner = inner
+        self._side = side
+        self._key = key
+
+    def __next__(self) -> Bucket:
+        self._side.begun(self._key)
+        return next(self._inner)
+
+
+class TimedTrainingSide(TrainingSide):
+    """A :class:`~dcr.engine.owner.TrainingSide` that reports ``built`` and ``baseline``."""
+
+    def __init__(
+        self, group: TrainingGroup, xor_allowed: Container[str], log: EventLog
+    ) -> None:
+        super().__init__(group, xor_allowed)
+        self._log = log
+        self._begun: dict[tuple[int, int], float] = {}
+        self._begun_lock = threading.Lock()
+
+    def begun(self, key: tuple[int, int]) -> None:
+        with self._begun_lock:
+            self._begun[key] = time.time()
+
+    def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
+        return _TimedBuckets(super().stream(attempt, mode, rank), self, (attempt, rank))
+
+    def add_time(self, attempt: int, rank: int, stage: str, seconds: float) -> None:
+        super().add_time(attempt, rank, stage, seconds)
+        if stage != "encode":
+            return
+        end = time.time()
+        with self._begun_lock:
+            start = self._begun.pop((attempt, rank), end - seconds)
+        self._log.emit("built", attempt=attempt, rank=rank, start=start, end=end)
+
+    def commit(self, rank: int) -> None:
+        start = time.time()
+        super().commit(rank)
+        self._log.emit("baseline", rank=rank, start=start, end=time.time())
+
+
+class TimedSends(Transport):
+    """Delegates to ``inner`` and remembers when each payload was handed over
+    (:meth:`started`), so that the owner's ``sent`` report can carry its interval."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.arrival_grace_s = inner.arrival_grace_s
+        self.receiver_window = inner.receiver_window
+        self._started: dict[PayloadKey, float] = {}
+
+    def started(self, key: PayloadKey) -> float | None:
+        """When the last successful send of ``key`` began (forgotten once asked)."""
+        return self._started.pop(key, None)
+
+    async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
+        start = time.time()
+        await self.inner.send(key, data, to=to)
+        if to is None:
+            self._started[key] = start
+
+    async def stop_and_wait(self, attempt: int) -> None:
+        await self.inner.stop_and_wait(attempt)
+
+    async def cleanup(self, attempt: int) -> None:
+        self._started = {k: t for k, t in self._started.items() if k.attempt != attempt}
+        await self.inner.cleanup(attempt)
+
+    def subscribe(self, receiver: str) -> AsyncIterator[Delivery]:
+        return self.inner.subscribe(receiver)
+
+    def unsubscribe(self, receiver: str) -> None:
+        self.inner.unsubscribe(receiver)
+
+    async def taken(self, receiver: str, key: PayloadKey) -> None:
+        await self.inner.taken(receiver, key)
+
+    def stats(self) -> TransportStats:
+        return self.inner.stats()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class TimedFetches(ObjectBackend):
+    """Delegates to ``inner`` and reports each payload GET as ``fetched`` (attempt, size,
+    start, end): a rollout node's transport intervals and its V_cross on object storage."""
+
+    def __init__(self, inner: ObjectBackend, log: EventLog) -> None:
+        self.inner = inner
+        self._log = log
+
+    async def put(self, key: str, data: bytes, *, link: LinkLimit | None = None) -> None:
+        await self.inner.put(key, data, link=link)
+
+    async def get(self, key: str, *, link: LinkLimit | None = None) -> bytes | None:
+        start = time.time()
+        data = await self.inner.get(key, link=link)
+        m = _PAYLOAD.match(key)
+        if m is not None and data is not None:
+            self._log.emit(
+                "fetched", attempt=int(m[1]), size=len(data), start=start, end=time.time()
+            )
+        return data
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        return await self.inner.list(prefix)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def abort_uploads(self, prefix: str) -> None:
+        await self.inner.abort_uploads(prefix)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def time_fetches(transport: Transport, log: EventLog) -> None:
+    """Report the payload fetches of an object-storage ``transport`` (others: nothing)."""
+    if isinstance(transport, ObjectStoreTransport):
+        transport.backend = TimedFetches(transport.backend, log)
