@@ -111,15 +111,21 @@ def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]
     return time.perf_counter() - t0
 
 
-def _apply(receivers: Sequence[Receiver], payloads: Sequence[Payload]) -> tuple[float, int, int]:
+def _apply(
+    receivers: Sequence[Receiver], payloads: Sequence[Payload]
+) -> tuple[float, int, int, float]:
+    """Seconds, positions written, loader calls and planning seconds (loader calls, checks
+    and write plans, before the first write) of applying ``payloads`` on every rank."""
     t0 = time.perf_counter()
     written = calls = 0
+    plan = 0.0
     for r in receivers:
         for p in payloads:
             report = r.apply_items(p.items, attempt=p.header.attempt)
             written += report.written
             calls += report.loader_calls
-    return time.perf_counter() - t0, written, calls
+            plan += sum(item.seconds for item in report.items)
+    return time.perf_counter() - t0, written, calls, plan
 
 
 def _stored_bits(receivers: Sequence[Receiver]) -> list[dict[str, torch.Tensor]]:
@@ -207,13 +213,14 @@ def run_apply_bench(
                 payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
                 group.discard()
                 entries = sum(item.count for p in payloads for item in p.items)
-                applies, denses = [], []
+                applies, denses, plans = [], [], []
                 written = calls = 0
                 for _ in range(repeats):
                     denses.append(_dense(receivers, base))
                     gc.collect()
-                    seconds, written, calls = _apply(receivers, payloads)
+                    seconds, written, calls, plan_s = _apply(receivers, payloads)
                     applies.append(seconds)
+                    plans.append(plan_s)
                 applied = _stored_bits(receivers)
                 denses.append(_dense(receivers, new))
                 _check_bit_exact(receivers, applied, f"{kind} at rate {rate}")
@@ -229,6 +236,7 @@ def run_apply_bench(
                     "written": written,
                     "ns_per_entry": apply_s / entries * 1e9 if entries else 0.0,
                     "loader_calls": calls,
+                    "plan_seconds": statistics.median(plans),
                     "payload_bytes": payload_bytes,
                     "ranks": len(receivers),
                     "bit_exact": True,
@@ -260,12 +268,13 @@ def format_apply_table(result: dict[str, Any]) -> str:
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, median of "
         f"{model['repeats']} runs, {model['threads']} apply threads",
         f"{'rate':>5} {'loader':>14} {'entries':>12} {'apply s':>9} {'dense s':>9} "
-        f"{'ratio':>6} {'ns/entry':>9}",
+        f"{'ratio':>6} {'ns/entry':>9} {'plan s':>8}",
     ]
     for r in result["results"]:
         lines.append(
             f"{r['rate']:>5.0%} {r['loader']:>14} {r['entries']:>12,} {r['apply_seconds']:>9.4f} "
-            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['ns_per_entry']:>9.1f}"
+            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['ns_per_entry']:>9.1f} "
+            f"{r['plan_seconds']:>8.4f}"
         )
     lines.extend(result.get("notes", []))
     return "\n".join(lines)
