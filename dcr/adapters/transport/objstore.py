@@ -436,8 +436,14 @@ class ObjectStoreTransport(Transport):
             ) from exc
         task = loop.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._reap)
         return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        """A background task ended; an unexpected error is counted, not lost."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._count(errors=1, last_error=f"{type(exc).__name__}: {exc}")
 
     # -- Transport: sending -----------------------------------------------------------------
 
