@@ -54,6 +54,7 @@ def committed_versions(run_dir: Path) -> list[tuple[int, int]]:
     return [(b, r) for _, b, r in sorted(moved)]
 
 
+@pytest.mark.heavy
 def test_fleet_over_s3_survives_a_killed_receiver(
     tmp_path: Path, seaweed: S3Endpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
