@@ -42,6 +42,16 @@ def _loaders(text: str) -> list[str]:
     return names
 
 
+def _transports(text: str) -> list[str]:
+    from dcr.bench.refit import TRANSPORTS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in TRANSPORTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"transports are {', '.join(TRANSPORTS)}, got {text!r}")
+    return names
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -176,6 +186,60 @@ def _parser() -> argparse.ArgumentParser:
     rel.add_argument("--receivers", type=_positive, default=2, help="receivers (default 2)")
     rel.add_argument("--repeats", type=_positive, default=3, help="runs (median)")
     rel.add_argument("--json", action="store_true", help="print one JSON object")
+
+    refit = bsub.add_parser(
+        "refit",
+        help="end-to-end refit latency in a fleet of processes against full-checkpoint transfer",
+        description=(
+            "The paper's end-to-end comparison (sections 8.1, 8.5-8.7): a synthetic llama-family "
+            "bf16 model of --size-gb in a fleet of processes (one owner process per training "
+            "rank, one receiver process per rollout node) over each transport -- the relay "
+            "tree, S3 against a SeaweedFS server started here, a local directory -- with every "
+            "cross-boundary transfer behind an emulated link of --link-gbps per process and "
+            "direction. Per transport: a warm-up refit, then --repeats refits at each rate, "
+            "every receiver checked bit for bit; then the transport-only full-checkpoint "
+            "reference over the same transport and link. Reports refit latency (the paper's "
+            "timed window), reference, speedup, V_payload, V_cross, the construction and "
+            "transport lower bounds and latency / max(bounds), plus where the time went. "
+            "Exits non-zero if any receiver mismatched."
+        ),
+    )
+    refit.add_argument("--size-gb", type=float, default=2.0, help="model size (default 2 GB)")
+    refit.add_argument(
+        "--rates", type=_floats, default=[0.01, 0.03, 0.05], help="element change rates"
+    )
+    refit.add_argument(
+        "--transports", type=_transports, default=["relay", "s3", "directory"],
+        help="subset of relay,s3,directory",
+    )  # fmt: skip
+    refit.add_argument("--repeats", type=_positive, default=1, help="timed refits per rate")
+    refit.add_argument(
+        "--link-gbps", type=float, default=1.0, help="emulated link rate (default 1 Gbit/s)"
+    )
+    refit.add_argument("--tp", type=_positive, default=4, help="training tensor parallelism")
+    refit.add_argument("--dp", type=_positive, default=1, help="training data parallelism")
+    refit.add_argument("--nodes", type=_positive, default=2, help="rollout nodes (default 2)")
+    refit.add_argument("--serving-tp", type=_positive, default=2, help="serving TP (default 2)")
+    refit.add_argument("--dir", default="out/bench-refit", help="fleet files, logs, events")
+    refit.add_argument("--plot", default=None, help="write a PNG of the results here")
+    refit.add_argument("--json", action="store_true", help="print one JSON object")
+
+    project = bsub.add_parser(
+        "project",
+        help="refit latency and speedup projected to the paper's testbed (30B-1T)",
+        description=(
+            "Projects refit latency and speedup for the checkpoints of the paper's Table C.1 "
+            "(30B-1T) on its testbed (8 training and 8 rollout nodes, 5 Gbit/s per node across "
+            "clusters) at 3%% and 5%%, from what `dcr bench refit --json` measured on this "
+            "machine (--from FILE, or a small run made here), and prints them beside the "
+            "paper's reported figures (Table 4, Fig. 10) with every assumption."
+        ),
+    )
+    project.add_argument("--from", dest="source", default=None, help="dcr bench refit JSON")
+    project.add_argument(
+        "--size-gb", type=float, default=0.5, help="without --from: model of the run made here"
+    )
+    project.add_argument("--json", action="store_true", help="print one JSON object")
 
     demo = sub.add_parser(
         "demo",
@@ -355,6 +419,41 @@ def _bench_relay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_refit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dcr.bench.refit import BenchLayout, format_refit_table, plot_refit, run_refit_bench
+
+    result = run_refit_bench(
+        size_bytes=args.size_gb * 1e9,
+        rates=args.rates,
+        transports=args.transports,
+        repeats=args.repeats,
+        link_gbps=args.link_gbps,
+        layout=BenchLayout(tp=args.tp, dp=args.dp, nodes=args.nodes, serving_tp=args.serving_tp),
+        directory=Path(args.dir),
+        log=_err,
+    )
+    if args.plot:
+        plot_refit(result, Path(args.plot))
+    print(json.dumps(result) if args.json else format_refit_table(result))
+    return 0 if result["bit_exact"] else 1
+
+
+def _bench_project(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dcr.bench.project import format_projection, measure_for_projection, project
+
+    if args.source:
+        measured = json.loads(Path(args.source).read_text())
+    else:
+        measured = measure_for_projection(size_bytes=args.size_gb * 1e9, log=_err)
+    result = project(measured)
+    print(json.dumps(result) if args.json else format_projection(result))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -423,7 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "apply": _bench_apply,
             "codec": _bench_codec,
             "construct": _bench_construct,
+            "project": _bench_project,
             "proof": _bench_proof,
+            "refit": _bench_refit,
             "relay": _bench_relay,
         }[args.bench](args)
     if args.command == "demo":

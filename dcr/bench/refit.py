@@ -1,0 +1,551 @@
+"""End-to-end refit benchmark (paper §8.1, §8.5-8.7, Table 4, Fig. 11) in a fleet of processes.
+
+A synthetic llama-family model of ``dcr bench construct``'s shape (bf16, at least ``size``
+bytes) is trained by a multi-process trainer (one owner process per rank, gloo) and served by
+receivers on several rollout nodes, each role its own OS process (:mod:`dcr.fleet`).  For each
+transport -- the relay tree, S3 against a SeaweedFS server started here (127.0.0.1, a random
+port, stopped at the end) and a local directory -- one fleet runs a warm-up refit and then
+``repeats`` refits at each element change rate; every receiver is checked bit for bit against
+a dense load of every version.  Cross-boundary traffic passes an emulated link of
+``link_gbps`` per process and direction (:class:`~dcr.adapters.transport.link.LinkLimit`):
+owners' uploads or sends, the relay root's receive path, rollout nodes' fetches.
+
+**Timed window** (paper §8.1, App. C "Timed window and intervals"): from ``t0``, when the
+first owner starts constructing the version (its residual steps at staging, then every
+bucket), to ``t1``, when the last owner finished its baseline update after the joint commit;
+it covers construction, transport, staging, apply, ACK, commit and baseline update.  Post-apply
+checks are off (nothing to subtract).  Here ``t0`` is taken when the trainer hands the version
+over, a little before the paper's (the coordinator's prepare falls inside the window).  The
+trainer runs in lockstep: no optimizer step and no bit check runs beside a timed refit.
+
+**Lower bounds** (paper §8.7, App. C "Lower bounds"): each is the longest union of intervals
+on one endpoint, clipped to ``[t0, t1]``, overlaps counted once -- the *construction bound*
+over each owner's compute intervals (residual staging; each bucket's comparison, projection,
+packing, encoding and zstd), the *transport bound* over each sending endpoint's transport
+intervals (a payload's submission until the transport accepted it: on the relay tree every
+receiver queued it, on object storage the object and its manifest entry are stored) and, on
+object storage, each rollout node's fetches (the downloads cross the boundary there).
+
+**Reference** (paper §8.1 "Reference"): the transport-only full-checkpoint transfer over the
+same transport and link (:mod:`dcr.bench.reference`).  Speedup is reference time over refit
+latency.  **V_payload** counts each payload of the transition once (the owners' sent bytes),
+**V_cross** the bytes that crossed the boundary: what the relay root received, or what every
+rollout node fetched from object storage (paper §7.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dcr.errors import ConfigError
+
+__all__ = [
+    "TRANSPORTS",
+    "BenchLayout",
+    "covered",
+    "fleet_text",
+    "format_refit_table",
+    "plot_refit",
+    "refit_timings",
+    "run_refit_bench",
+]
+
+TRANSPORTS = ("relay", "s3", "directory")
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchLayout:
+    """Where the roles of the benchmark fleet sit (sized for a machine of 24 GiB: the
+    trainer holds about three copies of its shards, every receiver its rank's part)."""
+
+    tp: int = 4
+    """Training tensor parallelism (one owner process per rank)."""
+    dp: int = 1
+    nodes: int = 2
+    """Rollout nodes, each hosting one receiver process (one node = one fetcher on object
+    storage, one relay node on the relay tree)."""
+    serving_tp: int = 2
+    """Serving TP of the engines; node ``i`` hosts rank ``i % serving_tp``."""
+    chunk_mb: float = 16.0
+    bucket_mb: float = 32.0
+    """Chunk and bucket targets (paper App. C); the 32 MB bucket gives each owner about as
+    many payloads per refit as the paper's 512 MiB buckets give its owners at 120B."""
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.dp, self.nodes, self.serving_tp) < 1:
+            raise ConfigError("every layout count must be at least 1")
+        if self.nodes % self.serving_tp:
+            raise ConfigError(
+                f"{self.nodes} nodes do not hold whole engines of serving TP {self.serving_tp}"
+            )
+
+    @property
+    def owners(self) -> int:
+        return self.tp * self.dp
+
+    def describe(self) -> str:
+        return (
+            f"trainer TP={self.tp} x DP={self.dp} ({self.owners} owner processes, gloo); "
+            f"{self.nodes} rollout nodes, one receiver process each (serving TP "
+            f"{self.serving_tp}, {self.nodes // self.serving_tp} engine(s)); chunk "
+            f"{self.chunk_mb:g} MB, bucket {self.bucket_mb:g} MB"
+        )
+
+
+def schedule(rates: Sequence[float], repeats: int) -> list[float]:
+    """The trainer's per-step rates: a warm-up refit at the middle rate, then ``repeats``
+    rounds of ``rates``."""
+    if not rates or repeats < 1:
+        raise ConfigError("give at least one rate and one repeat")
+    return [rates[len(rates) // 2], *(list(rates) * repeats)]
+
+
+def fleet_text(
+    *,
+    transport: str,
+    size_bytes: float,
+    steps: Sequence[float],
+    layout: BenchLayout,
+    link_gbps: float,
+    transport_extra: str = "",
+    model_dims: Mapping[str, int] | None = None,
+) -> str:
+    """The benchmark's fleet file for one transport; ``model_dims`` replaces the model of
+    ``dcr bench construct`` (tests run a tiny one)."""
+    from dcr.bench.construct import synthetic_config
+
+    size_mb = size_bytes / 1e6 if model_dims is None else 0.0
+    if model_dims is None:
+        cfg = synthetic_config(int(size_bytes))
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim")  # fmt: skip
+        model_dims = {k: int(cfg[k]) for k in keys}
+    overrides = "".join(f"{k} = {v}\n" for k, v in model_dims.items())
+    kind = {"relay": 'kind = "relay"\nfanout = 2\n', "directory": 'kind = "directory"\n',
+            "s3": 'kind = "s3"\n'}[transport]  # fmt: skip
+    nodes = "".join(
+        f'[[rollout]]\nname = "node{i}"\nreceivers = [{{ name = "r{i}", '
+        f"tp = {layout.serving_tp}, rank = {i % layout.serving_tp} }}]\n\n"
+        for i in range(layout.nodes)
+    )
+    return f"""# dcr bench refit: {transport}
+[fleet]
+name = "bench-refit-{transport}"
+run_dir = "run"
+
+[model]
+family = "llama"
+size_mb = {size_mb}
+seed = 0
+rates = [{", ".join(repr(r) for r in steps)}]
+refits = {len(steps)}
+
+[model.overrides]
+{overrides}
+[trainer]
+tp = {layout.tp}
+dp = {layout.dp}
+chunk_mb = {layout.chunk_mb}
+bucket_mb = {layout.bucket_mb}
+sends_in_flight = 4
+timeout_s = 600
+lockstep = true
+
+[coordinator]
+standbys = 0
+join_wait_s = 600
+
+[transport]
+{kind}link_gbps = {link_gbps}
+{transport_extra}
+{nodes}"""
+
+
+# -- the arithmetic of §8.7 ------------------------------------------------------------------------
+
+
+def covered(intervals: Iterable[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of ``[lo, hi]`` covered by the union of ``intervals`` (paper App. C, "Lower
+    bounds": each interval clipped to the timed window, empty intersections discarded,
+    overlaps counted once, gaps excluded)."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total = 0.0
+    end = lo
+    for a, b in clipped:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _by(events: Iterable[dict[str, Any]], kind: str) -> Iterator[dict[str, Any]]:
+    return (e for e in events if e["event"] == kind)
+
+
+def refit_timings(
+    events: Sequence[dict[str, Any]], *, owners: Sequence[str], relayed: bool
+) -> list[dict[str, Any]]:
+    """Per committed version: latency, the lower bounds, V_payload, V_cross and phases, from a
+    fleet run's events (:mod:`dcr.fleet.timing`, the coordinator's, the root's, the
+    receivers')."""
+    attempts: dict[int, set[int]] = {}
+    committed: set[int] = set()
+    for e in _by(events, "ended"):
+        if e["who"].startswith("coordinator"):
+            version = int(e["base"]) + 1
+            attempts.setdefault(version, set()).update(int(x["attempt"]) for x in e["attempts"])
+            if e["outcome"] in ("committed", "conflict") and int(e["record"]) > int(e["base"]):
+                committed.add(version)
+    publish = {(e["who"], int(e["version"])): float(e["t"]) for e in _by(events, "publish")}
+    stage = {(e["who"], int(e["version"])): float(e.get("stage_s") or 0.0)
+             for e in _by(events, "committed")}  # fmt: skip
+    committed_at = {(e["who"], int(e["version"])): float(e["t"]) for e in _by(events, "committed")}
+    baselines: dict[str, list[tuple[float, float]]] = {}
+    for e in _by(events, "baseline"):
+        baselines.setdefault(e["who"], []).append((float(e["start"]), float(e["end"])))
+    transitions = {int(e["base"]) + 1: float(e["t"]) for e in _by(events, "transition")}
+    traffic: dict[int, tuple[int, int]] = {}
+    for e in _by(events, "traffic"):
+        if e["who"].startswith("relay-"):
+            for a, (v_cross, v_payload) in e["attempts"].items():
+                traffic[int(a)] = (int(v_cross), int(v_payload))
+    rows = []
+    for version in sorted(committed):
+        mine = attempts[version]
+        starts = [publish[(o, version)] for o in owners if (o, version) in publish]
+        if len(starts) != len(owners):
+            continue
+        t0 = min(starts)
+        ends = []
+        for o in owners:
+            after = [b for b in baselines.get(o, []) if b[0] >= t0]
+            ends.append(min(after)[1] if after else committed_at.get((o, version), t0))
+        t1 = max(ends)
+        construction: dict[str, list[tuple[float, float]]] = {o: [] for o in owners}
+        transport: dict[str, list[tuple[float, float]]] = {o: [] for o in owners}
+        for o in owners:
+            begin = publish[(o, version)]
+            construction[o].append((begin, begin + stage.get((o, version), 0.0)))
+        sent: dict[tuple[str, int, int], int] = {}
+        for e in _by(events, "sent"):
+            if int(e["attempt"]) in mine and e["who"] in transport:
+                end = float(e["t"])
+                start = float(e["start"]) if e.get("start") is not None else end
+                transport[e["who"]].append((start, end))
+                sent[(e["who"], int(e["attempt"]), int(e["payload"]))] = int(e["size"])
+        for e in _by(events, "built"):
+            if int(e["attempt"]) in mine and e["who"] in construction:
+                construction[e["who"]].append((float(e["start"]), float(e["end"])))
+        fetched = 0
+        for e in _by(events, "fetched"):
+            if int(e["attempt"]) in mine:
+                transport.setdefault(e["who"], []).append((float(e["start"]), float(e["end"])))
+                fetched += int(e["size"])
+        applied = [float(e["t"]) for e in _by(events, "applied") if int(e["attempt"]) in mine]
+        cross: int | None
+        if relayed:
+            seen = [traffic[a] for a in mine if a in traffic]
+            cross = sum(c for c, _ in seen) if seen else None
+        else:
+            cross = fetched or None
+        stage_end = max(a + stage.get((o, version), 0.0) for (o, v), a in publish.items()
+                        if v == version)  # fmt: skip
+        builds = [iv[0] for o in owners for iv in construction[o][1:]]
+        first_build = min(builds) if builds else stage_end
+        last_applied = max(applied) if applied else first_build
+        c_bound = max(covered(construction[o], t0, t1) for o in owners)
+        t_bound = max((covered(iv, t0, t1) for iv in transport.values()), default=0.0)
+        latency = t1 - t0
+        rows.append(
+            {
+                "version": version,
+                "attempts": len(mine),
+                "latency_s": latency,
+                "construction_bound_s": c_bound,
+                "transport_bound_s": t_bound,
+                "bound_ratio": latency / max(c_bound, t_bound) if max(c_bound, t_bound) else None,
+                "payload_bytes": sum(sent.values()),
+                "payloads": len(sent),
+                "cross_bytes": cross,
+                "phases": {
+                    "stage_s": stage_end - t0,
+                    "admit_s": first_build - stage_end,
+                    "stream_s": last_applied - first_build,
+                    "finalize_s": t1 - last_applied,
+                },
+                "transition_start_s": transitions.get(version, t0) - t0,
+            }
+        )
+    return rows
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _read_events(directory: Path) -> list[dict[str, Any]]:
+    from dcr.fleet.events import EventReader
+
+    return list(EventReader(directory).poll())
+
+
+def _reference_floor(kind: str, checkpoint: int, layout: BenchLayout, link_gbps: float) -> float:
+    """The reference's link time alone: the root's link carries the checkpoint once (relay);
+    each owner uploads its share, then each node downloads all of it (object storage)."""
+    rate = link_gbps * GB / 8
+    if kind == "relay":
+        return checkpoint / rate
+    return checkpoint / layout.owners / rate + checkpoint / rate
+
+
+def _run_transport(
+    kind: str,
+    *,
+    directory: Path,
+    size_bytes: float,
+    rates: Sequence[float],
+    repeats: int,
+    layout: BenchLayout,
+    link_gbps: float,
+    model_dims: Mapping[str, int] | None,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    from dcr.bench.reference import run_reference
+    from dcr.fleet.config import load_fleet
+    from dcr.fleet.launcher import Launcher
+    from dcr.testing.s3servers import SeaweedServer
+
+    steps = schedule(rates, repeats)
+    with contextlib.ExitStack() as stack:
+        extra = ""
+        env: dict[str, str] = {}
+        if kind == "s3":
+            server = stack.enter_context(SeaweedServer())
+            bucket = server.endpoint.create_bucket()
+            extra = (
+                f'bucket = "{bucket}"\nprefix = "bench-{uuid.uuid4().hex[:8]}"\n'
+                f'endpoint_url = "{server.endpoint.url}"\naddressing_style = "path"\n'
+            )
+            env = server.endpoint.environ()
+            log(f"s3: SeaweedFS at {server.endpoint.url}, bucket {bucket}")
+        stack.enter_context(_environ(env))
+        path = directory / kind / "fleet.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = fleet_text(transport=kind, size_bytes=size_bytes, steps=steps, layout=layout,
+                          link_gbps=link_gbps, transport_extra=extra,
+                          model_dims=model_dims)  # fmt: skip
+        path.write_text(text)
+        cfg = load_fleet(path)
+        launcher = Launcher(cfg, say=lambda line: log(f"{kind}: {line}"), deadline_s=3600.0)
+        checkpoint = launcher.model.checkpoint_bytes
+        log(f"{kind}: fleet of {checkpoint / GB:.2f} GB, {len(steps)} refits "
+            f"(warm-up at {steps[0]:.0%}), link {link_gbps:g} Gbit/s")  # fmt: skip
+        t = time.monotonic()
+        report = launcher.run()
+        log(f"{kind}: fleet done in {time.monotonic() - t:.0f} s, bit-exact: "
+            f"{report['bit_exact']}")  # fmt: skip
+        timings = refit_timings(_read_events(cfg.events_dir), owners=cfg.owners,
+                                relayed=kind == "relay")  # fmt: skip
+        exact = {r["version"]: r["bit_exact"] for r in report["refits"]}
+        for row in timings:
+            row["rate"] = steps[row["version"] - 1]
+            row["warmup"] = row["version"] == 1
+            row["bit_exact"] = exact.get(row["version"], False)
+        references = []
+        for i in range(repeats):
+            ref = run_reference(cfg, checkpoint_bytes=checkpoint,
+                                say=lambda line: log(f"{kind}: {line}"))  # fmt: skip
+            log(f"{kind}: reference {i + 1}/{repeats}: {ref.seconds:.1f} s")
+            references.append(ref)
+    return {
+        "transport": kind,
+        "checkpoint_bytes": checkpoint,
+        "report": report,
+        "refits": timings,
+        "reference": [asdict(r) for r in references],
+        "reference_floor_s": _reference_floor(kind, checkpoint, layout, link_gbps),
+    }
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _rows(run: dict[str, Any], rates: Sequence[float]) -> list[dict[str, Any]]:
+    ref = statistics.median(r["seconds"] for r in run["reference"])
+    out = []
+    for rate in rates:
+        timed = [r for r in run["refits"] if not r["warmup"] and r["rate"] == rate]
+        if not timed:
+            continue
+        latency = _median(r["latency_s"] for r in timed)
+        c = _median(r["construction_bound_s"] for r in timed)
+        t = _median(r["transport_bound_s"] for r in timed)
+        assert latency is not None and c is not None and t is not None
+        phases = {k: _median(r["phases"][k] for r in timed) for k in timed[0]["phases"]}
+        out.append(
+            {
+                "transport": run["transport"],
+                "rate": rate,
+                "model_bytes": run["checkpoint_bytes"],
+                "latency_s": latency,
+                "reference_s": ref,
+                "speedup": ref / latency,
+                "payload_bytes": _median(r["payload_bytes"] for r in timed),
+                "cross_bytes": _median(r["cross_bytes"] for r in timed),
+                "construction_bound_s": c,
+                "transport_bound_s": t,
+                "bound_ratio": latency / max(c, t) if max(c, t) > 0 else None,
+                "reference_floor_s": run["reference_floor_s"],
+                "reference_upload_s": _median(r["upload_s"] for r in run["reference"]),
+                "reference_download_s": _median(r["download_s"] for r in run["reference"]),
+                "phases": phases,
+                "attempts": max(r["attempts"] for r in timed),
+                "repeats": len(timed),
+                "bit_exact": all(r["bit_exact"] for r in timed),
+            }
+        )
+    return out
+
+
+def run_refit_bench(
+    *,
+    size_bytes: float = 2e9,
+    rates: Sequence[float] = (0.01, 0.03, 0.05),
+    transports: Sequence[str] = TRANSPORTS,
+    repeats: int = 1,
+    link_gbps: float = 1.0,
+    layout: BenchLayout | None = None,
+    directory: Path = Path("out/bench-refit"),
+    model_dims: Mapping[str, int] | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """Run the benchmark; returns ``{"layout", "link_gbps", "results": [...], "refits",
+    "bit_exact"}`` with one result per (transport, rate).  ``model_dims``: HF config fields
+    of another model than ``dcr bench construct``'s (``size_bytes`` is then ignored)."""
+    layout = layout or BenchLayout()
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports:
+        raise ConfigError(f"transports are {', '.join(TRANSPORTS)}, got {list(transports)}")
+    if link_gbps <= 0:
+        raise ConfigError("the benchmark needs a link rate (--link-gbps > 0)")
+    runs = [
+        _run_transport(kind, directory=directory, size_bytes=size_bytes, rates=rates,
+                       repeats=repeats, layout=layout, link_gbps=link_gbps,
+                       model_dims=model_dims, log=log)
+        for kind in transports
+    ]  # fmt: skip
+    results = [row for run in runs for row in _rows(run, rates)]
+    return {
+        "layout": asdict(layout),
+        "layout_text": layout.describe(),
+        "link_gbps": link_gbps,
+        "cpus": os.cpu_count(),
+        "results": results,
+        "refits": {run["transport"]: run["refits"] for run in runs},
+        "references": {run["transport"]: run["reference"] for run in runs},
+        "bit_exact": all(run["report"]["bit_exact"] for run in runs),
+    }
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+def format_refit_table(result: dict[str, Any]) -> str:
+    """The fixed-width table of :func:`run_refit_bench`'s results."""
+    head = (
+        f"{'transport':<10} {'rate':>5} {'latency':>8} {'reference':>9} {'speedup':>7} "
+        f"{'V_payload':>11} {'V_cross':>9} {'constr.':>8} {'transp.':>8} {'lat/max':>7} "
+        f"{'exact':>5}"
+    )
+    lines = [
+        f"model {result['results'][0]['model_bytes'] / GB:.2f} GB bf16 | "
+        f"{result['layout_text']} | link {result['link_gbps']:g} Gbit/s per process and "
+        f"direction" if result["results"] else "no results",
+        head,
+    ]
+    for r in result["results"]:
+        share = r["payload_bytes"] / r["model_bytes"]
+        cross = "-" if r["cross_bytes"] is None else f"{r['cross_bytes'] / 1e6:.1f}MB"
+        ratio = "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}"
+        lines.append(
+            f"{r['transport']:<10} {r['rate']:>5.0%} {r['latency_s']:>7.2f}s "
+            f"{r['reference_s']:>8.1f}s {r['speedup']:>6.1f}x "
+            f"{r['payload_bytes'] / 1e6:>6.1f}MB/{share:.1%} {cross:>9} "
+            f"{r['construction_bound_s']:>7.2f}s {r['transport_bound_s']:>7.2f}s {ratio:>7} "
+            f"{'yes' if r['bit_exact'] else 'NO':>5}"
+        )
+    lines.append("phases (median s): stage / admit / stream / finalize")
+    for r in result["results"]:
+        p = r["phases"]
+        lines.append(
+            f"  {r['transport']:<10} {r['rate']:>4.0%}  {p['stage_s']:.2f} / "
+            f"{p['admit_s']:.2f} / {p['stream_s']:.2f} / {p['finalize_s']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_refit(result: dict[str, Any], path: Path) -> None:
+    """A PNG of latency, reference and both lower bounds per transport and rate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from exc
+    kinds = [k for k in TRANSPORTS if any(r["transport"] == k for r in result["results"])]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 4.0), sharey=True,
+                             squeeze=False)  # fmt: skip
+    series = (
+        ("latency_s", "refit latency", "#1f77b4"),
+        ("construction_bound_s", "construction bound", "#2ca02c"),
+        ("transport_bound_s", "transport bound", "#ff7f0e"),
+    )
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        rows = [r for r in result["results"] if r["transport"] == kind]
+        xs = range(len(rows))
+        width = 0.8 / len(series)
+        for i, (key, label, color) in enumerate(series):
+            ax.bar([x + (i - 1) * width for x in xs], [r[key] for r in rows], width,
+                   label=label, color=color)  # fmt: skip
+        ax.axhline(rows[0]["reference_s"], color="#d62728", linestyle="--", label="reference")
+        for x, r in zip(xs, rows, strict=True):
+            ax.annotate(f"{r['speedup']:.0f}x", (x, r["latency_s"]), ha="center",
+                        va="bottom", fontsize=8)  # fmt: skip
+        ax.set_xticks(list(xs), [f"{r['rate']:.0%}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_title(kind)
+        ax.set_xlabel("element change rate")
+    axes[0][0].set_ylabel("seconds")
+    axes[0][-1].legend(fontsize=8, loc="center right")
+    size = result["results"][0]["model_bytes"] / GB
+    fig.suptitle(f"dcr bench refit: {size:.2f} GB bf16, link {result['link_gbps']:g} Gbit/s "
+                 "(speedup over the reference above each bar)", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
