@@ -13,7 +13,7 @@ help:
 	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
-	@echo "make bench      dcr bench codec, construct, apply, proof, relay (JSON to out/)"
+	@echo "make bench      dcr bench codec, construct, apply, proof, relay, refit, project (JSON to out/)"
 	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
 	@echo "make docs       regenerate generated docs (protocol state diagram)"
 
@@ -58,6 +58,8 @@ bench: $(STAMP)
 	$(BIN)/dcr bench apply --json | tee out/bench-apply.json
 	$(BIN)/dcr bench proof --json | tee out/bench-proof.json
 	$(BIN)/dcr bench relay --json | tee out/bench-relay.json
+	$(BIN)/dcr bench refit --json --plot out/bench-refit.png | tee out/bench-refit.json
+	$(BIN)/dcr bench project --from out/bench-refit.json --json | tee out/bench-project.json
 
 SOAK_REFITS ?= 60
 soak: $(STAMP)
