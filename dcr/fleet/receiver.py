@@ -7,9 +7,17 @@ committed record exactly it reports digests of every parameter's bits (``holds``
 which the launcher compares with a dense load of that version.  A planned ``flip`` fault
 flips one stored bit right after such a report (silent memory corruption), which the proof
 of the base version must catch at the next prepare.
+
+The same function runs a receiver hosted by a serving engine (a vLLM worker, see
+:mod:`dcr.integrations.vllm`): the engine passes its own prewarmed receiver, the request-gate
+hooks of its scheduler and, when the engine was started from the committed version's
+checkpoint, the record it holds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
 
 import anyio
 import torch
@@ -26,14 +34,31 @@ from dcr.testing.reference import ShardedReferenceLoader
 __all__ = ["run_receiver"]
 
 
-async def run_receiver(cfg: FleetConfig, name: str) -> None:
-    """Serve receiver ``name`` until cancelled."""
+async def run_receiver(
+    cfg: FleetConfig,
+    name: str,
+    *,
+    receiver: Receiver | None = None,
+    hooks: ReceiverHooks | None = None,
+    held: CommitRecord | None = None,
+    started: Callable[[ReceiverService], None] | None = None,
+) -> None:
+    """Serve receiver ``name`` until cancelled.
+
+    By default the rank is the fleet's sharded reference model, empty, restored by dense
+    refit.  An engine that hosts the rank passes ``receiver`` (prewarmed, around its own
+    loader), its request-gate ``hooks`` (the fleet adds its ``holds`` report to theirs) and
+    ``held``, the committed record its storage already holds (``None``: restore it by dense
+    refit first).  ``started`` is told the service once it serves.
+    """
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
     log = EventLog(cfg.events_dir, name)
-    module = model.receiver_model(spec)
-    receiver = Receiver(ShardedReferenceLoader(module), model.catalog)
-    await anyio.to_thread.run_sync(receiver.prewarm)
+    if receiver is None:
+        receiver = Receiver(ShardedReferenceLoader(model.receiver_model(spec)), model.catalog)
+        await anyio.to_thread.run_sync(receiver.prewarm)
+    module = receiver.loader.module
+    engine_hooks = hooks if hooks is not None else ReceiverHooks()
     store = make_store(cfg)
     control = make_control(cfg, store)
     transport = make_transport(cfg, node=cfg.node_of(name).name)
@@ -42,6 +67,7 @@ async def run_receiver(cfg: FleetConfig, name: str) -> None:
         found = await anyio.to_thread.run_sync(digests, module)
         log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
         await anyio.to_thread.run_sync(flip_if_planned, record.version)
+        await engine_hooks.holds(record)
 
     def flip_if_planned(version: int) -> None:
         if not faults.planned("flip", version, role="receiver"):
@@ -71,16 +97,19 @@ async def run_receiver(cfg: FleetConfig, name: str) -> None:
         integration=model.integration(),
         control=control,
         transport=transport,
-        held=None,
+        held=held,
         queue=cfg.queue,
-        hooks=ReceiverHooks(holds=holds),
+        hooks=replace(engine_hooks, holds=holds),
         on_applied=applied,
     )
     log.emit(
         "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation
     )
     try:
-        await service.serve()
+        async with anyio.create_task_group() as tg:
+            await tg.start(service.serve)
+            if started is not None:
+                started(service)
     finally:
         with anyio.CancelScope(shield=True):
             await transport.aclose()

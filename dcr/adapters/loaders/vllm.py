@@ -40,8 +40,10 @@ copy behind a oneDNN (or SGL/zentorch) handle in ``layer.cpu_linear`` and packs 
 EPYC) linears stay plain.  MoE expert weights are replaced by new parameters, padded
 (intermediate size to a multiple of 32) and prepacked into the CPU kernel's layout.
 In-place deltas written after that would miss or corrupt what the model computes with, so
-:meth:`VllmLoader.check_ready` refuses such a model.  The same step also re-ties an ``lm_head``
-that the config calls tied but the checkpoint carries, when the two are equal.
+:meth:`VllmLoader.check_ready` refuses such a model (the plain-weights load format of
+:mod:`dcr.integrations.vllm.plain` keeps a CPU engine's weights plain).  The same step also
+re-ties an ``lm_head`` that the config calls tied but the checkpoint carries, when the two are
+equal.
 GPU engines keep the plain layout for unquantized bf16 weights.  :func:`build_vllm_model`
 builds the model class without the engine, so its weights stay plain.
 """
@@ -60,7 +62,17 @@ import torch
 from dcr.apply.loader import Loader
 from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
 
-__all__ = ["VllmLoader", "build_vllm_model", "find_repacked", "vllm_distributed"]
+__all__ = [
+    "PLAIN_EXPERTS",
+    "VllmLoader",
+    "build_vllm_model",
+    "find_repacked",
+    "vllm_distributed",
+]
+
+PLAIN_EXPERTS = "dcr_plain_weights"
+"""Attribute that marks a CPU MoE expert kernel packing the plain expert weights in every
+call (set by the plain-weights load format), so its parameters are what it computes with."""
 
 # Exceptions vLLM's loaders raise for names, shapes and shard ids they cannot place.
 _VENDOR_ERRORS = (
@@ -127,7 +139,8 @@ class VllmLoader(Loader):
             raise LoaderPathUnsupported(
                 f"module {first!r}: {reason}{more}; in-place refit cannot reach the weights the "
                 "model computes with.  Build the model without the engine's post-load weight "
-                "processing (build_vllm_model) or keep plain linear and MoE weights",
+                "processing (build_vllm_model), or start the engine with "
+                "load_format='dcr_plain' (dcr.integrations.vllm) to keep plain weights",
                 check="repacked",
             )
 
@@ -144,7 +157,8 @@ def find_repacked(model: torch.nn.Module) -> dict[str, str]:
       (the dispatch drops the dense weight after packing it);
     * an MoE module whose quant method has built its kernel (``moe_kernel``) on CPU weights:
       the CPU experts rewrite ``w13_weight``/``w2_weight`` into their packed layout when the
-      kernel is set up.
+      kernel is set up -- unless the kernel carries :data:`PLAIN_EXPERTS` (the plain-weights
+      load format of :mod:`dcr.integrations.vllm.plain` packs per call instead).
     """
     found: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -159,8 +173,11 @@ def find_repacked(model: torch.nn.Module) -> dict[str, str]:
         if isinstance(weight, torch.Tensor) and weight.numel() == 0:
             found[name] = "weight replaced by an empty parameter after loading"
             continue
-        if getattr(quant_method, "moe_kernel", None) is not None and any(
-            p.device.type == "cpu" for p in module.parameters(recurse=False)
+        kernel = getattr(quant_method, "moe_kernel", None)
+        if (
+            kernel is not None
+            and not getattr(getattr(kernel, "fused_experts", None), PLAIN_EXPERTS, False)
+            and any(p.device.type == "cpu" for p in module.parameters(recurse=False))
         ):
             found[name] = "expert weights prepacked for the CPU MoE kernel"
     return found

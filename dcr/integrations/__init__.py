@@ -1,0 +1,1 @@
+"""dcr receivers inside serving engines; each integration imports its engine only when used."""

@@ -1,0 +1,58 @@
+"""dcr receivers inside a running vLLM engine (vLLM 0.32), one per worker.
+
+* :data:`EXTENSION` -- ``worker_extension_cls`` for the engine: a receiver in every worker,
+  driven by ``collective_rpc`` (:mod:`~dcr.integrations.vllm.worker`);
+* :data:`PLAIN_WEIGHTS` -- ``load_format`` for CPU engines: weights stay the plain tensors the
+  loader writes, so in-place refit is exact (:mod:`~dcr.integrations.vllm.plain`);
+* :func:`join_fleet` -- the engine's workers join a fleet; the engine's pause/resume is the
+  request gate (:mod:`~dcr.integrations.vllm.engine`, :mod:`~dcr.integrations.vllm.gate`);
+* :func:`generate`, :func:`weight_spans` -- which committed version produced which output
+  tokens of a request (:mod:`~dcr.integrations.vllm.versions`);
+* ``python -m dcr.integrations.vllm`` -- an engine process serving HTTP
+  (:mod:`~dcr.integrations.vllm.server`).
+
+Importing this package does not import vLLM; the names are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcr.integrations.vllm.engine import EngineReceivers as EngineReceivers
+    from dcr.integrations.vllm.engine import Generation as Generation
+    from dcr.integrations.vllm.engine import generate as generate
+    from dcr.integrations.vllm.engine import join_fleet as join_fleet
+    from dcr.integrations.vllm.gate import EngineGate as EngineGate
+    from dcr.integrations.vllm.gate import GateCycle as GateCycle
+    from dcr.integrations.vllm.versions import WeightSpan as WeightSpan
+    from dcr.integrations.vllm.versions import weight_spans as weight_spans
+
+EXTENSION = "dcr.integrations.vllm.worker.DcrWorkerExtension"
+"""``worker_extension_cls`` of an engine whose workers host dcr receivers."""
+
+PLAIN_WEIGHTS = "dcr_plain"
+"""``load_format`` that keeps a CPU engine's weights plain (see :mod:`.plain`)."""
+
+_EXPORTS = {
+    "EngineGate": "dcr.integrations.vllm.gate",
+    "EngineReceivers": "dcr.integrations.vllm.engine",
+    "GateCycle": "dcr.integrations.vllm.gate",
+    "Generation": "dcr.integrations.vllm.engine",
+    "WeightSpan": "dcr.integrations.vllm.versions",
+    "generate": "dcr.integrations.vllm.engine",
+    "join_fleet": "dcr.integrations.vllm.engine",
+    "weight_spans": "dcr.integrations.vllm.versions",
+}
+
+__all__ = ["EXTENSION", "PLAIN_WEIGHTS", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr.integrations.vllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,346 @@
+"""The request gate of a running vLLM engine, closed and opened by its receiver ranks.
+
+One engine serves with all its workers at once, so its gate is one thing shared by the
+receiver ranks it hosts (one per worker, paper §7.2): it is closed while *any* rank keeps it
+closed and opens only when every rank reopened it at the same committed record.  Closing is
+the engine's own pause (vLLM 0.32 ``pause_generation``): ``"wait"`` lets in-flight requests
+finish first, ``"keep"`` freezes them in the scheduler so they resume on the new weights,
+``"abort"`` ends them; in every mode new requests queue in the engine and wait instead of
+failing.  Before the gate reopens, the prefix and KV caches are dropped
+(``reset_prefix_cache``; frozen requests are recomputed on the new weights), the engine's
+weight version is set to the record (so every request reports which version produced which
+tokens, see :mod:`dcr.integrations.vllm.versions`), and generation resumes.
+
+The ranks live in the engine's worker processes; they reach the gate of the engine process
+through a small ZeroMQ call (:class:`GateServer` there, :class:`GateClient` in each worker),
+one strict MessagePack frame each way, bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from dcr.errors import ConfigError, DcrError, LocalProtocolError, RemoteProtocolError
+from dcr.integrations.vllm.versions import label_of
+from dcr.protocol.types import CommitRecord
+
+__all__ = [
+    "PAUSE_MODES",
+    "EngineGate",
+    "GateClient",
+    "GateCycle",
+    "GateServer",
+    "PauseMode",
+    "serving",
+]
+
+PauseMode = Literal["wait", "keep", "abort"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "keep", "abort")
+
+_MAX_FRAME = 4096
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GateCycle:
+    """One closing of the engine's gate, in wall-clock seconds (``time.time()``).
+
+    ``requested`` is when the first rank asked to close (from then on no new request is
+    admitted), ``paused`` when the engine was idle (in-flight requests finished, frozen or
+    aborted), ``opened`` when it resumed at ``record``.
+    """
+
+    requested: float
+    paused: float
+    opened: float
+    record: CommitRecord
+
+    @property
+    def drain_s(self) -> float:
+        """Seconds from the request to close until the engine was idle."""
+        return self.paused - self.requested
+
+    @property
+    def closed_s(self) -> float:
+        """Seconds during which the engine admitted no request."""
+        return self.opened - self.requested
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.record.version,
+            "candidate": self.record.candidate,
+            "requested": self.requested,
+            "paused": self.paused,
+            "opened": self.opened,
+            "drain_s": self.drain_s,
+            "closed_s": self.closed_s,
+        }
+
+
+@dataclass(slots=True)
+class EngineGate:
+    """The gate of ``engine`` (a vLLM ``AsyncLLM`` or anything with its pause, resume,
+    cache-reset and weight-version coroutines) for receiver ranks ``0 .. ranks-1``.
+
+    Ranks start closed; :meth:`join` says what each one holds when it starts.
+    """
+
+    engine: Any
+    ranks: int
+    pause_mode: PauseMode = "keep"
+    cycles: list[GateCycle] = field(default_factory=list)
+    record: CommitRecord | None = None
+    """The committed record the engine's weights are labelled with (``None`` until every
+    rank confirmed one)."""
+    _closed: set[int] = field(default_factory=set)
+    _held: dict[int, CommitRecord] = field(default_factory=dict)
+    _paused: bool = False
+    _requested: float | None = None
+    _paused_at: float | None = None
+    _lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError(f"an engine gate needs at least one rank, got {self.ranks}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
+        self._closed = set(range(self.ranks))
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine admits no new generation request."""
+        return self._paused
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "closed": self._paused,
+            "closed_by": sorted(self._closed),
+            "record": None if self.record is None else label_of(self.record),
+            "pause_mode": self.pause_mode,
+            "cycles": [c.as_dict() for c in self.cycles],
+        }
+
+    async def join(self, rank: int, held: CommitRecord | None) -> None:
+        """Rank ``rank`` starts holding ``held`` exactly (gate open for it), or nothing
+        confirmed yet (``None``: it keeps the gate closed until it reopens it)."""
+        self._check(rank)
+        if held is None:
+            await self.close(rank)
+        else:
+            await self.open(rank, held)
+
+    async def close(self, rank: int) -> None:
+        """Rank ``rank`` closes the gate; returns once the engine admits no request and no
+        forward pass runs."""
+        self._check(rank)
+        async with self._lock:
+            self._closed.add(rank)
+            if self._paused:
+                return
+            self._requested = time.time()
+            await self.engine.pause_generation(mode=self.pause_mode, clear_cache=False)
+            self._paused = True
+            self._paused_at = time.time()
+
+    async def invalidate(self, rank: int) -> None:
+        """Drop the prefix and KV caches computed with the weights being replaced (requests
+        frozen in flight are preempted and recomputed when generation resumes)."""
+        self._check(rank)
+        async with self._lock:
+            if not self._paused:
+                raise LocalProtocolError(
+                    f"rank {rank} invalidated the KV cache of a running engine",
+                    check="gate-state",
+                )
+            await self.engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+
+    async def open(self, rank: int, record: CommitRecord) -> None:
+        """Rank ``rank`` holds ``record`` and reopens the gate; the engine resumes once every
+        rank did, at one record."""
+        self._check(rank)
+        async with self._lock:
+            self._closed.discard(rank)
+            self._held[rank] = record
+            if self._closed or len(self._held) < self.ranks:
+                return
+            records = set(self._held.values())
+            if len(records) != 1:
+                raise RemoteProtocolError(
+                    f"the engine's ranks reopened at different records {sorted(map(str, records))}",
+                    check="gate-version",
+                )
+            self.record = record
+            await self.engine.update_weight_version(label_of(record))
+            if self._paused:
+                await self.engine.resume_generation()
+                now = time.time()
+                requested = self._requested if self._requested is not None else now
+                paused = self._paused_at if self._paused_at is not None else now
+                self.cycles.append(
+                    GateCycle(requested=requested, paused=paused, opened=now, record=record)
+                )
+                self._paused = False
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.ranks:
+            raise ConfigError(f"rank {rank} outside the engine's {self.ranks} ranks")
+
+
+# -- worker <-> engine calls ---------------------------------------------------------------
+
+
+class GateCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A receiver rank's request to the engine gate."""
+
+    call: int
+    rank: int
+    op: Literal["close", "invalidate", "open"]
+    version: int | None = None
+    candidate: str | None = None
+
+
+class GateReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    call: int
+    error: str | None = None
+
+
+_CALLS = msgspec.msgpack.Decoder(GateCall)
+_REPLIES = msgspec.msgpack.Decoder(GateReply)
+_ENCODE = msgspec.msgpack.Encoder()
+
+
+class GateServer:
+    """Serves :class:`GateCall` frames for ``gate`` on a ROUTER socket (engine process)."""
+
+    def __init__(self, gate: EngineGate, *, host: str = "127.0.0.1") -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.gate = gate
+        self.drops = 0
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Answer calls until cancelled; each call runs in its own task (the gate's lock
+        orders them), so one rank's long pause does not hold up another rank's call."""
+        async with anyio.create_task_group() as tg:
+            task_status.started()
+            while True:
+                frames = await self._sock.recv_multipart()
+                if len(frames) != 2 or len(frames[1]) > _MAX_FRAME:
+                    self.drops += 1
+                    continue
+                try:
+                    call = _CALLS.decode(frames[1])
+                except msgspec.DecodeError:
+                    self.drops += 1
+                    continue
+                tg.start_soon(self._answer, frames[0], call)
+
+    async def _answer(self, peer: bytes, call: GateCall) -> None:
+        error = None
+        try:
+            if call.op == "close":
+                await self.gate.close(call.rank)
+            elif call.op == "invalidate":
+                await self.gate.invalidate(call.rank)
+            elif call.version is None or call.candidate is None:
+                raise RemoteProtocolError("an open call names no record", check="gate-version")
+            else:
+                record = CommitRecord(version=call.version, candidate=call.candidate)
+                await self.gate.open(call.rank, record)
+        except DcrError as exc:
+            error = str(exc)
+        await self._sock.send_multipart(
+            [peer, _ENCODE.encode(GateReply(call=call.call, error=error))]
+        )
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@asynccontextmanager
+async def serving(server: GateServer) -> AsyncIterator[GateServer]:
+    """``server`` answers calls in the current event loop (asyncio) for the block; it is
+    closed when the block ends."""
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            try:
+                yield server
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        server.close()
+
+
+class GateClient:
+    """A receiver rank's end of the gate calls (in a worker process's receiver loop).
+
+    Calls are sent one at a time; each waits at most ``timeout_s`` for its answer (a
+    ``"wait"`` pause lasts as long as the longest request in flight).
+    """
+
+    def __init__(self, address: str, rank: int, *, timeout_s: float = 3600.0) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._lock = anyio.Lock()
+
+    async def call(
+        self, op: Literal["close", "invalidate", "open"], record: CommitRecord | None = None
+    ) -> None:
+        """Ask the engine gate for ``op``; raises :class:`RemoteProtocolError` when the gate
+        refused it and :class:`LocalProtocolError` when no answer came in time."""
+        message = GateCall(
+            call=next(self._ids),
+            rank=self.rank,
+            op=op,
+            version=None if record is None else record.version,
+            candidate=None if record is None else record.candidate,
+        )
+        async with self._lock:
+            await self._sock.send(_ENCODE.encode(message))
+            with anyio.move_on_after(self.timeout_s) as scope:
+                while True:
+                    frame = await self._sock.recv()
+                    try:
+                        reply = _REPLIES.decode(frame)
+                    except msgspec.DecodeError:
+                        continue
+                    if reply.call == message.call:
+                        break
+            if scope.cancelled_caught:
+                raise LocalProtocolError(
+                    f"the engine gate did not answer {op!r} within {self.timeout_s} s",
+                    check="gate-timeout",
+                )
+        if reply.error is not None:
+            raise RemoteProtocolError(
+                f"the engine gate refused {op!r}: {reply.error}", check="gate"
+            )
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,272 @@
+"""``python -m dcr.integrations.vllm``: a vLLM engine process whose workers are fleet receivers.
+
+It starts an ``AsyncLLM`` with the dcr worker extension (and, with ``--plain-weights``, the
+CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as receivers
+``--receivers`` (one per worker rank), and serves token-in/token-out HTTP on 127.0.0.1:
+
+``POST /generate``
+    ``{"prompt_token_ids": [...], "max_tokens": 16, "ignore_eos": false, "logprobs": true}``
+    (greedy) -> ``{"request_id", "token_ids", "logprobs", "finish_reason", "version",
+    "candidate", "weight_versions": [{"version", "candidate", "start", "end"}], "switches"}``:
+    which committed version produced which output tokens; ``switches`` lists the token
+    indices where the weights changed under a request that straddled a refit.  While the
+    request gate is closed, requests wait.
+``GET /dcr/state``
+    the engine's gate (closed, by which ranks, each closing's drain and closed seconds, the
+    record the weights are labelled with) and each worker's receiver status.
+``GET /dcr/parameters``
+    every parameter and buffer of every worker, as base64 of its stored bytes (read through
+    ``collective_rpc``), for bit-for-bit comparisons.
+``GET /health``
+
+Without ``--fleet`` the engine serves the checkpoint as loaded (a reference engine).  Once
+it serves, the process writes ``{"url", "pid"}`` to ``--ready-file`` if given.  SIGTERM or
+SIGINT stop it: the receivers leave, the engine shuts down.  When the workers cannot join
+(for example weights repacked by the CPU backend without ``--plain-weights``) it prints the
+error and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from dcr.errors import ConfigError, DcrError
+from dcr.integrations.vllm.gate import PAUSE_MODES, PauseMode
+
+__all__ = ["ServerOptions", "main", "serve"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerOptions:
+    """What the engine process serves and how it joins the fleet."""
+
+    model: str
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    plain_weights: bool = False
+    fleet: str | None = None
+    receivers: tuple[str, ...] = ()
+    checkpoint_version: int | None = None
+    pause_mode: PauseMode | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    ready_file: str | None = None
+
+
+def _bad_request(message: str) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": message}, status=400)
+
+
+def _int_list(raw: object, what: str) -> list[int]:
+    if not isinstance(raw, list) or not raw or not all(type(t) is int and t >= 0 for t in raw):
+        raise ConfigError(f"{what} must be a non-empty list of non-negative integers")
+    return list(raw)
+
+
+async def serve(options: ServerOptions) -> None:
+    """Run the engine process until cancelled."""
+    from aiohttp import web
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from dcr.integrations.vllm import EXTENSION, PLAIN_WEIGHTS
+    from dcr.integrations.vllm.engine import EngineReceivers, generate, join_fleet
+
+    load_format = "auto"
+    if options.plain_weights:
+        import dcr.integrations.vllm.plain  # noqa: F401  (the load format, in this process too)
+
+        load_format = PLAIN_WEIGHTS
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=options.model,
+            tensor_parallel_size=options.tensor_parallel_size,
+            dtype=options.dtype,
+            max_model_len=options.max_model_len,
+            enforce_eager=options.enforce_eager,
+            skip_tokenizer_init=True,
+            worker_extension_cls=EXTENSION,
+            load_format=load_format,
+            # One worker lives in the engine-core process (one process less to start).
+            distributed_executor_backend="uni" if options.tensor_parallel_size == 1 else "mp",
+        )
+    )
+    receivers: EngineReceivers | None = None
+
+    async def generate_route(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ConfigError("the request body must be a JSON object")
+            prompt = _int_list(body.get("prompt_token_ids"), "prompt_token_ids")
+            max_tokens = body.get("max_tokens", 16)
+            if type(max_tokens) is not int or max_tokens < 1:
+                raise ConfigError("max_tokens must be a positive integer")
+            ignore_eos = body.get("ignore_eos", False)
+            logprobs = body.get("logprobs", True)
+            if not isinstance(ignore_eos, bool) or not isinstance(logprobs, bool):
+                raise ConfigError("ignore_eos and logprobs must be true or false")
+        except (ValueError, ConfigError) as exc:
+            return _bad_request(str(exc))  # type: ignore[no-any-return]
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=ignore_eos,
+            logprobs=0 if logprobs else None,
+            detokenize=False,
+        )
+        out = await generate(engine, prompt, params)
+        return web.json_response(out.as_dict())
+
+    async def state_route(request: web.Request) -> web.Response:
+        state: dict[str, Any] = {"weight_version": await engine.get_weight_version()}
+        if receivers is not None:
+            state.update(receivers.state(), workers=await receivers.status())
+        return web.json_response(state)
+
+    async def parameters_route(request: web.Request) -> web.Response:
+        ranks = await engine.collective_rpc("dcr_parameters")
+        return web.json_response(
+            {
+                "ranks": [
+                    {
+                        name: {
+                            "dtype": dtype,
+                            "shape": list(shape),
+                            "bits": base64.b64encode(data).decode(),
+                        }
+                        for name, (dtype, shape, data) in rank.items()
+                    }
+                    for rank in ranks
+                ]
+            }
+        )
+
+    async def health_route(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/generate", generate_route)
+    app.router.add_get("/dcr/state", state_route)
+    app.router.add_get("/dcr/parameters", parameters_route)
+    app.router.add_get("/health", health_route)
+    runner = web.AppRunner(app, handle_signals=False)
+    try:
+        async with AsyncExitStack() as stack:
+            if options.fleet is not None:
+                receivers = await stack.enter_async_context(
+                    join_fleet(
+                        engine,
+                        options.fleet,
+                        options.receivers,
+                        checkpoint_version=options.checkpoint_version,
+                        pause_mode=options.pause_mode,
+                    )
+                )
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            site = web.TCPSite(runner, options.host, options.port)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+            if options.ready_file is not None:
+                ready = Path(options.ready_file)
+                tmp = ready.with_name(ready.name + ".tmp")
+                tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid()}))
+                tmp.replace(ready)
+            await anyio.sleep_forever()
+    finally:
+        engine.shutdown()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dcr.integrations.vllm",
+        description="a vLLM engine whose workers are dcr receivers of a fleet, over HTTP",
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism: workers and receivers")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, help="default: what the model config allows")
+    p.add_argument(
+        "--plain-weights",
+        action="store_true",
+        help="CPU: keep the weights plain (load_format=dcr_plain) so in-place refit is exact",
+    )
+    p.add_argument("--fleet", help="fleet file whose receivers the workers become")
+    p.add_argument("--receivers", default="", help="receiver names, one per worker rank: r0,r1")
+    p.add_argument(
+        "--checkpoint-version",
+        type=int,
+        help="the version whose checkpoint --model is; if committed, join without a dense refit",
+    )
+    p.add_argument("--pause-mode", choices=PAUSE_MODES, help="how the gate pauses the engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--ready-file", help="write {url, pid} here once serving")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    receivers = tuple(n for n in args.receivers.split(",") if n)
+    if args.fleet is not None and len(receivers) != args.tp:
+        print(f"--receivers needs {args.tp} names (one per worker rank)", file=sys.stderr)
+        return 2
+    options = ServerOptions(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        plain_weights=args.plain_weights,
+        fleet=args.fleet,
+        receivers=receivers,
+        checkpoint_version=args.checkpoint_version,
+        pause_mode=args.pause_mode,
+        host=args.host,
+        port=args.port,
+        ready_file=args.ready_file,
+    )
+
+    failure: list[DcrError] = []
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def stop_on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(stop_on_signal)
+            try:
+                await serve(options)
+            except DcrError as exc:
+                failure.append(exc)
+                tg.cancel_scope.cancel()
+
+    anyio.run(run, backend="asyncio")
+    if failure:
+        exc = failure[0]
+        print(
+            f"dcr: the engine cannot join the fleet: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        return 1
+    return 0

@@ -1,0 +1,292 @@
+"""A dcr receiver in every worker of a running vLLM engine (``worker_extension_cls``).
+
+vLLM mixes :class:`DcrWorkerExtension` into each worker class when the engine is started
+with ``worker_extension_cls=`` :data:`~dcr.integrations.vllm.EXTENSION`; the engine process
+then drives it with ``collective_rpc`` (see :mod:`dcr.integrations.vllm.engine`).
+``dcr_join`` wraps the worker's model and its native ``load_weights`` in a
+:class:`~dcr.apply.receiver.Receiver` (prewarmed in place: it refuses weights the CPU backend
+repacked) and starts, on an event loop in a thread of its own, the fleet receiver of this
+rank (:func:`dcr.fleet.receiver.run_receiver`): ZeroMQ control to the coordinator, the relay
+tree of its host for payloads, decode and in-place apply in this process.  Its request-gate
+hooks call the engine process's gate (:mod:`dcr.integrations.vllm.gate`), so writes into the
+weights happen only while that gate holds the engine paused.
+
+vLLM resolves the extension class before the worker loads its model, so importing this
+module is also where every worker learns the plain-weights load format
+(:mod:`dcr.integrations.vllm.plain`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from dcr.errors import ConfigError, DcrError
+from dcr.integrations.vllm import plain  # noqa: F401  (registers the load format here)
+from dcr.protocol.types import CommitRecord
+
+__all__ = ["DcrWorkerExtension", "JoinSpec", "error_to_wire"]
+
+
+_START_TIMEOUT_S = 120.0
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinSpec:
+    """What every worker of one engine needs to join the fleet (sent by ``collective_rpc``).
+
+    ``names[r]`` is the receiver of worker rank ``r`` in the fleet file ``fleet``; ``gate``
+    the engine gate's address; ``held`` the committed record the engine's weights hold
+    (``None``: restore the committed version by dense refit first).
+    """
+
+    fleet: str
+    names: tuple[str, ...]
+    gate: str
+    held: CommitRecord | None = None
+    apply_threads: int | None = None
+    gate_timeout_s: float = 3600.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "names": list(self.names),
+            "gate": self.gate,
+            "held": None if self.held is None else [self.held.version, self.held.candidate],
+            "apply_threads": self.apply_threads,
+            "gate_timeout_s": self.gate_timeout_s,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Mapping[str, Any]) -> JoinSpec:
+        held = raw.get("held")
+        return cls(
+            fleet=str(raw["fleet"]),
+            names=tuple(str(n) for n in raw["names"]),
+            gate=str(raw["gate"]),
+            held=None if held is None else CommitRecord(version=int(held[0]), candidate=held[1]),
+            apply_threads=raw.get("apply_threads"),
+            gate_timeout_s=float(raw.get("gate_timeout_s", 3600.0)),
+        )
+
+
+def error_to_wire(exc: DcrError) -> dict[str, Any]:
+    """A dcr error as plain data, to cross ``collective_rpc`` and be raised again."""
+    return {
+        "type": type(exc).__name__,
+        "message": exc.message,
+        "attempt": exc.attempt,
+        "tensor": exc.tensor,
+        "check": exc.check,
+    }
+
+
+class _Hosted:
+    """The receiver this worker hosts: its event-loop thread and its service."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.service: Any = None
+        self.started = threading.Event()
+        self.portal_cm: AbstractContextManager[Any] | None = None
+        self.portal: Any = None
+        self.future: Future[Any] | None = None
+
+    def on_started(self, service: Any) -> None:
+        self.service = service
+        self.started.set()
+
+    def stop(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.cancel()
+        if self.portal_cm is not None:
+            self.portal_cm.__exit__(None, None, None)
+            self.portal_cm = None
+
+
+def _report_end(name: str) -> Callable[[Future[Any]], None]:
+    """A callback that logs how receiver ``name``'s service ended, unless it was stopped."""
+
+    def report(future: Future[Any]) -> None:
+        if future.cancelled():
+            return
+        failure = future.exception()
+        if failure is not None:
+            _log.error("dcr receiver %s stopped: %r", name, failure, exc_info=failure)
+
+    return report
+
+
+class DcrWorkerExtension:
+    """Methods vLLM adds to every worker; the engine process calls them by name through
+    ``collective_rpc`` (every worker runs each call, and each serves its own rank)."""
+
+    _dcr_hosted: _Hosted | None = None
+
+    def dcr_join(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        """Prewarm a receiver around this worker's model and start serving the fleet.
+
+        Returns ``{"name", "prewarm"}``, or ``{"error"}`` (a dcr error as data) when the
+        model cannot take in-place refits or the fleet file does not fit the engine.
+        """
+        try:
+            return self._dcr_join(JoinSpec.from_wire(spec))
+        except DcrError as exc:
+            return {"error": error_to_wire(exc)}
+
+    def dcr_leave(self) -> bool:
+        """Stop this worker's receiver (its sockets close); ``False`` if none ran."""
+        hosted = self._dcr_hosted
+        if hosted is None:
+            return False
+        hosted.stop()
+        self._dcr_hosted = None
+        return True
+
+    def dcr_status(self) -> dict[str, Any] | None:
+        """What this worker's receiver holds and did (``None`` before it joined)."""
+        hosted = self._dcr_hosted
+        if hosted is None or hosted.service is None:
+            return None
+        service = hosted.service
+
+        def read() -> dict[str, Any]:
+            held = service.core.held
+            return {
+                "name": hosted.name,
+                "phase": service.core.phase.value,
+                "held": None if held is None else [held.version, held.candidate],
+                "dirty": service.core.dirty,
+                "gate_open": service.gate_open,
+                "applied_payloads": service.applied_payloads,
+                "decode_seconds": service.decode_seconds,
+                "apply_seconds": service.apply_seconds,
+                "incarnation": service.incarnation,
+            }
+
+        result: dict[str, Any] = hosted.portal.call(read)
+        return result
+
+    def dcr_parameters(self) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+        """Every parameter and buffer of this worker's model (under every name it has) as
+        ``(dtype, shape, stored bytes)``, for bit-for-bit comparisons."""
+        from dcr.delta.bits import bits, dtype_name
+
+        model = self._dcr_model()
+        out = {}
+        for name, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]:
+            data = t.detach().cpu().contiguous()
+            out[name] = (dtype_name(data.dtype), tuple(data.shape), bits(data).tobytes())
+        return out
+
+    def dcr_repacked(self) -> dict[str, str]:
+        """Modules whose compute weights are no longer their plain parameters (see
+        :func:`~dcr.adapters.loaders.vllm.find_repacked`)."""
+        from dcr.adapters.loaders.vllm import find_repacked
+
+        return find_repacked(self._dcr_model())
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _dcr_model(self) -> Any:
+        get_model: Callable[[], Any] = self.get_model  # type: ignore[attr-defined]
+        return get_model()
+
+    def _dcr_join(self, spec: JoinSpec) -> dict[str, Any]:
+        import anyio.from_thread
+
+        from dcr.adapters.loaders.vllm import VllmLoader
+        from dcr.apply.receiver import ApplyConfig, Receiver
+        from dcr.engine.receiver import ReceiverHooks
+        from dcr.fleet.config import load_fleet
+        from dcr.fleet.model import FleetModel
+        from dcr.fleet.receiver import run_receiver
+        from dcr.integrations.vllm.gate import GateClient
+
+        if self._dcr_hosted is not None:
+            raise ConfigError(f"this worker already hosts receiver {self._dcr_hosted.name!r}")
+        rank: int = self.rank  # type: ignore[attr-defined]
+        if len(spec.names) <= rank:
+            raise ConfigError(f"no receiver name for worker rank {rank} in {list(spec.names)}")
+        name = spec.names[rank]
+        cfg = load_fleet(spec.fleet)
+        declared = cfg.receiver(name)
+        if (declared.tp, declared.rank) != (len(spec.names), rank):
+            raise ConfigError(
+                f"receiver {name!r} is declared as rank {declared.rank} of tp={declared.tp}, "
+                f"but it runs as rank {rank} of {len(spec.names)} workers",
+                check="layout",
+            )
+        config = ApplyConfig() if spec.apply_threads is None else ApplyConfig(
+            threads=spec.apply_threads
+        )  # fmt: skip
+        receiver = Receiver(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
+        report = receiver.prewarm()
+
+        hosted = _Hosted(name)
+        gate = GateClient(spec.gate, rank, timeout_s=spec.gate_timeout_s)
+        record: list[CommitRecord] = []
+
+        async def close() -> None:
+            await gate.call("close")
+
+        async def invalidate() -> None:
+            await gate.call("invalidate")
+
+        async def reopen() -> None:
+            if not record:
+                raise ConfigError(f"receiver {name!r} reopened holding no committed record")
+            await gate.call("open", record[-1])
+
+        async def holds(held: CommitRecord) -> None:
+            record[:] = [held]
+
+        hooks = ReceiverHooks(
+            close_gate=close, invalidate_kv_cache=invalidate, open_gate=reopen, holds=holds
+        )
+
+        async def serve() -> None:
+            try:
+                await run_receiver(
+                    cfg, name, receiver=receiver, hooks=hooks, held=spec.held,
+                    started=hosted.on_started,
+                )  # fmt: skip
+            finally:
+                gate.close()
+
+        hosted.portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
+        hosted.portal = hosted.portal_cm.__enter__()
+        hosted.future = hosted.portal.start_task_soon(serve)
+        hosted.future.add_done_callback(_report_end(name))
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not hosted.started.wait(0.05):
+            if hosted.future.done() or time.monotonic() > deadline:
+                failure = None if not hosted.future.done() else hosted.future.exception()
+                hosted.stop()
+                if isinstance(failure, DcrError):
+                    raise failure
+                raise ConfigError(
+                    f"receiver {name!r} did not start: {failure or 'timed out'}", check="join"
+                )
+        self._dcr_hosted = hosted
+        return {
+            "name": name,
+            "prewarm": {
+                "names": report.names,
+                "preserving": report.preserving,
+                "transforming": report.transforming,
+                "skipped": report.skipped,
+                "xor_allowed": report.xor_allowed,
+                "seconds": report.seconds,
+            },
+        }
