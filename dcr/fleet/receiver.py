@@ -41,6 +41,7 @@ async def run_receiver(
     receiver: Receiver | None = None,
     hooks: ReceiverHooks | None = None,
     held: CommitRecord | None = None,
+    report_digests: bool = True,
     started: Callable[[ReceiverService], None] | None = None,
 ) -> None:
     """Serve receiver ``name`` until cancelled.
@@ -49,7 +50,9 @@ async def run_receiver(
     refit.  An engine that hosts the rank passes ``receiver`` (prewarmed, around its own
     loader), its request-gate ``hooks`` (the fleet adds its ``holds`` report to theirs) and
     ``held``, the committed record its storage already holds (``None``: restore it by dense
-    refit first).  ``started`` is told the service once it serves.
+    refit first).  ``report_digests=False`` leaves the digests out of ``holds`` events (no
+    launcher checks them, and hashing every parameter would keep the gate closed longer).
+    ``started`` is told the service once it serves.
     """
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
@@ -64,8 +67,11 @@ async def run_receiver(
     transport = make_transport(cfg, node=cfg.node_of(name).name)
 
     async def holds(record: CommitRecord) -> None:
-        found = await anyio.to_thread.run_sync(digests, module)
-        log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
+        if report_digests:
+            found = await anyio.to_thread.run_sync(digests, module)
+            log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
+        else:
+            log.emit("holds", version=record.version, candidate=record.candidate)
         await anyio.to_thread.run_sync(flip_if_planned, record.version)
         await engine_hooks.holds(record)
 

@@ -9,7 +9,7 @@
 * :class:`Trainer` -- every owner of the fleet's training plan in this process (one
   :class:`~dcr.delta.group.LocalTrainingGroup`), publishing the synthetic run's versions;
 * :class:`Stream` -- clients sending greedy requests to an engine back to back;
-* :func:`reference_runs` -- engines started fresh on each version's checkpoint.
+* :class:`ReferenceRuns` -- engines started fresh on each version's checkpoint.
 """
 
 from __future__ import annotations
@@ -114,12 +114,15 @@ class EngineServer:
         receivers: Sequence[str] = (),
         checkpoint_version: int | None = None,
         name: str = "engine",
+        plain_weights: bool = True,
     ) -> EngineServer:
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "dcr.integrations.vllm", "--model", str(model),
-                "--tp", str(tp), "--plain-weights", "--ready-file", str(ready)]  # fmt: skip
+                "--tp", str(tp), "--ready-file", str(ready)]  # fmt: skip
+        if plain_weights:
+            argv.append("--plain-weights")
         if fleet is not None:
             argv += ["--fleet", str(fleet), "--receivers", ",".join(receivers)]
         if checkpoint_version is not None:
@@ -419,52 +422,71 @@ def fixed_prompts() -> list[list[int]]:
     ]
 
 
-def reference_runs(
-    directory: Path, checkpoints: Sequence[Path], *, tp: int, max_tokens: int
-) -> list[tuple[dict[str, np.ndarray], list[dict[str, Any]]]]:
-    """Fresh engines on ``checkpoints`` at tensor parallelism ``tp`` (one process per rank,
-    one engine at a time): each one's parameters (``r<rank>/<name>``) and the fixed prompts'
-    greedy generations."""
-    directory.mkdir(parents=True, exist_ok=True)
-    prompts = directory / "prompts.json"
-    prompts.write_text(json.dumps(fixed_prompts()))
-    ports = ",".join(str(free_port()) for _ in checkpoints)
-    argv = [sys.executable, str(HERE / "reference_engine.py"), "--out", str(directory),
-            "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--ports", ports,
-            *map(str, checkpoints)]  # fmt: skip
-    procs = []
-    for rank in range(tp):
-        env = dict(engine_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp),
-                   MASTER_ADDR="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
-        with (directory / f"reference-r{rank}.log").open("wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+@dataclass
+class ReferenceRuns:
+    """Fresh engines on each checkpoint at tensor parallelism ``tp`` (one process per rank,
+    one engine at a time), running in the background: each one's parameters
+    (``r<rank>/<name>``) and the fixed prompts' greedy generations."""
+
+    directory: Path
+    versions: int
+    tp: int
+    procs: list[subprocess.Popen[bytes]]
+
+    @classmethod
+    def start(
+        cls, directory: Path, checkpoints: Sequence[Path], *, tp: int, max_tokens: int
+    ) -> ReferenceRuns:
+        directory.mkdir(parents=True, exist_ok=True)
+        prompts = directory / "prompts.json"
+        prompts.write_text(json.dumps(fixed_prompts()))
+        ports = ",".join(str(free_port()) for _ in checkpoints)
+        argv = [sys.executable, str(HERE / "reference_engine.py"), "--out", str(directory),
+                "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--ports", ports,
+                *map(str, checkpoints)]  # fmt: skip
+        procs = []
+        for rank in range(tp):
+            env = dict(engine_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp),
+                       MASTER_ADDR="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+            with (directory / f"reference-r{rank}.log").open("wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
                 )
+        return cls(directory=directory, versions=len(checkpoints), tp=tp, procs=procs)
+
+    def result(self) -> list[tuple[dict[str, np.ndarray], list[dict[str, Any]]]]:
+        """Wait for every engine; raises with the logs when one failed."""
+        try:
+            codes = [p.wait(timeout=900) for p in self.procs]
+        finally:
+            self.stop()
+        if any(codes):
+            logs = "".join(
+                (self.directory / f"reference-r{r}.log").read_text()[-3000:] for r in range(self.tp)
             )
-    try:
-        codes = [p.wait(timeout=900) for p in procs]
-    finally:
-        for p in procs:
+            raise AssertionError(f"reference engines failed ({codes}):\n{logs}")
+        runs = []
+        for i in range(self.versions):
+            params = {}
+            for rank in range(self.tp):
+                with np.load(self.directory / f"ref-{i}-r{rank}.npz") as f:
+                    params.update({f"r{rank}/{k}": f[k] for k in f.files})
+            runs.append((params, json.loads((self.directory / f"ref-{i}.json").read_text())))
+        return runs
+
+    def stop(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    if any(codes):
-        logs = "".join((directory / f"reference-r{r}.log").read_text()[-3000:] for r in range(tp))
-        raise AssertionError(f"reference engines failed ({codes}):\n{logs}")
-    runs = []
-    for i in range(len(checkpoints)):
-        params = {}
-        for rank in range(tp):
-            with np.load(directory / f"ref-{i}-r{rank}.npz") as f:
-                params.update({f"r{rank}/{k}": f[k] for k in f.files})
-        runs.append((params, json.loads((directory / f"ref-{i}.json").read_text())))
-    return runs
+            _wait_group_gone(p.pid)
 
 
 def bit_mismatches(mine: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> list[str]:

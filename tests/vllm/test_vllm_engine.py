@@ -27,20 +27,22 @@ import anyio
 import pytest
 from engine_helpers import (
     EngineServer,
+    ReferenceRuns,
     Role,
     Stream,
     bit_mismatches,
     coordinator_events,
     fixed_prompts,
+    group_members,
     open_trainer,
-    reference_runs,
     same_floats,
     write_checkpoints,
     write_fleet,
 )
 
+from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.integrations.vllm.versions import label_of
+from dcr.integrations.vllm.versions import WeightSpan, label_of, weight_spans
 from dcr.protocol.types import CommitRecord
 from dcr.testing.faults import Faults
 
@@ -116,7 +118,7 @@ def _reopened(engine: EngineServer, record: CommitRecord) -> None:
 
 
 async def _scenario(
-    case: Case, cfg: FleetConfig, checkpoints: list[Path], refs: list[Any], work: Path
+    case: Case, cfg: FleetConfig, checkpoints: list[Path], references: ReferenceRuns, work: Path
 ) -> dict[str, Any]:
     names = [f"r{r}" for r in range(case.tp)]
     roles = [Role.start(cfg, "relay", "--node", "node0"),
@@ -146,6 +148,7 @@ async def _scenario(
         async with AsyncExitStack() as stack:
             trainer = await open_trainer(cfg, stack)
             engine = await anyio.to_thread.run_sync(start_engine, 0)
+            refs = await anyio.to_thread.run_sync(references.result)
             state = engine.state()
             assert state["record"] == label_of(trainer.records[0]) and not state["closed"]
             await _check(engine, refs[0], trainer.records[0])
@@ -186,6 +189,7 @@ async def _scenario(
                         await tg.start(stream.run)
             records = dict(trainer.records)
     finally:
+        references.stop()
         for engine in engines:
             engine.stop()
         for role in roles:
@@ -224,12 +228,12 @@ def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
     )
     checkpoints = write_checkpoints(cfg, REFITS + 1, tmp_path / "checkpoints")
     t0 = time.monotonic()
-    refs = reference_runs(tmp_path / "reference", checkpoints, tp=case.tp, max_tokens=MAX_TOKENS)
-    t1 = time.monotonic()
-    report = anyio.run(_scenario, case, cfg, checkpoints, refs, tmp_path, backend="asyncio")
-    report["seconds"] = (
-        f"fresh engines {t1 - t0:.0f} s, serving engine and refits {time.monotonic() - t1:.0f} s"
+    # The fresh engines run while the fleet and the serving engine start.
+    references = ReferenceRuns.start(
+        tmp_path / "reference", checkpoints, tp=case.tp, max_tokens=MAX_TOKENS
     )
+    report = anyio.run(_scenario, case, cfg, checkpoints, references, tmp_path, backend="asyncio")
+    report["seconds"] = f"{time.monotonic() - t0:.0f} s"
 
     records: dict[int, CommitRecord] = report["records"]
     assert sorted(records) == list(range(REFITS + 1))
@@ -277,3 +281,47 @@ def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
             # gate was closed from its start until it reopened at its first commit).
             cycle = report["cycles"][k]
             assert starts[k] <= cycle["requested"] <= cycle["paused"] <= cycle["opened"]
+
+
+def test_weight_spans_of_finished_vllm_outputs() -> None:
+    from vllm.outputs import CompletionOutput, WeightVersionSpan
+
+    v1 = CommitRecord(version=1, candidate="g2.8589934592")
+    spans = [WeightVersionSpan("default", 0, 1), WeightVersionSpan(label_of(v1), 1, 3)]
+    done = CompletionOutput(
+        index=0, text="", token_ids=[7, 8, 9], cumulative_logprob=None, logprobs=None,
+        finish_reason="length", weight_versions=spans,
+    )  # fmt: skip
+    assert weight_spans(done) == (
+        WeightSpan(record=None, start=0, end=1),  # before a receiver confirmed the weights
+        WeightSpan(record=v1, start=1, end=3),
+    )
+    running = CompletionOutput(index=0, text="", token_ids=[7], cumulative_logprob=None,
+                               logprobs=None)  # fmt: skip
+    with pytest.raises(ConfigError, match="finished requests"):
+        weight_spans(running)
+    empty = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+    assert weight_spans(empty) == ()
+
+
+def test_an_engine_whose_weights_the_cpu_backend_repacked_refuses_to_join(tmp_path: Path) -> None:
+    """vLLM's CPU backend prepacks MoE experts on every CPU: without the plain-weights load
+    format the workers' prewarm refuses the model and the engine process exits with the
+    error, every one of its processes gone."""
+    cfg = load_fleet(write_fleet(tmp_path / "fleet", family="qwen3_moe", tp=1, sync=True, refits=1))
+    (checkpoint,) = write_checkpoints(cfg, 1, tmp_path / "checkpoints")
+    engine = EngineServer.start(
+        tmp_path / "engine", model=checkpoint, tp=1, fleet=cfg.path, receivers=["r0"],
+        checkpoint_version=0, plain_weights=False,
+    )  # fmt: skip
+    try:
+        assert engine.popen.wait(timeout=300) == 1
+        log = engine.log.read_text(errors="replace")
+        # Which module is named first depends on the CPU (linears are packed too where a
+        # packed GEMM kernel exists); the experts are repacked on every one.
+        assert "dcr: the engine cannot join the fleet: LoaderPathUnsupported" in log
+        assert "check=repacked" in log and "load_format='dcr_plain'" in log
+        assert not engine.ready_file.exists()
+    finally:
+        engine.kill()
+    assert group_members(engine.popen.pid) == []

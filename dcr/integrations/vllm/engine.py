@@ -28,11 +28,10 @@ from typing import Any
 import anyio
 import numpy as np
 
-from dcr import errors
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import ConfigError
 from dcr.integrations.vllm.gate import EngineGate, GateServer, PauseMode, serving
+from dcr.integrations.vllm.join import JoinSpec, error_from_wire
 from dcr.integrations.vllm.versions import WeightSpan, weight_spans
-from dcr.integrations.vllm.worker import JoinSpec
 from dcr.protocol.types import CommitRecord
 
 __all__ = ["EngineReceivers", "Generation", "generate", "join_fleet", "parameter_bits"]
@@ -144,18 +143,6 @@ def parameter_bits(
     }
 
 
-def _raise(error: dict[str, Any], worker: int) -> None:
-    cls = getattr(errors, str(error.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, DcrError)):
-        cls = DcrError
-    raise cls(
-        f"worker {worker}: {error.get('message')}",
-        attempt=error.get("attempt"),
-        tensor=error.get("tensor"),
-        check=error.get("check"),
-    )
-
-
 async def _committed(fleet: Path) -> CommitRecord:
     from dcr.fleet.config import load_fleet
     from dcr.fleet.runtime import make_store
@@ -221,7 +208,7 @@ async def join_fleet(
         failed = [(w, r["error"]) for w, r in enumerate(results) if "error" in r]
         if failed:
             await engine.collective_rpc("dcr_leave")
-            _raise(failed[0][1], failed[0][0])
+            raise error_from_wire(failed[0][1], failed[0][0])
     except BaseException:
         server.close()
         if gate.closed:  # serve again as before the join

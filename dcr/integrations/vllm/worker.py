@@ -24,68 +24,18 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 from dcr.errors import ConfigError, DcrError
 from dcr.integrations.vllm import plain  # noqa: F401  (registers the load format here)
+from dcr.integrations.vllm.join import JoinSpec, error_to_wire
 from dcr.protocol.types import CommitRecord
 
-__all__ = ["DcrWorkerExtension", "JoinSpec", "error_to_wire"]
+__all__ = ["DcrWorkerExtension"]
 
 
 _START_TIMEOUT_S = 120.0
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class JoinSpec:
-    """What every worker of one engine needs to join the fleet (sent by ``collective_rpc``).
-
-    ``names[r]`` is the receiver of worker rank ``r`` in the fleet file ``fleet``; ``gate``
-    the engine gate's address; ``held`` the committed record the engine's weights hold
-    (``None``: restore the committed version by dense refit first).
-    """
-
-    fleet: str
-    names: tuple[str, ...]
-    gate: str
-    held: CommitRecord | None = None
-    apply_threads: int | None = None
-    gate_timeout_s: float = 3600.0
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "fleet": self.fleet,
-            "names": list(self.names),
-            "gate": self.gate,
-            "held": None if self.held is None else [self.held.version, self.held.candidate],
-            "apply_threads": self.apply_threads,
-            "gate_timeout_s": self.gate_timeout_s,
-        }
-
-    @classmethod
-    def from_wire(cls, raw: Mapping[str, Any]) -> JoinSpec:
-        held = raw.get("held")
-        return cls(
-            fleet=str(raw["fleet"]),
-            names=tuple(str(n) for n in raw["names"]),
-            gate=str(raw["gate"]),
-            held=None if held is None else CommitRecord(version=int(held[0]), candidate=held[1]),
-            apply_threads=raw.get("apply_threads"),
-            gate_timeout_s=float(raw.get("gate_timeout_s", 3600.0)),
-        )
-
-
-def error_to_wire(exc: DcrError) -> dict[str, Any]:
-    """A dcr error as plain data, to cross ``collective_rpc`` and be raised again."""
-    return {
-        "type": type(exc).__name__,
-        "message": exc.message,
-        "attempt": exc.attempt,
-        "tensor": exc.tensor,
-        "check": exc.check,
-    }
 
 
 class _Hosted:
@@ -259,7 +209,7 @@ class DcrWorkerExtension:
             try:
                 await run_receiver(
                     cfg, name, receiver=receiver, hooks=hooks, held=spec.held,
-                    started=hosted.on_started,
+                    report_digests=False, started=hosted.on_started,
                 )  # fmt: skip
             finally:
                 gate.close()

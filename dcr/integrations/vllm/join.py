@@ -1,0 +1,80 @@
+"""What the engine process sends its workers to join a fleet, and how their errors come back.
+
+Both cross vLLM's ``collective_rpc`` as plain data (lists, strings, numbers), so neither side
+depends on how vLLM serializes objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dcr import errors
+from dcr.errors import DcrError
+from dcr.protocol.types import CommitRecord
+
+__all__ = ["JoinSpec", "error_from_wire", "error_to_wire"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinSpec:
+    """What every worker of one engine needs to join the fleet (sent by ``collective_rpc``).
+
+    ``names[r]`` is the receiver of worker rank ``r`` in the fleet file ``fleet``; ``gate``
+    the engine gate's address; ``held`` the committed record the engine's weights hold
+    (``None``: restore the committed version by dense refit first).
+    """
+
+    fleet: str
+    names: tuple[str, ...]
+    gate: str
+    held: CommitRecord | None = None
+    apply_threads: int | None = None
+    gate_timeout_s: float = 3600.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "names": list(self.names),
+            "gate": self.gate,
+            "held": None if self.held is None else [self.held.version, self.held.candidate],
+            "apply_threads": self.apply_threads,
+            "gate_timeout_s": self.gate_timeout_s,
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Mapping[str, Any]) -> JoinSpec:
+        held = raw.get("held")
+        return cls(
+            fleet=str(raw["fleet"]),
+            names=tuple(str(n) for n in raw["names"]),
+            gate=str(raw["gate"]),
+            held=None if held is None else CommitRecord(version=int(held[0]), candidate=held[1]),
+            apply_threads=raw.get("apply_threads"),
+            gate_timeout_s=float(raw.get("gate_timeout_s", 3600.0)),
+        )
+
+
+def error_to_wire(exc: DcrError) -> dict[str, Any]:
+    """A dcr error as plain data, to cross ``collective_rpc`` and be raised again."""
+    return {
+        "type": type(exc).__name__,
+        "message": exc.message,
+        "attempt": exc.attempt,
+        "tensor": exc.tensor,
+        "check": exc.check,
+    }
+
+
+def error_from_wire(error: Mapping[str, Any], worker: int) -> DcrError:
+    """The error a worker reported, as the :class:`~dcr.errors.DcrError` subclass it was."""
+    cls = getattr(errors, str(error.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, DcrError)):
+        cls = DcrError
+    return cls(
+        f"worker {worker}: {error.get('message')}",
+        attempt=error.get("attempt"),
+        tensor=error.get("tensor"),
+        check=error.get("check"),
+    )
