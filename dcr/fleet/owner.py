@@ -169,16 +169,19 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
         log.emit("started", role="owner", rank=rank, version=record.version,
                  incarnation=service.incarnation)  # fmt: skip
         async with open_owner(service):
-            weights = shards  # the trainer's own copy (the group copied it into its trackers)
+            # The trainer's weights; the group copied them into its trackers.  Each step
+            # works on a copy, so a staged (published) version is never written again.
+            weights, shards = shards, {}
             for step in range(record.version + 1, cfg.model.refits + 1):
-                await anyio.to_thread.run_sync(_optimizer_step, model, weights, step)
                 candidate = {k: t.clone() for k, t in weights.items()}
+                await anyio.to_thread.run_sync(_optimizer_step, model, candidate, step)
                 traffic.update(payloads=0, bytes=0)
                 if cfg.trainer.lockstep:
                     log.emit("stepped", version=step)
                     await _go(cfg, step)
                 log.emit("publish", version=step)
                 committed = await service.publish(candidate)
+                weights = candidate
                 await anyio.to_thread.run_sync(
                     _save_checkpoint, checkpoint, committed.version, weights
                 )

@@ -110,13 +110,22 @@ class SyntheticRun:
 
     def step(self, name: str, idx: npt.NDArray[np.int64], t: torch.Tensor, k: int) -> None:
         """Move elements ``idx`` of ``name``, held in ``t`` at version ``k - 1``, to ``k``."""
-        threshold = _U32(min(int(self.rate_of(k) * 2**32), 2**32 - 1))
-        chosen = np.flatnonzero(_hash(_key(self.seed, name, k, "u"), idx) < threshold)
+        chosen = self._chosen(name, idx, k)
         if chosen.size:
-            eps = _normal(_key(self.seed, name, k, "e"), idx[chosen])
-            old = t[chosen].to(torch.float32).numpy()
-            scale = np.float32(1.0) + np.float32(self.relative) * eps
-            t[chosen] = _round(old * scale, self.dtype)
+            t[chosen] = self._moved(name, idx[chosen], t[chosen], k)
+
+    def _chosen(self, name: str, idx: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
+        """Positions in ``idx`` of the elements step ``k`` updates."""
+        threshold = _U32(min(int(self.rate_of(k) * 2**32), 2**32 - 1))
+        return np.flatnonzero(_hash(_key(self.seed, name, k, "u"), idx) < threshold)
+
+    def _moved(
+        self, name: str, idx: npt.NDArray[np.int64], old: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """Chosen elements ``idx`` of ``name`` at version ``k``, from their values ``old``."""
+        eps = _normal(_key(self.seed, name, k, "e"), idx)
+        scale = np.float32(1.0) + np.float32(self.relative) * eps
+        return _round(old.to(torch.float32).numpy() * scale, self.dtype)
 
     def rate_of(self, k: int) -> float:
         """The element change rate of step ``k``."""
@@ -129,9 +138,7 @@ class SyntheticRun:
             flat = t.reshape(-1)
             for start in range(0, flat.numel(), _BLOCK):
                 idx = np.arange(start, min(start + _BLOCK, flat.numel()), dtype=np.int64)
-                part = flat[start : start + idx.size].clone()
-                self.step(name, idx, part, version)
-                flat[start : start + idx.size] = part
+                self.step(name, idx, flat[start : start + idx.size], version)
 
     def tensor(self, name: str, version: int) -> torch.Tensor:
         """Canonical tensor ``name`` at ``version``."""
@@ -175,10 +182,10 @@ class SyntheticRun:
                 fresh = ~done[pos]
                 pos, canon = pos[fresh], d.indices[fresh]
                 done[pos] = True
-                src = torch.from_numpy(local[pos])
-                part = flat[src].clone()
-                self.step(d.name, canon, part, version)
-                flat[src] = part
+                chosen = self._chosen(d.name, canon, version)
+                if chosen.size:  # only the chosen elements are read and written
+                    src = torch.from_numpy(local[pos[chosen]])
+                    flat[src] = self._moved(d.name, canon[chosen], flat[src], version)
 
     def shards(self, plan: TrainingPlan, rank: int, version: int) -> dict[str, torch.Tensor]:
         """Every shard training rank ``rank`` holds (it is one of the replicas), at ``version``."""
