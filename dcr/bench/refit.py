@@ -26,6 +26,13 @@ intervals (a payload's submission until the transport accepted it: on the relay 
 receiver queued it, on object storage the object and its manifest entry are stored) and, on
 object storage, each rollout node's fetches (the downloads cross the boundary there).
 
+**Where the time goes**: each refit's phases -- staging (``t0`` until every owner staged),
+admission (until the first bucket is built: the coordinator's prepare and the proof of the
+base version), streaming (until the last payload is applied) and finalization (until
+``t1``: synchronization, ACK, commit, baseline update) -- and the CPU seconds each role's
+processes used in the window (every fleet event carries its process's CPU clock), against
+the CPU seconds the machine had.
+
 **Reference** (paper §8.1 "Reference"): the transport-only full-checkpoint transfer over the
 same transport and link (:mod:`dcr.bench.reference`).  Speedup is reference time over refit
 latency.  **V_payload** counts each payload of the transition once (the owners' sent bytes),
@@ -51,6 +58,7 @@ __all__ = [
     "TRANSPORTS",
     "BenchLayout",
     "covered",
+    "cpu_by_role",
     "fleet_text",
     "format_refit_table",
     "plot_refit",
@@ -148,6 +156,7 @@ size_mb = {size_mb}
 seed = 0
 rates = [{", ".join(repr(r) for r in steps)}]
 refits = {len(steps)}
+preloaded = true
 
 [model.overrides]
 {overrides}
@@ -192,12 +201,44 @@ def _by(events: Iterable[dict[str, Any]], kind: str) -> Iterator[dict[str, Any]]
     return (e for e in events if e["event"] == kind)
 
 
+def _role(who: str, owners: Sequence[str]) -> str:
+    if who in owners:
+        return "owners"
+    if who.startswith("coordinator"):
+        return "coordinator"
+    return "relay" if who.startswith("relay-") else "receivers"
+
+
+def cpu_by_role(
+    events: Sequence[dict[str, Any]], t0: float, t1: float, owners: Sequence[str]
+) -> dict[str, float]:
+    """CPU seconds each role's processes used in ``[t0, t1]``, from the ``cpu`` clock every
+    event carries: a process's clock at its last event by ``t0`` to its last event by ``t1``
+    (a coordinator's first event from ``t1`` on: it reports the end of the transition).
+    Work a process did after its last event in the window is not counted."""
+    clocks: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cpu") is not None:
+            clocks.setdefault(e["who"], []).append((float(e["t"]), float(e["cpu"])))
+    out: dict[str, float] = {}
+    for who, seen in clocks.items():
+        seen.sort()
+        before = [c for t, c in seen if t <= t0] or [seen[0][1]]
+        if who.startswith("coordinator"):
+            after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]
+        else:
+            after = [c for t, c in seen if t <= t1][-1:] or before
+        role = _role(who, owners)
+        out[role] = out.get(role, 0.0) + max(0.0, after[0] - before[-1])
+    return out
+
+
 def refit_timings(
     events: Sequence[dict[str, Any]], *, owners: Sequence[str], relayed: bool
 ) -> list[dict[str, Any]]:
-    """Per committed version: latency, the lower bounds, V_payload, V_cross and phases, from a
-    fleet run's events (:mod:`dcr.fleet.timing`, the coordinator's, the root's, the
-    receivers')."""
+    """Per committed version: latency, the lower bounds, V_payload, V_cross, phases and CPU
+    seconds by role, from a fleet run's events (:mod:`dcr.fleet.timing`, the coordinator's,
+    the root's, the receivers')."""
     attempts: dict[int, set[int]] = {}
     committed: set[int] = set()
     for e in _by(events, "ended"):
@@ -284,6 +325,7 @@ def refit_timings(
                     "finalize_s": t1 - last_applied,
                 },
                 "transition_start_s": transitions.get(version, t0) - t0,
+                "cpu_s": cpu_by_role(events, t0, t1, owners),
             }
         )
     return rows
@@ -395,7 +437,7 @@ def _median(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _rows(run: dict[str, Any], rates: Sequence[float]) -> list[dict[str, Any]]:
+def _rows(run: dict[str, Any], rates: Sequence[float], cpus: int) -> list[dict[str, Any]]:
     ref = statistics.median(r["seconds"] for r in run["reference"])
     out = []
     for rate in rates:
@@ -407,6 +449,8 @@ def _rows(run: dict[str, Any], rates: Sequence[float]) -> list[dict[str, Any]]:
         t = _median(r["transport_bound_s"] for r in timed)
         assert latency is not None and c is not None and t is not None
         phases = {k: _median(r["phases"][k] for r in timed) for k in timed[0]["phases"]}
+        roles = sorted({k for r in timed for k in r["cpu_s"]})
+        cpu = {k: _median(r["cpu_s"].get(k, 0.0) for r in timed) for k in roles}
         out.append(
             {
                 "transport": run["transport"],
@@ -424,6 +468,8 @@ def _rows(run: dict[str, Any], rates: Sequence[float]) -> list[dict[str, Any]]:
                 "reference_upload_s": _median(r["upload_s"] for r in run["reference"]),
                 "reference_download_s": _median(r["download_s"] for r in run["reference"]),
                 "phases": phases,
+                "cpu_s": cpu,
+                "cpu_share": sum(v for v in cpu.values() if v is not None) / latency / cpus,
                 "attempts": max(r["attempts"] for r in timed),
                 "repeats": len(timed),
                 "bit_exact": all(r["bit_exact"] for r in timed),
@@ -459,12 +505,13 @@ def run_refit_bench(
                        model_dims=model_dims, log=log)
         for kind in transports
     ]  # fmt: skip
-    results = [row for run in runs for row in _rows(run, rates)]
+    cpus = os.cpu_count() or 1
+    results = [row for run in runs for row in _rows(run, rates, cpus)]
     return {
         "layout": asdict(layout),
         "layout_text": layout.describe(),
         "link_gbps": link_gbps,
-        "cpus": os.cpu_count(),
+        "cpus": cpus,
         "results": results,
         "refits": {run["transport"]: run["refits"] for run in runs},
         "references": {run["transport"]: run["reference"] for run in runs},
@@ -499,12 +546,18 @@ def format_refit_table(result: dict[str, Any]) -> str:
             f"{r['construction_bound_s']:>7.2f}s {r['transport_bound_s']:>7.2f}s {ratio:>7} "
             f"{'yes' if r['bit_exact'] else 'NO':>5}"
         )
-    lines.append("phases (median s): stage / admit / stream / finalize")
+    lines.append(
+        "phases (s): stage / admit / stream / finalize | CPU s in the window: owners / "
+        f"receivers / relay / coordinator, share of {result['cpus']} CPUs"
+    )
     for r in result["results"]:
-        p = r["phases"]
+        p, c = r["phases"], r["cpu_s"]
+        cpu = " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("owners", "receivers", "relay",
+                                                           "coordinator"))  # fmt: skip
         lines.append(
             f"  {r['transport']:<10} {r['rate']:>4.0%}  {p['stage_s']:.2f} / "
-            f"{p['admit_s']:.2f} / {p['stream_s']:.2f} / {p['finalize_s']:.2f}"
+            f"{p['admit_s']:.2f} / {p['stream_s']:.2f} / {p['finalize_s']:.2f} | {cpu}, "
+            f"{r['cpu_share']:.0%}"
         )
     return "\n".join(lines)
 

@@ -80,6 +80,11 @@ class ModelSection:
     of the elements (a benchmark measures several rates in one run)."""
     refits: int = 5
     """Optimizer steps the trainer publishes."""
+    preloaded: bool = False
+    """Receivers start holding version 0, loaded through their own native loader as an engine
+    started from the first checkpoint would, instead of starting empty and restoring it by a
+    dense refit over the transport (benchmarks that time refits of a large model skip that
+    restore)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """HF config fields that replace the generated ones (e.g. a tiny model for tests)."""
 

@@ -18,7 +18,12 @@ __all__ = ["EventLog", "EventReader"]
 
 
 class EventLog:
-    """Appends events of one process (``who``) to its own file; each write is one line."""
+    """Appends events of one process (``who``) to its own file; each write is one line.
+
+    Every event carries ``t`` (wall clock, shared by the processes of a host) and ``cpu``,
+    the CPU seconds the process has used so far (all its threads): what a role cost between
+    two of its events.
+    """
 
     def __init__(self, directory: Path, who: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -27,7 +32,8 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "who": self.who, "event": event, **fields})
+        line = json.dumps({"t": time.time(), "cpu": round(time.process_time(), 4),
+                           "who": self.who, "event": event, **fields})  # fmt: skip
         os.write(self._fd, (line + "\n").encode())
 
     def close(self) -> None:

@@ -1,10 +1,13 @@
 """``dcr receiver``: one serving rank of a rollout engine, as its own process.
 
 It starts empty, restores the committed version by a dense refit the owners send over the
-relay tree (nothing is read from a shared filesystem), joins at the next prepare, and then
-takes every refit in place through its native loader.  Each time its storage holds a
-committed record exactly it reports digests of every parameter's bits (``holds`` events),
-which the launcher compares with a dense load of that version.  A planned ``flip`` fault
+transport (nothing is read from a shared filesystem) -- or, with ``[model] preloaded`` in a
+fresh fleet, loads version 0 itself as an engine started from the first checkpoint would --,
+joins at the next prepare, and then takes every refit in place through its native loader.
+Each time its storage holds a committed record exactly it reports digests of every
+parameter's bits (``holds`` events), which the launcher compares with a dense load of that
+version.  On object storage it reports each payload fetch (``fetched``, for the refit
+benchmark).  A planned ``flip`` fault
 flips one stored bit right after such a report (silent memory corruption), which the proof
 of the base version must catch at the next prepare.
 
@@ -28,10 +31,32 @@ from dcr.fleet.config import FleetConfig
 from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.fleet.timing import time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
-from dcr.testing.reference import ShardedReferenceLoader
+from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 
 __all__ = ["run_receiver"]
+
+
+async def _preload(
+    cfg: FleetConfig, model: FleetModel, rank: ShardedReferenceModel
+) -> CommitRecord | None:
+    """``[model] preloaded``: load version 0 into the empty rank through its own native loader,
+    one canonical tensor at a time, while the commit record is still at version 0 (a receiver
+    started later restores the committed version by dense refit); returns the record."""
+    store = make_store(cfg)
+    try:
+        record = (await store.read()).record
+    finally:
+        await store.close()
+    if record.version != 0:
+        return None
+    loader = ShardedReferenceLoader(rank)
+    run = model.run
+    await anyio.to_thread.run_sync(
+        lambda: loader.load_weights((n, run.tensor(n, 0)) for n in model.catalog)
+    )
+    return record
 
 
 async def run_receiver(
@@ -57,14 +82,19 @@ async def run_receiver(
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
     log = EventLog(cfg.events_dir, name)
+    preloaded = None
     if receiver is None:
-        receiver = Receiver(ShardedReferenceLoader(model.receiver_model(spec)), model.catalog)
+        rank = model.receiver_model(spec)
+        if cfg.model.preloaded and held is None:
+            held = preloaded = await _preload(cfg, model, rank)
+        receiver = Receiver(ShardedReferenceLoader(rank), model.catalog)
         await anyio.to_thread.run_sync(receiver.prewarm)
     module = receiver.loader.module
     engine_hooks = hooks if hooks is not None else ReceiverHooks()
     store = make_store(cfg)
     control = make_control(cfg, store)
     transport = make_transport(cfg, node=cfg.node_of(name).name)
+    time_fetches(transport, log)
 
     async def holds(record: CommitRecord) -> None:
         if report_digests:
@@ -111,6 +141,8 @@ async def run_receiver(
     log.emit(
         "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation
     )
+    if preloaded is not None:
+        await holds(preloaded)
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(service.serve)

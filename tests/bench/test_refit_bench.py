@@ -14,6 +14,7 @@ import pytest
 from dcr.bench.refit import (
     BenchLayout,
     covered,
+    cpu_by_role,
     fleet_text,
     format_refit_table,
     plot_refit,
@@ -29,7 +30,7 @@ TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_
             num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
 FIELDS = {"transport", "rate", "model_bytes", "latency_s", "reference_s", "speedup",
           "payload_bytes", "cross_bytes", "construction_bound_s", "transport_bound_s",
-          "bound_ratio", "phases", "bit_exact"}  # fmt: skip
+          "bound_ratio", "phases", "cpu_s", "cpu_share", "bit_exact"}  # fmt: skip
 
 
 def test_covered_counts_overlaps_once_and_clips_to_the_window() -> None:
@@ -100,6 +101,27 @@ def test_object_storage_adds_each_nodes_fetches_and_counts_them_as_v_cross() -> 
     assert row["payload_bytes"] == 220 and row["cross_bytes"] == 440
 
 
+def test_cpu_seconds_by_role_between_the_events_around_the_window() -> None:
+    events = [
+        _event("o0", "publish", 10.0, cpu=5.0),
+        _event("o0", "baseline", 12.0, cpu=6.5),
+        _event("o0", "committed", 12.5, cpu=9.0),  # after t1: not counted
+        _event("r0", "holds", 9.0, cpu=3.0),
+        _event("r0", "applied", 11.5, cpu=3.8),
+        _event("r0", "holds", 13.0, cpu=5.0),
+        _event("coordinator", "ended", 9.5, cpu=1.0),
+        _event("coordinator", "transition", 10.1, cpu=1.01),
+        _event("coordinator", "ended", 12.3, cpu=1.3),  # the coordinator's end counts
+        _event("relay-node0", "state", 8.0, cpu=0.5),
+        _event("relay-node0", "traffic", 11.3, cpu=0.7),
+        _event("r1", "started", 9.0),  # no clock: ignored
+    ]
+    cpu = cpu_by_role(events, 10.0, 12.0, ("o0",))
+    assert cpu == pytest.approx(
+        {"owners": 1.5, "receivers": 0.8, "coordinator": 0.3, "relay": 0.2}
+    )
+
+
 def test_uncommitted_transitions_have_no_row() -> None:
     events = [e for e in _events() if e["event"] != "ended"]
     events.append(_event("coordinator", "ended", 12.3, base=0, record=0, outcome="aborted",
@@ -125,7 +147,7 @@ def test_layout_schedule_and_fleet_file(tmp_path: Path) -> None:
         assert cfg.transport["kind"] == kind and cfg.transport["link_gbps"] == 1.5
         assert cfg.model.rates == (0.03, 0.01) and cfg.model.refits == 2
         assert cfg.model.overrides["hidden_size"] == 2048  # dcr bench construct's model
-        assert cfg.trainer.lockstep and cfg.world_size == 2
+        assert cfg.trainer.lockstep and cfg.world_size == 2 and cfg.model.preloaded
         assert [(r.name, r.tp, r.rank) for r in cfg.receivers] == [
             ("r0", 2, 0), ("r1", 2, 1), ("r2", 2, 0), ("r3", 2, 1)
         ]  # fmt: skip
@@ -161,6 +183,10 @@ def test_a_small_run_over_the_relay_tree(tmp_path: Path) -> None:
     assert 0 < row["transport_bound_s"] <= row["latency_s"]
     assert row["speedup"] == pytest.approx(row["reference_s"] / row["latency_s"])
     assert sum(row["phases"].values()) == pytest.approx(row["latency_s"])
+    events = (tmp_path / "relay" / "run" / "events" / "coordinator.jsonl").read_text()
+    assert '"dense"' not in events  # receivers loaded version 0 themselves ([model] preloaded)
+    fetched = (tmp_path / "relay" / "run" / "events" / "r0.jsonl").read_text()
+    assert '"fetched"' not in fetched  # fetch intervals are an object-storage matter
     refits = result["refits"]["relay"]
     assert [r["version"] for r in refits] == [1, 2] and refits[0]["warmup"]
     assert result["references"]["relay"][0]["bytes_per_node"] == row["model_bytes"]
