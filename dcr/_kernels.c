@@ -11,6 +11,7 @@
  *   isa, set_isa   the scan's instruction-set level (portable, AVX2, AVX-512)
  *   split_gaps     Rice split of the gaps between sorted positions (payload format 2)
  *   split_ulp      Rice split of zigzagged ULP deltas, symbols as nibbles (payload format 2)
+ *   value_k        the Rice parameter of ULP deltas (dcr.wire.split.value_k, from a sample)
  *   join_locations every item's positions from the location streams (decoding, format 2)
  *   join_values    every ULP item's zigzagged words from the value streams
  *   rmw            read-modify-write of storage words at positions (XOR, ULP, overwrite)
@@ -698,6 +699,43 @@ static void ulp_nibbles_w2(const uint16_t *restrict v, Py_ssize_t n, unsigned ch
     *n_esc_out = n_esc;
 }
 
+PyDoc_STRVAR(value_k_doc,
+"value_k(values, step, cap) -> k\n\n"
+"dcr.wire.split.value_k of the zigzagged words values[::step]: with t the rank-th smallest\n"
+"(rank = m - 1 - m // 256 of m sampled words), 0 if t < cap, else bit_length(t // cap).\n"
+"Computed from a histogram of that function of every sampled word (it is monotone).");
+
+static PyObject *py_value_k(PyObject *self, PyObject *args) {
+    PyObject *ovals;
+    Py_ssize_t step;
+    unsigned long long cap;
+    if (!PyArg_ParseTuple(args, "OnK", &ovals, &step, &cap)) return NULL;
+    if (step < 1 || cap < 1) return PyErr_Format(PyExc_ValueError, "step and cap must be >= 1");
+    Buf bv = {0};
+    if (!get_buf(ovals, &bv, 0, "values")) return NULL;
+    Py_ssize_t n = count_of(&bv);
+    int w = (int)bv.view.itemsize;
+    const unsigned char *v = bv.view.buf;
+    Py_ssize_t hist[66] = {0}, m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i += step, m++) {
+        uint64_t z = zigzag_word(load_word(v + (size_t)i * w, w), w);
+        int f = z < cap ? 0 : 64 - __builtin_clzll(z / cap);
+        hist[f]++;
+    }
+    Py_END_ALLOW_THREADS
+    release(&bv);
+    if (m == 0) return PyLong_FromLong(0);
+    Py_ssize_t rank = m - 1 - m / 256, seen = 0;
+    if (rank > m - 1) rank = m - 1;
+    int k = 0;
+    for (; k < 66; k++) {
+        seen += hist[k];
+        if (seen > rank) break;
+    }
+    return PyLong_FromLong(k);
+}
+
 PyDoc_STRVAR(split_ulp_doc,
 "split_ulp(values, k, cap, symbols, at_sym, remainders, stream_n, at_rem, escapes) -> n_esc\n\n"
 "Rice split of the zigzagged two's-complement words values (item size = word width):\n"
@@ -1223,6 +1261,7 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_O, set_isa_doc},
     {"split_gaps", py_split_gaps, METH_VARARGS, split_gaps_doc},
     {"split_ulp", py_split_ulp, METH_VARARGS, split_ulp_doc},
+    {"value_k", py_value_k, METH_VARARGS, value_k_doc},
     {"join_locations", py_join_locations, METH_VARARGS, join_locations_doc},
     {"join_values", py_join_values, METH_VARARGS, join_values_doc},
     {"rmw", py_rmw, METH_VARARGS, rmw_doc},

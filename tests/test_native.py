@@ -386,3 +386,20 @@ def test_join_values_inverts_split_ulp(k: int) -> None:
         sym, streams, esc, counts, np.full(3, k, np.int64), np.full(3, 3, np.uint64), out
     )
     assert status == 1
+
+
+@pytest.mark.parametrize("word", WORDS)
+def test_value_k_equals_numpy(word: Any) -> None:
+    from dcr.wire.split import value_k
+
+    rng = np.random.default_rng(np.dtype(word).itemsize)
+    for trial in range(300):
+        n = int(rng.integers(0, 200_000 if trial % 20 == 0 else 3_000))
+        scale = int(rng.integers(0, 8 * np.dtype(word).itemsize))
+        values = rng.integers(-(2**scale), 2**scale, n, dtype=np.int64).astype(word)
+        if trial % 3 == 0 and n:
+            top = np.iinfo(word).max
+            values[rng.integers(0, n, 1 + n // 100)] = rng.integers(0, top, 1 + n // 100,
+                                                                    dtype=word, endpoint=True)  # fmt: skip
+        step = max(1, n // 65536)
+        assert kernels.value_k(values, step, VALUE_CAP) == value_k(np_zigzag(values[::step]))

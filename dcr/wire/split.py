@@ -20,6 +20,8 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from dcr import native
+
 __all__ = [
     "GAP_CAP",
     "VALUE_CAP",
@@ -81,9 +83,14 @@ def value_k(words: npt.NDArray[np.unsignedinteger[Any]]) -> int:
 
 
 def value_k_of(values: npt.NDArray[np.unsignedinteger[Any]]) -> int:
-    """:func:`value_k` of ``zigzag(values)``, zigzagging only the sample it looks at."""
+    """:func:`value_k` of ``zigzag(values)``, zigzagging only the sample it looks at (in C
+    when :mod:`dcr.native` has its kernels: a histogram instead of a partition)."""
     n = int(values.shape[0])
-    return value_k(zigzag(values[:: max(1, n // _SAMPLE)]))
+    step = max(1, n // _SAMPLE)
+    kernels = native.kernels
+    if kernels is not None and values.flags.c_contiguous:
+        return int(kernels.value_k(values, step, VALUE_CAP))
+    return value_k(zigzag(values[::step]))
 
 
 def zigzag(values: npt.NDArray[np.unsignedinteger[Any]]) -> npt.NDArray[np.unsignedinteger[Any]]:
