@@ -399,7 +399,7 @@ def test_value_k_equals_numpy(word: Any) -> None:
         values = rng.integers(-(2**scale), 2**scale, n, dtype=np.int64).astype(word)
         if trial % 3 == 0 and n:
             top = np.iinfo(word).max
-            values[rng.integers(0, n, 1 + n // 100)] = rng.integers(0, top, 1 + n // 100,
-                                                                    dtype=word, endpoint=True)  # fmt: skip
+            spikes = rng.integers(0, top, 1 + n // 100, dtype=word, endpoint=True)
+            values[rng.integers(0, n, 1 + n // 100)] = spikes
         step = max(1, n // 65536)
         assert kernels.value_k(values, step, VALUE_CAP) == value_k(np_zigzag(values[::step]))
