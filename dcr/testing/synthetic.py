@@ -34,6 +34,8 @@ __all__ = ["SyntheticRun"]
 
 _BLOCK = 1 << 22
 """Elements computed at a time (bounds temporaries to some tens of MB)."""
+_HASH_BLOCK = 1 << 18
+"""Elements hashed at a time when choosing a step's elements (1 MiB of hash state)."""
 _U32 = np.uint32
 
 
@@ -115,9 +117,15 @@ class SyntheticRun:
             t[chosen] = self._moved(name, idx[chosen], t[chosen], k)
 
     def _chosen(self, name: str, idx: npt.NDArray[np.int64], k: int) -> npt.NDArray[np.int64]:
-        """Positions in ``idx`` of the elements step ``k`` updates."""
+        """Positions in ``idx`` of the elements step ``k`` updates (hashed in cache-sized
+        pieces: the hash's passes then stay in cache)."""
         threshold = _U32(min(int(self.rate_of(k) * 2**32), 2**32 - 1))
-        return np.flatnonzero(_hash(_key(self.seed, name, k, "u"), idx) < threshold)
+        key = _key(self.seed, name, k, "u")
+        parts = [
+            np.flatnonzero(_hash(key, idx[i : i + _HASH_BLOCK]) < threshold) + i
+            for i in range(0, idx.size, _HASH_BLOCK)
+        ]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def _moved(
         self, name: str, idx: npt.NDArray[np.int64], old: torch.Tensor, k: int
@@ -176,11 +184,15 @@ class SyntheticRun:
         flat = shard.reshape(-1)
         for start in range(0, flat.numel(), _BLOCK):
             local = np.arange(start, min(start + _BLOCK, flat.numel()), dtype=np.int64)
-            done = np.zeros(local.size, dtype=bool)
+            done: npt.NDArray[np.bool_] | None = None
             for d in spec.mapping.project(local):
                 pos = np.arange(local.size) if d.select is None else d.select
-                fresh = ~done[pos]
-                pos, canon = pos[fresh], d.indices[fresh]
+                canon = d.indices
+                if done is None:  # the first destination: every element is fresh
+                    done = np.zeros(local.size, dtype=bool)
+                else:
+                    fresh = ~done[pos]
+                    pos, canon = pos[fresh], canon[fresh]
                 done[pos] = True
                 chosen = self._chosen(d.name, canon, version)
                 if chosen.size:  # only the chosen elements are read and written
