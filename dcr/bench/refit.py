@@ -213,9 +213,12 @@ def cpu_by_role(
     events: Sequence[dict[str, Any]], t0: float, t1: float, owners: Sequence[str]
 ) -> dict[str, float]:
     """CPU seconds each role's processes used in ``[t0, t1]``, from the ``cpu`` clock every
-    event carries: a process's clock at its last event by ``t0`` to its last event by ``t1``
-    (a coordinator's first event from ``t1`` on: it reports the end of the transition).
-    Work a process did after its last event in the window is not counted."""
+    event carries.  Owners and receivers: from their last event by ``t0`` (the publish; the
+    report of the previous version) to their last event by ``t1`` (the baseline update; the
+    last payload applied).  The coordinator and relay nodes, busy between refits too: from
+    their first event from ``t0`` on to their first event from ``t1`` on (the coordinator's
+    transition starts and ends; a relay node reports traffic and buffers as they change).
+    Work a process did that no event brackets is not counted."""
     clocks: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cpu") is not None:
@@ -223,13 +226,14 @@ def cpu_by_role(
     out: dict[str, float] = {}
     for who, seen in clocks.items():
         seen.sort()
-        before = [c for t, c in seen if t <= t0] or [seen[0][1]]
-        if who.startswith("coordinator"):
-            after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]
-        else:
-            after = [c for t, c in seen if t <= t1][-1:] or before
         role = _role(who, owners)
-        out[role] = out.get(role, 0.0) + max(0.0, after[0] - before[-1])
+        if role in ("owners", "receivers"):
+            before = [c for t, c in seen if t <= t0][-1:] or [seen[0][1]]
+            after = [c for t, c in seen if t <= t1][-1:] or before
+        else:
+            before = [c for t, c in seen if t >= t0][:1] or [seen[-1][1]]
+            after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]
+        out[role] = out.get(role, 0.0) + max(0.0, after[0] - before[0])
     return out
 
 
@@ -383,7 +387,9 @@ def _run_transport(
     steps = schedule(rates, repeats)
     with contextlib.ExitStack() as stack:
         extra = ""
-        env: dict[str, str] = {}
+        # Buffers of 1 MiB and more get pages of their own, returned when freed (glibc's
+        # adaptive threshold otherwise serves them from a heap that fragmentation only grows).
+        env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         if kind == "s3":
             server = stack.enter_context(SeaweedServer())
             bucket = server.endpoint.create_bucket()
@@ -391,7 +397,7 @@ def _run_transport(
                 f'bucket = "{bucket}"\nprefix = "bench-{uuid.uuid4().hex[:8]}"\n'
                 f'endpoint_url = "{server.endpoint.url}"\naddressing_style = "path"\n'
             )
-            env = server.endpoint.environ()
+            env.update(server.endpoint.environ())
             log(f"s3: SeaweedFS at {server.endpoint.url}, bucket {bucket}")
         stack.enter_context(_environ(env))
         path = directory / kind / "fleet.toml"

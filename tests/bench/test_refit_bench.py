@@ -109,11 +109,12 @@ def test_cpu_seconds_by_role_between_the_events_around_the_window() -> None:
         _event("r0", "holds", 9.0, cpu=3.0),
         _event("r0", "applied", 11.5, cpu=3.8),
         _event("r0", "holds", 13.0, cpu=5.0),
-        _event("coordinator", "ended", 9.5, cpu=1.0),
-        _event("coordinator", "transition", 10.1, cpu=1.01),
+        _event("coordinator", "ended", 9.5, cpu=0.2),  # idle work between refits: not counted
+        _event("coordinator", "transition", 10.1, cpu=1.0),
         _event("coordinator", "ended", 12.3, cpu=1.3),  # the coordinator's end counts
-        _event("relay-node0", "state", 8.0, cpu=0.5),
-        _event("relay-node0", "traffic", 11.3, cpu=0.7),
+        _event("relay-node0", "state", 8.0, cpu=0.1),
+        _event("relay-node0", "traffic", 10.5, cpu=0.5),
+        _event("relay-node0", "state", 12.5, cpu=0.7),
         _event("r1", "started", 9.0),  # no clock: ignored
     ]
     cpu = cpu_by_role(events, 10.0, 12.0, ("o0",))
