@@ -170,10 +170,16 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
                  incarnation=service.incarnation)  # fmt: skip
         async with open_owner(service):
             # The trainer's weights; the group copied them into its trackers.  Each step
-            # works on a copy, so a staged (published) version is never written again.
+            # works on a copy, so a staged (published) version is never written again --
+            # except in lockstep, where nothing runs beside the refit: once a version is
+            # committed the group drops its staged copy and the next step writes the
+            # weights in place (two copies of the shards per rank, not three).
             weights, shards = shards, {}
             for step in range(record.version + 1, cfg.model.refits + 1):
-                candidate = {k: t.clone() for k, t in weights.items()}
+                if cfg.trainer.lockstep:
+                    candidate = weights
+                else:
+                    candidate = {k: t.clone() for k, t in weights.items()}
                 await anyio.to_thread.run_sync(_optimizer_step, model, candidate, step)
                 traffic.update(payloads=0, bytes=0)
                 if cfg.trainer.lockstep:
@@ -182,6 +188,8 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
                 log.emit("publish", version=step)
                 committed = await service.publish(candidate)
                 weights = candidate
+                if cfg.trainer.lockstep:
+                    group.discard()
                 await anyio.to_thread.run_sync(
                     _save_checkpoint, checkpoint, committed.version, weights
                 )
