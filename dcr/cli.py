@@ -124,6 +124,16 @@ def _parser() -> argparse.ArgumentParser:
         default="ulp",
         help="mode X's relative encoding: ULP deltas (default) or XOR masks (the paper's)",
     )
+    cons.add_argument(
+        "--chunk-mb", type=_positive, default=16, help="tensors compared together (MiB)"
+    )
+    cons.add_argument(
+        "--bucket-mb",
+        type=_positive,
+        default=64,
+        help="input bytes per payload (MiB); small enough next to the model that encoding "
+        "overlaps the comparison of the next bucket",
+    )
     cons.add_argument("--json", action="store_true", help="print one JSON object")
 
     app = bsub.add_parser(
@@ -341,6 +351,8 @@ def _bench_construct(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         tp=args.tp,
         relative_encoding=Encoding.ULP if args.relative == "ulp" else Encoding.XOR,
+        chunk_bytes=args.chunk_mb << 20,
+        bucket_bytes=args.bucket_mb << 20,
         log=_err,
     )
     print(json.dumps(result) if args.json else format_construct_table(result))

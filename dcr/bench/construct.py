@@ -134,11 +134,16 @@ def run_construct_bench(
     tp: int = 2,
     seed: int = 0,
     relative_encoding: Encoding = Encoding.ULP,
+    chunk_bytes: int = 16 << 20,
+    bucket_bytes: int = 64 << 20,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "model": {...}}`` (see the CLI docs).
 
     ``relative_encoding`` is what mode X emits (:attr:`BuildConfig.relative_encoding`).
+    ``chunk_bytes`` and ``bucket_bytes`` are the pipeline settings (:class:`BuildConfig`):
+    the paper's 64 / 512 MiB suit shards of many GB; next to a model of about a GB, buckets
+    of 64 MiB let one bucket's encoding overlap the comparison of the next.
     """
     say = log or (lambda _msg: None)
     cfg = synthetic_config(size_bytes)
@@ -149,7 +154,9 @@ def run_construct_bench(
     group = LocalTrainingGroup(
         plan,
         plan.slice(base),
-        config=BuildConfig(relative_encoding=relative_encoding),
+        config=BuildConfig(
+            relative_encoding=relative_encoding, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes
+        ),
         full_conversion="F" in modes,
     )
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
@@ -210,6 +217,8 @@ def run_construct_bench(
             "tp": tp,
             "repeats": repeats,
             "relative_encoding": relative_encoding.name,
+            "chunk_bytes": chunk_bytes,
+            "bucket_bytes": bucket_bytes,
             "threads": os.cpu_count(),
             "torch": torch.__version__,
         },
