@@ -217,17 +217,61 @@ def _go(procs: Sequence[_Proc]) -> float:
     return t
 
 
+def _results(procs: Sequence[_Proc], deadline_s: float) -> list[dict[str, Any]]:
+    """Every process's result line, in order; fails at once when one of them exits without
+    one (a failed transfer leaves the others waiting for bytes that never come)."""
+    out: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + deadline_s
+    while len(out) < len(procs):
+        for i, p in enumerate(procs):
+            if i in out:
+                continue
+            stream = p.popen.stdout
+            assert stream is not None
+            ready, _, _ = select.select([stream], [], [], 0.05)
+            if ready:
+                out[i] = p.result(1.0)
+            elif p.popen.poll() is not None:
+                raise TransportError(f"reference process {p.popen.args!r} exited with "
+                                     f"{p.popen.returncode}; see {p.log}", retryable=True,
+                                     check="reference")  # fmt: skip
+        if time.monotonic() > deadline:
+            raise TransportError(f"the reference did not finish within {deadline_s:.0f} s",
+                                 retryable=False, check="reference")  # fmt: skip
+    return [out[i] for i in range(len(procs))]
+
+
 def run_reference(
     cfg: FleetConfig,
     *,
     checkpoint_bytes: int,
     object_bytes: int = 64 << 20,
     deadline_s: float = 1800.0,
+    tries: int = 3,
     say: Callable[[str], None] = lambda line: None,
 ) -> ReferenceResult:
     """Move ``checkpoint_bytes`` from the fleet's owners to every rollout node through the
     fleet file's transport (its ``[transport]`` section, link included), in payloads of at
-    most ``object_bytes``; returns the reference time (see the module docstring)."""
+    most ``object_bytes``; returns the reference time (see the module docstring).  A
+    transfer that fails (a process's transport gave up) is run again, ``tries`` times in
+    all."""
+    for i in range(tries):
+        try:
+            return _transfer(cfg, checkpoint_bytes, object_bytes, deadline_s, say)
+        except TransportError as exc:
+            if not exc.retryable or i == tries - 1:
+                raise
+            say(f"reference: {exc}; running it again")
+    raise AssertionError("unreachable")
+
+
+def _transfer(
+    cfg: FleetConfig,
+    checkpoint_bytes: int,
+    object_bytes: int,
+    deadline_s: float,
+    say: Callable[[str], None],
+) -> ReferenceResult:
     from dcr.fleet.runtime import make_transport
 
     logs = cfg.run_dir / "logs"
@@ -270,9 +314,7 @@ def run_reference(
             say(f"reference: {len(tx)} owners stream {checkpoint_bytes / 1e9:.2f} GB to "
                 f"{len(rx)} nodes over the relay tree")  # fmt: skip
             t0 = _go(tx)
-            results = [p.result(deadline_s) for p in rx]
-            for p in tx:
-                p.result(deadline_s)
+            results = _results([*rx, *tx], deadline_s)[: len(rx)]
             return ReferenceResult(
                 seconds=max(r["end"] for r in results) - t0,
                 bytes_per_node=min(r["bytes"] for r in results),
@@ -280,11 +322,11 @@ def run_reference(
         tx = senders()
         say(f"reference: {len(tx)} owners upload {checkpoint_bytes / 1e9:.2f} GB")
         t0 = _go(tx)
-        upload = max(p.result(deadline_s)["end"] for p in tx) - t0
+        upload = max(r["end"] for r in _results(tx, deadline_s)) - t0
         rx = fetchers()
         say(f"reference: {len(rx)} nodes download all of it")
         t1 = _go(rx)
-        results = [p.result(deadline_s) for p in rx]
+        results = _results(rx, deadline_s)
         download = max(r["end"] for r in results) - t1
         return ReferenceResult(
             seconds=upload + download,

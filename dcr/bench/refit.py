@@ -138,7 +138,10 @@ def fleet_text(
                 "num_attention_heads", "num_key_value_heads", "head_dim")  # fmt: skip
         model_dims = {k: int(cfg[k]) for k in keys}
     overrides = "".join(f"{k} = {v}\n" for k, v in model_dims.items())
-    kind = {"relay": 'kind = "relay"\nfanout = 2\n', "directory": 'kind = "directory"\n',
+    # A loaded 2-core machine can keep a process off the CPU for seconds: relay peers are
+    # given 10 s of silence (3 s by default) before a send fails as lost.
+    relay = 'kind = "relay"\nfanout = 2\npeer_timeout_s = 10.0\n'
+    kind = {"relay": relay, "directory": 'kind = "directory"\n',
             "s3": 'kind = "s3"\n'}[transport]  # fmt: skip
     nodes = "".join(
         f'[[rollout]]\nname = "node{i}"\nreceivers = [{{ name = "r{i}", '
