@@ -48,11 +48,12 @@ from dcr.testing.hf import write_checkpoint
 HERE = Path(__file__).parent
 
 # Tiny models vLLM's CPU backend runs: head size >= 32, room for prompts longer than two KV
-# cache blocks (128 tokens each), so the prefix cache holds whole blocks of them.
+# cache blocks (128 tokens each), so the prefix cache holds whole blocks of them, and for
+# requests that outlast a refit.
 OVERRIDES: dict[str, dict[str, Any]] = {
-    "qwen3": {"max_position_embeddings": 512},
-    "qwen3_moe": {"max_position_embeddings": 512},
-    "llama": {"head_dim": 32, "max_position_embeddings": 512},
+    "qwen3": {"max_position_embeddings": 16384},
+    "qwen3_moe": {"max_position_embeddings": 16384},
+    "llama": {"head_dim": 32, "max_position_embeddings": 16384},
 }
 
 
@@ -159,6 +160,16 @@ class EngineServer:
     def generate(self, prompt: Sequence[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
         body = {"prompt_token_ids": list(prompt), "max_tokens": max_tokens, **kw}
         return self._call("/generate", body, timeout_s=300.0)
+
+    def abort(self, request_id: str) -> None:
+        self._call("/abort", {"request_id": request_id}, timeout_s=60.0)
+
+    def stream(self, body: dict[str, Any]) -> Any:
+        """``POST /generate`` with ``"stream": true``: the open response (JSON lines)."""
+        data = json.dumps({**body, "stream": True}).encode()
+        request = urllib.request.Request(self.url + "/generate", data=data, method="POST")
+        request.add_header("Content-Type", "application/json")
+        return urllib.request.urlopen(request, timeout=600)
 
     def state(self) -> dict[str, Any]:
         return self._call("/dcr/state", None, timeout_s=60.0)
@@ -306,9 +317,17 @@ class Trainer:
     store: CommitStore
     control: ControlChannel
     records: dict[int, CommitRecord] = field(default_factory=dict)
+    candidates: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Versions computed ahead (the optimizer steps), published later."""
 
     def shards(self, version: int) -> dict[str, torch.Tensor]:
         return synthetic_shards(self.model, version)
+
+    async def compute(self, versions: Sequence[int]) -> None:
+        """Compute the trainer's shards at ``versions`` now, so publishing them later only
+        stages them (a trainer publishes right after its optimizer step)."""
+        for v in versions:
+            self.candidates[v] = await anyio.to_thread.run_sync(self.shards, v)
 
     async def publish(self, version: int, faults: Faults | None = None) -> CommitRecord:
         """Stage ``version`` on every owner and return once it is committed and every
@@ -316,7 +335,9 @@ class Trainer:
         sends)."""
         if faults is not None:
             self.transports[0].arm(faults, FaultLog())
-        candidate = await anyio.to_thread.run_sync(self.shards, version)
+        candidate = self.candidates.pop(version, None)
+        if candidate is None:
+            candidate = await anyio.to_thread.run_sync(self.shards, version)
         await anyio.to_thread.run_sync(self.group.stage, candidate)
         for owner in self.owners:
             await owner.staged(True)
@@ -409,6 +430,44 @@ class Stream:
         assert self._stop is not None and self._done is not None
         self._stop.set()
         await self._done.wait()
+
+
+@dataclass
+class LongRequest:
+    """One request streamed from an engine: the tokens it has so far, then its answer."""
+
+    server: EngineServer
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    tokens: int = 0
+    result: dict[str, Any] | None = None
+    sent: float = 0.0
+
+    def _read(self) -> None:
+        self.sent = time.time()
+        body = {"prompt_token_ids": self.prompt, "max_tokens": self.max_tokens,
+                "ignore_eos": True, "request_id": self.request_id}  # fmt: skip
+        with self.server.stream(body) as response:
+            for line in response:
+                message = json.loads(line)
+                if "tokens" in message:
+                    self.tokens = int(message["tokens"])
+                else:
+                    self.result = {**message["result"], "sent": self.sent,
+                                   "received": time.time()}  # fmt: skip
+
+    async def run(self) -> None:
+        await anyio.to_thread.run_sync(self._read)
+
+    async def wait_tokens(self, n: int, timeout_s: float = 120.0) -> int:
+        """Wait until the request has at least ``n`` output tokens; returns how many."""
+        with anyio.fail_after(timeout_s):
+            while self.tokens < n:
+                if self.result is not None:
+                    raise AssertionError(f"{self.request_id} ended with {self.tokens} tokens")
+                await anyio.sleep(0.01)
+        return self.tokens
 
 
 def fixed_prompts() -> list[list[int]]:

@@ -27,6 +27,7 @@ import anyio
 import pytest
 from engine_helpers import (
     EngineServer,
+    LongRequest,
     ReferenceRuns,
     Role,
     Stream,
@@ -60,7 +61,7 @@ class Case:
     """The RL mode of the refits before the restart (the other one after it)."""
     fault_at: int = 2
     """The refit whose first attempt is faulted (a corrupted payload)."""
-    restart_at: int = 4
+    restart_at: int = 3
     """The refit published after the engine was SIGKILLed and restarted."""
 
     def sync_at(self, version: int) -> bool:
@@ -72,6 +73,10 @@ CASES = {
     "llama": Case(family="llama", tp=1, sync=True),
     "qwen3_moe": Case(family="qwen3_moe", tp=1, sync=False),
 }
+LONG_TOKENS = 16000
+"""Before every asynchronous refit (but the one after the restart) a request this long starts;
+it is decoding when the gate closes and is aborted once it decoded a token on the new
+weights."""
 
 
 def _span(record: CommitRecord, start: int, end: int) -> dict[str, Any]:
@@ -120,6 +125,8 @@ def _reopened(engine: EngineServer, record: CommitRecord) -> None:
 async def _scenario(
     case: Case, cfg: FleetConfig, checkpoints: list[Path], references: ReferenceRuns, work: Path
 ) -> dict[str, Any]:
+    """The serving engine (started from version 0), the fleet and the five refits; fresh
+    engines on versions 1 .. 5 are ``references``."""
     names = [f"r{r}" for r in range(case.tp)]
     roles = [Role.start(cfg, "relay", "--node", "node0"),
              Role.start(cfg, "coordinator", "--name", "coordinator")]  # fmt: skip
@@ -128,6 +135,7 @@ async def _scenario(
     failures: list[str] = []
     cycles: dict[int, dict[str, Any]] = {}
     refit_s: dict[int, float] = {}
+    longs: dict[int, dict[str, Any]] = {}
     restart_requests: list[dict[str, Any]] = []
 
     def start_engine(checkpoint_version: int) -> EngineServer:
@@ -147,11 +155,11 @@ async def _scenario(
     try:
         async with AsyncExitStack() as stack:
             trainer = await open_trainer(cfg, stack)
+            await trainer.compute(range(1, REFITS + 1))
             engine = await anyio.to_thread.run_sync(start_engine, 0)
-            refs = await anyio.to_thread.run_sync(references.result)
+            refs = dict(enumerate(await anyio.to_thread.run_sync(references.result), start=1))
             state = engine.state()
             assert state["record"] == label_of(trainer.records[0]) and not state["closed"]
-            await _check(engine, refs[0], trainer.records[0])
             async with anyio.create_task_group() as tg:
                 stream = Stream(engine)
                 await tg.start(stream.run)
@@ -175,10 +183,24 @@ async def _scenario(
                         stream = Stream(engine, seed=k)  # these requests wait for the gate
                         await tg.start(stream.run)
                     faults = Faults(corrupt=1) if k == case.fault_at else None
-                    t0 = time.time()
-                    record = await trainer.publish(k, faults)
-                    refit_s[k] = time.time() - t0
-                    await anyio.to_thread.run_sync(_reopened, engine, record)
+                    frozen = not case.sync_at(k) and k != case.restart_at
+                    long = LongRequest(engine, f"long-{k}", [243, 3, 9], LONG_TOKENS)
+                    async with anyio.create_task_group() as refit:
+                        if frozen:
+                            # Decoding when the refit starts, and far from its last token.
+                            refit.start_soon(long.run)
+                            await long.wait_tokens(1)
+                        t0 = time.time()
+                        record = await trainer.publish(k, faults)
+                        refit_s[k] = time.time() - t0
+                        await anyio.to_thread.run_sync(_reopened, engine, record)
+                        if frozen:
+                            # One more token on the new weights, then the request ends.
+                            await long.wait_tokens(long.tokens + 1)
+                            await anyio.to_thread.run_sync(engine.abort, long.request_id)
+                    if frozen:
+                        assert long.result is not None
+                        longs[k] = long.result
                     await stream.stop()
                     collect(stream, engine)
                     if k == case.restart_at:
@@ -201,6 +223,7 @@ async def _scenario(
         "cycles": cycles,
         "refit_s": refit_s,
         "restart_requests": restart_requests,
+        "longs": longs,
         "events": coordinator_events(cfg),
     }
 
@@ -230,7 +253,7 @@ def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
     t0 = time.monotonic()
     # The fresh engines run while the fleet and the serving engine start.
     references = ReferenceRuns.start(
-        tmp_path / "reference", checkpoints, tp=case.tp, max_tokens=MAX_TOKENS
+        tmp_path / "reference", checkpoints[1:], tp=case.tp, max_tokens=MAX_TOKENS
     )
     report = anyio.run(_scenario, case, cfg, checkpoints, references, tmp_path, backend="asyncio")
     report["seconds"] = f"{time.monotonic() - t0:.0f} s"
@@ -251,12 +274,22 @@ def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
     assert {e["version"] for e in restored} == {case.restart_at - 1}
 
     # Every request was answered (none failed while the gate was closed) and says which
-    # committed version produced which of its tokens.  Only asynchronous refits froze
-    # requests in flight and finished them on the new weights.
+    # committed version produced which of its tokens.  A request decoding when an asynchronous
+    # refit closed the gate was frozen and finished on the new weights: it reports both
+    # versions and the token where the weights changed.  Synchronous refits let in-flight
+    # requests finish first: nothing straddles them.
     assert report["failures"] == []
     committed = {(r.version, r.candidate) for r in records.values()}
+    longs = report["longs"]
+    assert sorted(longs) == [
+        k for k in range(1, REFITS + 1) if not case.sync_at(k) and k != case.restart_at
+    ]
+    for k, r in longs.items():
+        assert r["finish_reason"] == "abort"
+        assert _switched_to(r, committed) == [k], (k, r["weight_versions"])
+        (switch,) = r["switches"]
+        assert 0 < switch < len(r["token_ids"]) < LONG_TOKENS
     switched = [v for r in report["results"] for v in _switched_to(r, committed)]
-    assert switched, "no request straddled an asynchronous refit"
     assert all(not case.sync_at(v) for v in switched), switched
     waited = report["restart_requests"]
     assert waited and all(r["version"] == case.restart_at for r in waited)
@@ -273,7 +306,8 @@ def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
             f"(drain {cycle['drain_s']:.2f} s)"
         )
     print(f"\n{family} TP={case.tp}: {len(report['results'])} stream requests, "
-          f"{len(switched)} straddled a refit; {report['seconds']}")  # fmt: skip
+          f"{len(switched)} straddled a refit (and {len(longs)} long ones); "
+          f"{report['seconds']}")  # fmt: skip
     print("\n".join(rows))
     for k in range(1, REFITS + 1):
         if k != case.restart_at:

@@ -19,7 +19,7 @@ worker left as it was.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,17 +75,27 @@ class Generation:
 
 
 async def generate(
-    engine: Any, prompt_token_ids: Sequence[int], params: Any, *, request_id: str | None = None
+    engine: Any,
+    prompt_token_ids: Sequence[int],
+    params: Any,
+    *,
+    request_id: str | None = None,
+    progress: Callable[[int], Awaitable[None]] | None = None,
 ) -> Generation:
     """Run one request on ``engine`` (a vLLM ``AsyncLLM``) to completion.
 
     While the gate is closed the request waits in the engine.  ``params`` are vLLM
     ``SamplingParams`` (``logprobs=0`` or more to get each sampled token's log probability).
+    ``progress`` is awaited with the number of output tokens so far each time the engine
+    reports some.  A request aborted meanwhile (``engine.abort(request_id)``) returns what it
+    generated, with ``finish_reason="abort"`` and its weight spans.
     """
     rid = request_id or uuid.uuid4().hex
     final = None
     async for out in engine.generate({"prompt_token_ids": list(prompt_token_ids)}, params, rid):
         final = out
+        if progress is not None and out.outputs and not out.finished:
+            await progress(len(out.outputs[0].token_ids))
     if final is None or not final.outputs:
         raise ConfigError(f"request {rid} finished without output", check="generate")
     completion = final.outputs[0]
@@ -176,10 +186,10 @@ async def join_fleet(
     it is the committed version, the engine keeps serving and the receivers join at the
     committed record (the proof of the base version checks that at their first prepare);
     otherwise the gate closes and the receivers first restore the committed version by a
-    dense refit.  ``pause_mode`` is how the gate pauses the engine: ``"wait"`` (the default
-    for synchronous RL: in-flight requests finish first), ``"keep"`` (the default for
-    asynchronous RL: in-flight requests freeze and finish on the new weights, reporting
-    both versions) or ``"abort"``.
+    dense refit.  ``pause_mode`` is how the gate pauses the engine: ``"wait"`` (in-flight
+    requests finish first), ``"keep"`` (in-flight requests freeze and finish on the new
+    weights, reporting both versions) or ``"abort"``; by default each attempt pauses as its
+    RL mode wants, ``"wait"`` when synchronous and ``"keep"`` when asynchronous.
     """
     from dcr.fleet.config import load_fleet
 
@@ -188,10 +198,17 @@ async def join_fleet(
     workers = int(engine.vllm_config.parallel_config.world_size)
     if len(names) != workers:
         raise ConfigError(f"{workers} workers need {workers} receiver names, got {list(names)}")
+    for rank, name in enumerate(names):
+        declared = cfg.receiver(name)
+        if (declared.tp, declared.rank) != (workers, rank):
+            raise ConfigError(
+                f"receiver {name!r} is declared as rank {declared.rank} of tp={declared.tp}, "
+                f"but it would run as worker {rank} of {workers}",
+                check="layout",
+            )
     record = await _committed(path)
     held = record if checkpoint_version == record.version else None
-    mode: PauseMode = pause_mode or ("wait" if cfg.coordinator.sync else "keep")
-    gate = EngineGate(engine, workers, pause_mode=mode)
+    gate = EngineGate(engine, workers, pause_mode=pause_mode)
     server = GateServer(gate)  # bound now: calls made before it serves wait in its queue
     try:
         for rank in range(workers):

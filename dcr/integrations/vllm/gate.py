@@ -13,7 +13,11 @@ tokens, see :mod:`dcr.integrations.vllm.versions`), and generation resumes.
 
 The ranks live in the engine's worker processes; they reach the gate of the engine process
 through a small ZeroMQ call (:class:`GateServer` there, :class:`GateClient` in each worker),
-one strict MessagePack frame each way, bound to 127.0.0.1.
+one strict MessagePack frame each way, bound to 127.0.0.1.  A rank closing for an attempt says
+whether the attempt is synchronous, so that by default the engine pauses as the RL mode
+wants: ``"wait"`` in synchronous RL (the rollout batch finishes on the weights it started
+with), ``"keep"`` in asynchronous RL (the engine keeps its requests and the gate stays closed
+only for decode and apply).
 """
 
 from __future__ import annotations
@@ -89,12 +93,16 @@ class EngineGate:
     """The gate of ``engine`` (a vLLM ``AsyncLLM`` or anything with its pause, resume,
     cache-reset and weight-version coroutines) for receiver ranks ``0 .. ranks-1``.
 
-    Ranks start closed; :meth:`join` says what each one holds when it starts.
+    ``pause_mode`` fixes how closing pauses the engine; ``None`` (the default) pauses per
+    attempt: ``"wait"`` for a synchronous one, ``"keep"`` for an asynchronous one, ``"wait"``
+    when no attempt is running (a rank joining without a confirmed version, or one whose
+    proof of the base version failed).  Ranks start closed; :meth:`join` says what each one
+    holds when it starts.
     """
 
     engine: Any
     ranks: int
-    pause_mode: PauseMode = "keep"
+    pause_mode: PauseMode | None = None
     cycles: list[GateCycle] = field(default_factory=list)
     record: CommitRecord | None = None
     """The committed record the engine's weights are labelled with (``None`` until every
@@ -109,7 +117,7 @@ class EngineGate:
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ConfigError(f"an engine gate needs at least one rank, got {self.ranks}")
-        if self.pause_mode not in PAUSE_MODES:
+        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
         self._closed = set(range(self.ranks))
 
@@ -136,8 +144,9 @@ class EngineGate:
         else:
             await self.open(rank, held)
 
-    async def close(self, rank: int) -> None:
-        """Rank ``rank`` closes the gate; returns once the engine admits no request and no
+    async def close(self, rank: int, *, sync: bool | None = None) -> None:
+        """Rank ``rank`` closes the gate for a synchronous (``sync=True``) or asynchronous
+        attempt, or for none (``None``); returns once the engine admits no request and no
         forward pass runs."""
         self._check(rank)
         async with self._lock:
@@ -145,7 +154,8 @@ class EngineGate:
             if self._paused:
                 return
             self._requested = time.time()
-            await self.engine.pause_generation(mode=self.pause_mode, clear_cache=False)
+            mode = self.pause_mode or ("keep" if sync is False else "wait")
+            await self.engine.pause_generation(mode=mode, clear_cache=False)
             self._paused = True
             self._paused_at = time.time()
 
@@ -204,6 +214,8 @@ class GateCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     op: Literal["close", "invalidate", "open"]
     version: int | None = None
     candidate: str | None = None
+    sync: bool | None = None
+    """For ``close``: whether the attempt closing the gate is synchronous (``None``: none)."""
 
 
 class GateReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -254,7 +266,7 @@ class GateServer:
         error = None
         try:
             if call.op == "close":
-                await self.gate.close(call.rank)
+                await self.gate.close(call.rank, sync=call.sync)
             elif call.op == "invalidate":
                 await self.gate.invalidate(call.rank)
             elif call.version is None or call.candidate is None:
@@ -309,7 +321,11 @@ class GateClient:
         self._lock = anyio.Lock()
 
     async def call(
-        self, op: Literal["close", "invalidate", "open"], record: CommitRecord | None = None
+        self,
+        op: Literal["close", "invalidate", "open"],
+        record: CommitRecord | None = None,
+        *,
+        sync: bool | None = None,
     ) -> None:
         """Ask the engine gate for ``op``; raises :class:`RemoteProtocolError` when the gate
         refused it and :class:`LocalProtocolError` when no answer came in time."""
@@ -319,6 +335,7 @@ class GateClient:
             op=op,
             version=None if record is None else record.version,
             candidate=None if record is None else record.candidate,
+            sync=sync,
         )
         async with self._lock:
             await self._sock.send(_ENCODE.encode(message))

@@ -5,12 +5,17 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
 ``--receivers`` (one per worker rank), and serves token-in/token-out HTTP on 127.0.0.1:
 
 ``POST /generate``
-    ``{"prompt_token_ids": [...], "max_tokens": 16, "ignore_eos": false, "logprobs": true}``
-    (greedy) -> ``{"request_id", "token_ids", "logprobs", "finish_reason", "version",
-    "candidate", "weight_versions": [{"version", "candidate", "start", "end"}], "switches"}``:
-    which committed version produced which output tokens; ``switches`` lists the token
-    indices where the weights changed under a request that straddled a refit.  While the
-    request gate is closed, requests wait.
+    ``{"prompt_token_ids": [...], "max_tokens": 16, "ignore_eos": false, "logprobs": true,
+    "request_id": optional, "stream": false}`` (greedy) -> ``{"request_id", "token_ids",
+    "logprobs", "finish_reason", "version", "candidate", "weight_versions": [{"version",
+    "candidate", "start", "end"}], "switches"}``: which committed version produced which
+    output tokens; ``switches`` lists the token indices where the weights changed under a
+    request that straddled a refit.  While the request gate is closed, requests wait.  With
+    ``"stream": true`` the answer is JSON lines: ``{"tokens": n}`` as tokens come, then
+    ``{"result": {...}}``.
+``POST /abort``
+    ``{"request_id": ...}``: the request ends now; its answer says what it generated, with
+    ``finish_reason`` ``"abort"`` and its weight versions.
 ``GET /dcr/state``
     the engine's gate (closed, by which ranks, each closing's drain and closed seconds, the
     record the weights are labelled with) and each worker's receiver status.
@@ -110,7 +115,7 @@ async def serve(options: ServerOptions) -> None:
     )
     receivers: EngineReceivers | None = None
 
-    async def generate_route(request: web.Request) -> web.Response:
+    async def generate_route(request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -119,21 +124,45 @@ async def serve(options: ServerOptions) -> None:
             max_tokens = body.get("max_tokens", 16)
             if type(max_tokens) is not int or max_tokens < 1:
                 raise ConfigError("max_tokens must be a positive integer")
-            ignore_eos = body.get("ignore_eos", False)
-            logprobs = body.get("logprobs", True)
-            if not isinstance(ignore_eos, bool) or not isinstance(logprobs, bool):
-                raise ConfigError("ignore_eos and logprobs must be true or false")
+            flags = {k: body.get(k, k == "logprobs") for k in ("ignore_eos", "logprobs", "stream")}
+            if not all(isinstance(v, bool) for v in flags.values()):
+                raise ConfigError("ignore_eos, logprobs and stream must be true or false")
+            request_id = body.get("request_id")
+            if request_id is not None and (not isinstance(request_id, str) or not request_id):
+                raise ConfigError("request_id must be a non-empty string")
         except (ValueError, ConfigError) as exc:
             return _bad_request(str(exc))  # type: ignore[no-any-return]
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0,
-            ignore_eos=ignore_eos,
-            logprobs=0 if logprobs else None,
+            ignore_eos=flags["ignore_eos"],
+            logprobs=0 if flags["logprobs"] else None,
             detokenize=False,
         )
-        out = await generate(engine, prompt, params)
-        return web.json_response(out.as_dict())
+        if not flags["stream"]:
+            out = await generate(engine, prompt, params, request_id=request_id)
+            return web.json_response(out.as_dict())
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+
+        async def progress(tokens: int) -> None:
+            await response.write(json.dumps({"tokens": tokens}).encode() + b"\n")
+
+        out = await generate(engine, prompt, params, request_id=request_id, progress=progress)
+        await response.write(json.dumps({"result": out.as_dict()}).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    async def abort_route(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            request_id = body.get("request_id") if isinstance(body, dict) else None
+            if not isinstance(request_id, str) or not request_id:
+                raise ConfigError("request_id must be a non-empty string")
+        except (ValueError, ConfigError) as exc:
+            return _bad_request(str(exc))  # type: ignore[no-any-return]
+        await engine.abort(request_id)
+        return web.json_response({"aborted": request_id})
 
     async def state_route(request: web.Request) -> web.Response:
         state: dict[str, Any] = {"weight_version": await engine.get_weight_version()}
@@ -164,6 +193,7 @@ async def serve(options: ServerOptions) -> None:
 
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/generate", generate_route)
+    app.router.add_post("/abort", abort_route)
     app.router.add_get("/dcr/state", state_route)
     app.router.add_get("/dcr/parameters", parameters_route)
     app.router.add_get("/health", health_route)

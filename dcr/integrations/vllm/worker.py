@@ -188,7 +188,8 @@ class DcrWorkerExtension:
         record: list[CommitRecord] = []
 
         async def close() -> None:
-            await gate.call("close")
+            info = hosted.service.core.attempt if hosted.service is not None else None
+            await gate.call("close", sync=None if info is None else info.sync)
 
         async def invalidate() -> None:
             await gate.call("invalidate")
