@@ -224,11 +224,14 @@ def write_fleet(
     sync: bool,
     refits: int,
     rate: float = 0.05,
+    model: dict[str, Any] | None = None,
 ) -> Path:
-    """A fleet file: the synthetic ``family`` model (tiny), a TP=2 trainer, one rollout node
-    whose receivers ``r0..`` are the ranks of one engine at tensor parallelism ``tp``."""
+    """A fleet file: the synthetic ``family`` model (tiny, or with the ``model`` config fields
+    on top), a TP=2 trainer, one rollout node whose receivers ``r0..`` are the ranks of one
+    engine at tensor parallelism ``tp``."""
     directory.mkdir(parents=True, exist_ok=True)
-    overrides = "".join(f"{k} = {json.dumps(v)}\n" for k, v in OVERRIDES[family].items())
+    fields = {**OVERRIDES[family], **(model or {})}
+    overrides = "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
     receivers = ", ".join(f'{{ name = "r{r}", tp = {tp}, rank = {r} }}' for r in range(tp))
     text = f"""[fleet]
 name = "engine-{family}"
