@@ -127,8 +127,7 @@ async def test_calls_the_gate_refuses_come_back_as_errors(gate_server: GateServe
     try:
         with pytest.raises(RemoteProtocolError, match="names no record"):
             await client.call("open")  # reopening needs the record the rank holds
-        with pytest.raises(RemoteProtocolError, match="running engine"):
-            await client.call("invalidate")  # the gate is not closed
+        await client.call("invalidate")  # a serving engine's caches hold committed weights
     finally:
         client.close()
 

@@ -260,6 +260,12 @@ sync = {str(sync).lower()}
 timeouts = {{ prepare_s = 60, arrival_s = 60, gate_s = 120, flush_s = 120, commit_s = 5, \
 stop_s = 60, baseline_s = 3 }}
 
+[control]                  # generous: engines, trainer and fleet share a small machine
+peer_timeout_s = 15
+
+[transport]
+peer_timeout_s = 15
+
 [[rollout]]
 name = "node0"
 port = {free_port()}

@@ -161,31 +161,37 @@ class EngineGate:
 
     async def invalidate(self, rank: int) -> None:
         """Drop the prefix and KV caches computed with the weights being replaced (requests
-        frozen in flight are preempted and recomputed when generation resumes)."""
+        frozen in flight are preempted and recomputed when generation resumes).
+
+        While the engine serves, its weights are the committed ones every rank holds and its
+        caches were computed with them: nothing to drop (a rank that reopens after an attempt
+        that never closed the gate)."""
         self._check(rank)
         async with self._lock:
-            if not self._paused:
-                raise LocalProtocolError(
-                    f"rank {rank} invalidated the KV cache of a running engine",
-                    check="gate-state",
+            if self._paused:
+                await self.engine.reset_prefix_cache(
+                    reset_running_requests=True, reset_connector=True
                 )
-            await self.engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
 
     async def open(self, rank: int, record: CommitRecord) -> None:
         """Rank ``rank`` holds ``record`` and reopens the gate; the engine resumes once every
-        rank did, at one record."""
+        rank did, at one record (ranks that disagree keep it paused)."""
         self._check(rank)
         async with self._lock:
             self._closed.discard(rank)
             self._held[rank] = record
             if self._closed or len(self._held) < self.ranks:
                 return
-            records = set(self._held.values())
-            if len(records) != 1:
-                raise RemoteProtocolError(
-                    f"the engine's ranks reopened at different records {sorted(map(str, records))}",
-                    check="gate-version",
-                )
+            if len(set(self._held.values())) != 1:
+                # The ranks hold different committed records: serve none of them until the
+                # protocol brings them to one (a rank behind is restored by dense refit).
+                if not self._paused:
+                    self._requested = time.time()
+                    await self.engine.pause_generation(mode="wait", clear_cache=False)
+                    self._paused = True
+                    self._paused_at = time.time()
+                self.record = None
+                return
             self.record = record
             await self.engine.update_weight_version(label_of(record))
             if self._paused:

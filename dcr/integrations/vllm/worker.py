@@ -109,8 +109,14 @@ class DcrWorkerExtension:
 
         def read() -> dict[str, Any]:
             held = service.core.held
+            ended = hosted.future is not None and hosted.future.done()
+            failure = None
+            if ended and hosted.future is not None and not hosted.future.cancelled():
+                failure = hosted.future.exception()
             return {
                 "name": hosted.name,
+                "serving": not ended,
+                "error": None if failure is None else repr(failure),
                 "phase": service.core.phase.value,
                 "held": None if held is None else [held.version, held.candidate],
                 "dirty": service.core.dirty,
