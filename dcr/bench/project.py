@@ -8,22 +8,25 @@ measured here, applied to the paper's testbed parameters:
 
 * **payload share** ``p(s)`` = V_payload / checkpoint bytes at change rate ``s`` (the codec's
   output; independent of the machine);
-* **construction throughput per core** ``k`` = checkpoint bytes / (construction bound x CPU
-  cores here): on the testbed each of the 32 owners scans its 1/32 of the checkpoint at ``k``
-  (one CPU core per owner, no GPU: conservative for GB300 owners);
-* **link efficiency** ``e_T`` = (V_payload / link rate) / transport bound: the share of the
-  emulated link the transport kept busy here; on the testbed the busiest endpoint (the relay
-  root's link, or each rollout node's downloads from object storage) moves V_payload at
-  ``e_T x 5 Gbit/s``;
-* **overhead** ``f`` = refit latency - max(bounds) here, taken as the same seconds on the
-  testbed (it does not scale with the checkpoint: the bucket size is fixed);
-* **reference**: the transport-only full-checkpoint transfer over the same transport at the
-  reference's link efficiency measured here (relay: the root's link carries the checkpoint
-  once; object storage: each of 8 training nodes uploads an eighth, then each rollout node
-  downloads all of it).  The paper's own reference is always object storage (S3).
+* **construction throughput per core** ``k`` = checkpoint bytes / the CPU seconds the owners
+  used in the refit's window (everything an owner does: comparison, projection, encoding,
+  sends, proof, baseline update); on the testbed each of the 32 owners works through its 1/32
+  of the checkpoint at ``k`` (one CPU core per owner and no GPU: conservative for GB300s);
+* **link share** ``e`` = the reference's link time / its measured time: how much of the
+  emulated link the transport kept busy moving the checkpoint here (object storage: its
+  uploads and its downloads each); on the testbed the busiest endpoint (the relay root's
+  link, or each rollout node's uploads and downloads) moves V_payload, and the reference its
+  bytes, at ``e x 5 Gbit/s``;
+* **overhead** ``f`` = refit latency - max(bounds) here (startup, drain, handoffs,
+  finalization, and on this machine the wait for a CPU: every role shares its cores), taken
+  as the same seconds on the testbed (it does not scale with the checkpoint);
+* **reference**: the transport-only full-checkpoint transfer over the same transport (relay:
+  the root's link carries the checkpoint once; object storage: each of 8 training nodes
+  uploads an eighth, then each rollout node downloads all of it).  The paper's own reference
+  is always object storage (S3).
 
-``latency = max(C, T) + f`` with ``C = (H / 32) / k`` and ``T = p(s) H / (e_T x 5 Gbit/s)``;
-speedup = reference / latency.
+``latency = max(C, T) + f`` with ``C = (H / 32) / k`` and ``T = p(s) H / (e x 5 Gbit/s)``;
+``reference = link time / e``; speedup = reference / latency.
 """
 
 from __future__ import annotations
@@ -96,28 +99,36 @@ def _inputs(measured: Mapping[str, Any], kind: str) -> dict[str, Any]:
     if not rows:
         raise ConfigError(f"the measurement has no {kind} rows")
     cpus = int(measured.get("cpus") or 1)
-    rate_here = float(measured["link_gbps"]) * GB / 8
     owners = int(measured["layout"]["tp"]) * int(measured["layout"]["dp"])
     share = {float(r["rate"]): r["payload_bytes"] / r["model_bytes"] for r in rows}
-    per_core = _median([r["model_bytes"] / (r["construction_bound_s"] * min(cpus, owners))
-                        for r in rows])  # fmt: skip
-    efficiency = _median(
-        [min(1.0, r["payload_bytes"] / rate_here / r["transport_bound_s"]) for r in rows]
-    )
+    per_core = _median([r["model_bytes"] / _owner_cpu_s(r, cpus, owners) for r in rows])
     overhead = _median(
         [max(0.0, r["latency_s"] - max(r["construction_bound_s"], r["transport_bound_s"]))
          for r in rows]
     )  # fmt: skip
     ref = rows[0]
-    reference_efficiency = min(1.0, ref["reference_floor_s"] / ref["reference_s"])
-    return {
+    out = {
         "payload_share": share,
         "construction_bytes_per_s_per_core": per_core,
-        "link_efficiency": efficiency,
+        "link_share": min(1.0, ref["reference_floor_s"] / ref["reference_s"]),
         "overhead_s": overhead,
-        "reference_efficiency": reference_efficiency,
         "model_bytes": ref["model_bytes"],
     }
+    if ref.get("reference_upload_s") and ref.get("reference_download_s"):
+        rate_here = float(measured["link_gbps"]) * GB / 8
+        link_s = ref["model_bytes"] / rate_here
+        out["upload_share"] = min(1.0, link_s / owners / ref["reference_upload_s"])
+        out["download_share"] = min(1.0, link_s / ref["reference_download_s"])
+    return out
+
+
+def _owner_cpu_s(row: Mapping[str, Any], cpus: int, owners: int) -> float:
+    """The owners' CPU seconds in a refit (without them: the construction bound on every
+    core the owners could have used)."""
+    cpu = (row.get("cpu_s") or {}).get("owners")
+    if cpu:
+        return float(cpu)
+    return float(row["construction_bound_s"]) * min(cpus, owners)
 
 
 def _share_at(shares: Mapping[float, float], rate: float) -> tuple[float, str | None]:
@@ -149,15 +160,26 @@ def project(measured: Mapping[str, Any]) -> dict[str, Any]:
     for model, size, _ in CHECKPOINTS:
         for name, kind in kinds.items():
             m = inputs[name]
-            floor = size / link if kind == "relay" else size / uploaders / link + size / link
-            reference = floor / m["reference_efficiency"]
+            up, down = m.get("upload_share"), m.get("download_share")
+            if up is None or down is None:  # one link share for everything
+                up = down = m["link_share"]
+
+            # The checkpoint to every node: once through the root's link (relay), or 8 nodes
+            # upload an eighth each, then each node downloads all of it (object storage).
+            if kind == "relay":
+                reference = size / (m["link_share"] * link)
+            else:
+                reference = size / uploaders / (up * link) + size / (down * link)
             for rate in TESTBED["rates"]:
                 share, note = _share_at(m["payload_share"], rate)
                 if note and f"{name}: {note}" not in notes:
                     notes.append(f"{name}: {note}")
                 payload = share * size
                 construction = size / owners / m["construction_bytes_per_s_per_core"]
-                transport = payload / (m["link_efficiency"] * link)
+                if kind == "relay":
+                    transport = payload / (m["link_share"] * link)
+                else:  # uploads and downloads overlap (nodes fetch as entries appear)
+                    transport = max(payload / uploaders / (up * link), payload / (down * link))
                 latency = max(construction, transport) + m["overhead_s"]
                 rows.append(
                     {
@@ -203,16 +225,21 @@ def _assumptions(notes: Sequence[str]) -> list[str]:
         "is assumed (parameters x 2 bytes)",
         "V_payload = p(s) x checkpoint: the payload share measured here at that rate (the "
         "synthetic update of §8.1: chosen uniformly, relative amplitude 1e-2)",
-        "construction C = (checkpoint / 32) / k: every owner scans its 32nd at the per-core "
-        "rate k measured here (CPU; the paper's owners construct on GPUs)",
-        "transport T = V_payload / (e_T x 5 Gbit/s): the busiest endpoint (relay root's link, "
-        "or each rollout node's downloads) moves V_payload at the link share e_T measured here",
+        "construction C = (checkpoint / 32) / k: every owner works through its 32nd at the "
+        "rate k of one core measured here (the owners' CPU seconds in the window; the "
+        "paper's owners construct on GPUs)",
+        "transport T = V_payload / (e x 5 Gbit/s): the relay root's link moves V_payload at "
+        "the link share e the relay tree kept busy moving the checkpoint here (the "
+        "reference's link time / its time); on object storage each node uploads V_payload / 8 "
+        "and downloads V_payload, overlapped, at the shares its uploads and downloads kept "
+        "busy in the reference here",
         "latency = max(C, T) + f, f = latency - max(bounds) measured here (startup, drain, "
-        "handoffs, finalization), the same seconds at every size",
-        "reference over the same transport at the reference's link share measured here "
-        "(relay: the checkpoint once through the root's link; object storage: 8 nodes upload "
-        "an eighth each, then every node downloads all); the paper's reference is S3 for both",
-        "receivers' apply overlaps transport (synchronous RL) and is inside f and T as measured",
+        "handoffs, finalization, and this machine's wait for a CPU), the same seconds at "
+        "every size",
+        "reference over the same transport at the same shares (relay: the checkpoint once "
+        "through the root's link; object storage: 8 nodes upload an eighth each, then every "
+        "node downloads all); the paper's reference is S3 for both transports",
+        "receivers' apply overlaps transport (synchronous RL) and is inside f as measured",
         *notes,
     ]
 
@@ -229,8 +256,10 @@ def format_projection(result: Mapping[str, Any]) -> str:
         lines.append(
             f"  {name}: payload share {shares}; construction "
             f"{m['construction_bytes_per_s_per_core'] / GB:.2f} GB/s per core; link share "
-            f"{m['link_efficiency']:.2f}; overhead {m['overhead_s']:.2f} s; reference link "
-            f"share {m['reference_efficiency']:.2f}"
+            f"{m['link_share']:.2f}"
+            + (f" (uploads {m['upload_share']:.2f}, downloads {m['download_share']:.2f})"
+               if "upload_share" in m else "")
+            + f"; overhead {m['overhead_s']:.2f} s"
         )
     lines.append(
         f"{'model':<6} {'transport':<15} {'rate':>4} {'V_payload':>10} {'constr.':>8} "

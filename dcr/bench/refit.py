@@ -27,11 +27,11 @@ receiver queued it, on object storage the object and its manifest entry are stor
 object storage, each rollout node's fetches (the downloads cross the boundary there).
 
 **Where the time goes**: each refit's phases -- staging (``t0`` until every owner staged),
-admission (until the first bucket is built: the coordinator's prepare and the proof of the
-base version), streaming (until the last payload is applied) and finalization (until
-``t1``: synchronization, ACK, commit, baseline update) -- and the CPU seconds each role's
-processes used in the window (every fleet event carries its process's CPU clock), against
-the CPU seconds the machine had.
+admission (until the first bucket's construction starts: the coordinator's prepare and the
+proof of the base version), streaming (until the last payload is applied) and finalization
+(until ``t1``: synchronization, ACK, commit, baseline update) -- and the CPU seconds each
+role's processes used in the window (every fleet event carries its process's CPU clock),
+against the CPU seconds the machine had.
 
 **Reference** (paper §8.1 "Reference"): the transport-only full-checkpoint transfer over the
 same transport and link (:mod:`dcr.bench.reference`).  Speedup is reference time over refit
@@ -216,12 +216,13 @@ def cpu_by_role(
     events: Sequence[dict[str, Any]], t0: float, t1: float, owners: Sequence[str]
 ) -> dict[str, float]:
     """CPU seconds each role's processes used in ``[t0, t1]``, from the ``cpu`` clock every
-    event carries.  Owners and receivers: from their last event by ``t0`` (the publish; the
-    report of the previous version) to their last event by ``t1`` (the baseline update; the
-    last payload applied).  The coordinator and relay nodes, busy between refits too: from
-    their first event from ``t0`` on to their first event from ``t1`` on (the coordinator's
-    transition starts and ends; a relay node reports traffic and buffers as they change).
-    Work a process did that no event brackets is not counted."""
+    event carries.  Owners: from their last event by ``t0`` (the publish) to their last by
+    ``t1`` (the baseline update).  Receivers: from their first event from ``t0`` on (a
+    payload fetched or applied) to their last by ``t1`` (the last applied).  The coordinator
+    and relay nodes: from their first event from ``t0`` on to their first from ``t1`` on
+    (the transition starts and ends; a relay node reports traffic and buffers as they
+    change).  Processes busy between refits too (polling storage, pinging peers) are thus
+    not charged for it; work no event brackets is not counted."""
     clocks: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cpu") is not None:
@@ -230,9 +231,14 @@ def cpu_by_role(
     for who, seen in clocks.items():
         seen.sort()
         role = _role(who, owners)
-        if role in ("owners", "receivers"):
+        if role == "owners":
             before = [c for t, c in seen if t <= t0][-1:] or [seen[0][1]]
             after = [c for t, c in seen if t <= t1][-1:] or before
+        elif role == "receivers":
+            before = [c for t, c in seen if t0 <= t <= t1][:1]
+            after = [c for t, c in seen if t0 <= t <= t1][-1:]
+            if not before:
+                continue
         else:
             before = [c for t, c in seen if t >= t0][:1] or [seen[-1][1]]
             after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]

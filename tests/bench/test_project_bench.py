@@ -24,12 +24,14 @@ def _row(kind: str, rate: float, payload: float, transport_s: float, floor: floa
         "latency_s": 1.0,
         "reference_s": 10.0,
         "reference_floor_s": floor,
+        "cpu_s": {"owners": 0.5, "receivers": 0.7},
     }
 
 
 def _measured() -> dict[str, Any]:
-    """1 GB measured at 1 Gbit/s on 2 CPUs with 4 owners: construction 1 GB/s per core,
-    half the link kept busy, 0.5 s of overhead, references at 0.8 and 0.9 of their floors."""
+    """1 GB measured at 1 Gbit/s on 2 CPUs with 4 owners: 0.5 CPU seconds of owners per
+    refit (2 GB/s per core), 0.5 s of overhead, references at 0.8 (relay) and 0.9 (S3) of
+    their link time."""
     return {
         "link_gbps": 1.0,
         "cpus": 2,
@@ -49,29 +51,52 @@ def test_projection_arithmetic_by_hand() -> None:
     rows = {(r["model"], r["transport"], r["rate"]): r for r in out["rows"]}
     assert len(rows) == 5 * 2 * 2  # five checkpoints, two transports, two rates
     relay = rows[("120B", "relay", 0.03)]
-    # V = 0.02 x 247.2 GB; C = 247.2 GB / 32 / 1 GB/s; T = V / (0.5 x 0.625 GB/s); f = 0.5
+    # V = 0.02 x 247.2 GB; C = 247.2 GB / 32 / 2 GB/s; T = V / (0.8 x 0.625 GB/s); f = 0.5
     assert relay["payload_bytes"] == pytest.approx(4.944e9)
-    assert relay["construction_s"] == pytest.approx(7.725)
-    assert relay["transport_s"] == pytest.approx(15.8208)
-    assert relay["latency_s"] == pytest.approx(16.3208)
+    assert relay["construction_s"] == pytest.approx(3.8625)
+    assert relay["transport_s"] == pytest.approx(9.888)
+    assert relay["latency_s"] == pytest.approx(10.388)
     assert relay["reference_s"] == pytest.approx(247.2e9 / 0.625e9 / 0.8)  # 494.4 s
-    assert relay["speedup"] == pytest.approx(494.4 / 16.3208)
+    assert relay["speedup"] == pytest.approx(494.4 / 10.388)
     obj = rows[("1T", "object storage", 0.05)]
     assert obj["measured_as"] == "s3"
-    assert obj["transport_s"] == pytest.approx(0.03 * 2242e9 / 0.3125e9)
+    assert obj["transport_s"] == pytest.approx(0.03 * 2242e9 / (0.9 * 0.625e9))
     assert obj["latency_s"] == pytest.approx(obj["transport_s"] + 0.5)
     # each of 8 training nodes uploads an eighth, then every node downloads it all
     assert obj["reference_s"] == pytest.approx(1.125 * 2242e9 / 0.625e9 / 0.9)
     assert rows[("120B", "relay", 0.03)]["paper"]["relay_3pct_s"] == 22.6
-    # construction 40x slower (20 s bound): 25 MB/s per core, the 30B refit waits on it
+    # owners 80x busier (40 CPU s): 25 MB/s per core, the 30B refit waits on construction
     slow = _measured()
     for r in slow["results"]:
-        r["construction_bound_s"] = 20.0
-        r["latency_s"] = 20.5
+        r["cpu_s"]["owners"] = 40.0
     small = next(r for r in project(slow)["rows"]
                  if (r["model"], r["transport"], r["rate"]) == ("30B", "relay", 0.03))  # fmt: skip
     assert small["construction_s"] == pytest.approx(63.2e9 / 32 / 2.5e7)  # 79 s
     assert small["latency_s"] == pytest.approx(79.0 + 0.5)
+    # without CPU clocks: the construction bound on every core the owners could use
+    bare = _measured()
+    for r in bare["results"]:
+        del r["cpu_s"]
+    row = next(r for r in project(bare)["rows"] if r["model"] == "120B")
+    assert row["construction_s"] == pytest.approx(247.2e9 / 32 / (1e9 / (0.5 * 2)))
+
+
+def test_object_storage_uploads_and_downloads_have_shares_of_their_own() -> None:
+    """The reference uploaded at half the link (4 s for 2 s of link time per owner) and
+    downloaded at 0.8 of it (10 s for 8 s)."""
+    measured = _measured()
+    for r in measured["results"]:
+        if r["transport"] == "s3":
+            r.update(reference_upload_s=4.0, reference_download_s=10.0)
+    out = project(measured)
+    inputs = out["measured"]["inputs"]["object storage"]
+    assert inputs["upload_share"] == pytest.approx(0.5)
+    assert inputs["download_share"] == pytest.approx(0.8)
+    key = ("120B", "object storage", 0.03)
+    row = next(r for r in out["rows"] if (r["model"], r["transport"], r["rate"]) == key)
+    # uploads of V/8 per node at 0.5 x 0.625 GB/s overlap downloads of V at 0.8 x 0.625 GB/s
+    assert row["transport_s"] == pytest.approx(max(4.944e9 / 8 / 3.125e8, 4.944e9 / 5e8))
+    assert row["reference_s"] == pytest.approx(247.2e9 / 8 / 3.125e8 + 247.2e9 / 5e8)
 
 
 def test_a_rate_not_measured_is_scaled_and_said_so() -> None:

@@ -106,7 +106,8 @@ def test_cpu_seconds_by_role_between_the_events_around_the_window() -> None:
         _event("o0", "publish", 10.0, cpu=5.0),
         _event("o0", "baseline", 12.0, cpu=6.5),
         _event("o0", "committed", 12.5, cpu=9.0),  # after t1: not counted
-        _event("r0", "holds", 9.0, cpu=3.0),
+        _event("r0", "holds", 9.0, cpu=2.0),  # polling storage until t0: not counted
+        _event("r0", "fetched", 10.5, cpu=3.0),
         _event("r0", "applied", 11.5, cpu=3.8),
         _event("r0", "holds", 13.0, cpu=5.0),
         _event("coordinator", "ended", 9.5, cpu=0.2),  # idle work between refits: not counted
