@@ -240,8 +240,10 @@ def cpu_by_role(
             if not before:
                 continue
         else:
-            before = [c for t, c in seen if t >= t0][:1] or [seen[-1][1]]
+            before = [c for t, c in seen if t0 <= t <= t1][:1]
             after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]
+            if not before:
+                continue  # no event inside the window brackets its work
         out[role] = out.get(role, 0.0) + max(0.0, after[0] - before[0])
     return out
 
@@ -602,18 +604,19 @@ def plot_refit(result: dict[str, Any], path: Path) -> None:
             ax.bar([x + (i - 1) * width for x in xs], [r[key] for r in rows], width,
                    label=label, color=color)  # fmt: skip
         ax.axhline(rows[0]["reference_s"], color="#d62728", linestyle="--", label="reference")
-        for x, r in zip(xs, rows, strict=True):
-            ax.annotate(f"{r['speedup']:.0f}x", (x, r["latency_s"]), ha="center",
+        for x, r in zip(xs, rows, strict=True):  # above the latency bar
+            ax.annotate(f"{r['speedup']:.0f}x", (x - width, r["latency_s"]), ha="center",
                         va="bottom", fontsize=8)  # fmt: skip
         ax.set_xticks(list(xs), [f"{r['rate']:.0%}" for r in rows])
         ax.set_yscale("log")
         ax.set_title(kind)
         ax.set_xlabel("element change rate")
     axes[0][0].set_ylabel("seconds")
-    axes[0][-1].legend(fontsize=8, loc="center right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     size = result["results"][0]["model_bytes"] / GB
     fig.suptitle(f"dcr bench refit: {size:.2f} GB bf16, link {result['link_gbps']:g} Gbit/s "
                  "(speedup over the reference above each bar)", fontsize=10)  # fmt: skip
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
