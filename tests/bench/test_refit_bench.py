@@ -195,3 +195,27 @@ def test_a_small_run_over_the_relay_tree(tmp_path: Path) -> None:
     assert "relay" in format_refit_table(result)
     plot_refit(result, tmp_path / "refit.png")
     assert (tmp_path / "refit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.heavy
+def test_a_small_run_over_a_directory(tmp_path: Path) -> None:
+    """Object storage: both nodes fetch every payload (V_cross = 2 x V_payload), their
+    fetches join the transport bound, the reference uploads then downloads."""
+    result = run_refit_bench(
+        rates=(0.05,),
+        transports=("directory",),
+        repeats=1,
+        link_gbps=0.5,
+        layout=BenchLayout(tp=2, nodes=2, serving_tp=2, chunk_mb=0.03125, bucket_mb=0.0625),
+        directory=tmp_path,
+        model_dims=TINY,
+    )
+    assert result["bit_exact"] is True
+    (row,) = result["results"]
+    assert row["cross_bytes"] == 2 * row["payload_bytes"] > 0
+    assert 0 < row["transport_bound_s"] <= row["latency_s"]
+    (ref,) = result["references"]["directory"]
+    assert ref["upload_s"] > 0 and ref["download_s"] > 0
+    assert ref["seconds"] == pytest.approx(ref["upload_s"] + ref["download_s"])
+    events = (tmp_path / "directory" / "run" / "events" / "r1.jsonl").read_text()
+    assert '"fetched"' in events
