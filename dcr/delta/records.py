@@ -89,6 +89,9 @@ class Item:
     encoding: Encoding
     indices: npt.NDArray[np.int64]
     values: npt.NDArray[np.unsignedinteger[Any]]
+    verified: bool = False
+    """Set by dcr's payload decoder: ``indices`` were checked strictly increasing and inside
+    the tensor, so a receiver need not scan them again."""
 
     @property
     def count(self) -> int:

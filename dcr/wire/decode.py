@@ -646,6 +646,7 @@ def _decode_v1(
             if int(vals.max()) > 1:
                 raise _reject(attempt, "bool value other than 0 or 1", "bounds", e.name)
     return Items(
+        verified=True,
         tensors=list(tensors),
         tensor=tensor,
         encoding=np.array([int(e.encoding) for e in entries], dtype=np.int64),
@@ -930,6 +931,7 @@ def _decode_v2(
     ):
         raise _reject(attempt, "bool value other than 0 or 1", "bounds")
     return Items(
+        verified=True,
         tensors=tensors,
         tensor=tid,
         encoding=enc,

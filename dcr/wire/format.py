@@ -193,6 +193,7 @@ class Items(Sequence[Item]):
         "_start",
         "_tensor",
         "_value_start",
+        "_verified",
         "indices",
         "tensors",
         "values",
@@ -209,6 +210,7 @@ class Items(Sequence[Item]):
         value_start: npt.NDArray[np.int64],
         indices: npt.NDArray[np.int64],
         values: dict[int, npt.NDArray[np.unsignedinteger[Any]]],
+        verified: bool = False,
     ) -> None:
         self.tensors = tuple(tensors)
         """``(name, shape, dtype)`` of each distinct tensor the items refer to."""
@@ -221,6 +223,8 @@ class Items(Sequence[Item]):
         self._start = start.tolist()
         self._count = count.tolist()
         self._value_start = value_start.tolist()
+        self._verified = verified
+        """The decoder checked every item's indices (strictly increasing, in bounds)."""
 
     @classmethod
     def of(cls, items: Sequence[Item]) -> Items:
@@ -273,6 +277,7 @@ class Items(Sequence[Item]):
             encoding=_ENCODINGS[self._encoding[i]],
             indices=self.indices[start : start + count],
             values=values[vs : vs + count],
+            verified=self._verified,
         )
 
     @overload

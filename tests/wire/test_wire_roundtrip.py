@@ -348,3 +348,24 @@ def test_ten_million_entries_round_trip_quickly() -> None:
     assert np.array_equal(payload.items[0].indices, idx)
     assert np.array_equal(payload.items[0].values, masks)
     assert elapsed < 5.0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_decoded_items_are_marked_verified_and_items_built_in_memory_are_not(version: int) -> None:
+    """The decoder checks every index (increasing, in bounds): receivers may trust its items;
+    items built anywhere else carry ``verified=False`` and are scanned again."""
+    item = Item(
+        name="w",
+        shape=(100,),
+        dtype=torch.bfloat16,
+        encoding=Encoding.OVERWRITE,
+        indices=np.array([1, 5, 9], np.int64),
+        values=np.array([1, 2, 3], np.uint16),
+    )
+    assert not item.verified
+    data = encode_payload(PayloadHeader(attempt=1, owner=0, payload_id=0), [item], version=version)
+    decoded = decode_payload(data).items
+    assert [it.verified for it in decoded] == [True]
+    from dcr.wire.format import Items
+
+    assert [it.verified for it in Items.of([item])] == [False]
