@@ -96,9 +96,9 @@ def test_bench_apply_fails_loudly_when_the_bits_differ(monkeypatch):
 
     real = bench._apply
 
-    def lossy(receivers, payloads):
+    def lossy(receivers, payloads, attempt):
         dropped = [type(p)(header=p.header, items=p.items[1:]) for p in payloads]
-        return real(receivers, dropped)
+        return real(receivers, dropped, attempt)
 
     monkeypatch.setattr(bench, "_apply", lossy)
     with pytest.raises(bench.NotBitExact, match="differs from a dense load"):

@@ -112,16 +112,17 @@ def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]
 
 
 def _apply(
-    receivers: Sequence[Receiver], payloads: Sequence[Payload]
+    receivers: Sequence[Receiver], payloads: Sequence[Payload], attempt: int
 ) -> tuple[float, int, int, float]:
     """Seconds, positions written, loader calls and planning seconds (loader calls, checks
-    and write plans, before the first write) of applying ``payloads`` on every rank."""
+    and write plans, before the first write) of applying ``payloads`` on every rank as
+    attempt ``attempt`` (a fresh one per repeat: each attempt witnesses the loader anew)."""
     t0 = time.perf_counter()
     written = calls = 0
     plan = 0.0
     for r in receivers:
         for p in payloads:
-            report = r.apply_items(p.items, attempt=p.header.attempt)
+            report = r.apply_items(p.items, attempt=attempt)
             written += report.written
             calls += report.loader_calls
             plan += sum(item.seconds for item in report.items)
@@ -215,10 +216,11 @@ def run_apply_bench(
                 entries = sum(item.count for p in payloads for item in p.items)
                 applies, denses, plans = [], [], []
                 written = calls = 0
-                for _ in range(repeats):
+                for repeat in range(repeats):
                     denses.append(_dense(receivers, base))
                     gc.collect()
-                    seconds, written, calls, plan_s = _apply(receivers, payloads)
+                    attempt = (i + 1) * 1000 + repeat
+                    seconds, written, calls, plan_s = _apply(receivers, payloads, attempt)
                     applies.append(seconds)
                     plans.append(plan_s)
                 applied = _stored_bits(receivers)
