@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "AttemptObsolete",
+    "CheckpointError",
     "CommitConflict",
     "CommitStoreError",
     "ConfigError",
@@ -65,6 +66,16 @@ class ConfigError(DcrError):
 
 class LayoutError(ConfigError):
     """A training or serving layout cannot be built from the given tensors and config."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory cannot give a catalog (:mod:`dcr.catalog`).
+
+    ``check`` names what is wrong: ``missing`` (a file or directory), ``truncated`` (a file
+    shorter than its header says), ``header`` (a malformed safetensors header), ``index`` (a
+    malformed or inconsistent ``model.safetensors.index.json``), ``config`` (a malformed
+    ``config.json``) or ``dtype`` (a tensor of a dtype dcr does not carry).
+    """
 
 
 class ProtocolError(DcrError):

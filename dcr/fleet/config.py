@@ -87,6 +87,11 @@ class ModelSection:
     restore)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """HF config fields that replace the generated ones (e.g. a tiny model for tests)."""
+    checkpoint: str | None = None
+    """A Hugging Face checkpoint directory (relative to the fleet file) that gives the model
+    instead of ``family``, ``size_mb`` and ``overrides``: the catalog (names, shapes, dtypes)
+    from its safetensors headers (:func:`dcr.catalog.read_catalog`), the config from its
+    ``config.json``.  The synthetic trainer trains synthetic weights of that catalog."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,13 +246,20 @@ def _section(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"[{where}]: {exc}") from exc
 
 
-def _model(raw: Any) -> ModelSection:
-    """``[model]``, its ``rates`` as a tuple."""
+def _model(raw: Any, base: Path) -> ModelSection:
+    """``[model]``, its ``rates`` as a tuple and its ``checkpoint`` relative to ``base``."""
     model: ModelSection = _section(ModelSection, raw, "model")
     if not isinstance(model.rates, tuple):
         if not isinstance(model.rates, list):
             raise ConfigError("[model] rates must be a list of numbers")
         model = replace(model, rates=tuple(model.rates))
+    if model.checkpoint is not None:
+        if not isinstance(model.checkpoint, str) or not model.checkpoint:
+            raise ConfigError("[model] checkpoint must be the path of a checkpoint directory")
+        given = sorted({"family", "size_mb", "overrides"} & set(raw))
+        if given:
+            raise ConfigError(f"[model] checkpoint gives the model: leave out {given}")
+        model = replace(model, checkpoint=str(base / model.checkpoint))
     return model
 
 
@@ -295,7 +307,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         run_dir=run_dir,
         name=str(top.get("name", path.stem)),
         host=str(top.get("host", "127.0.0.1")),
-        model=_model(raw.get("model")),
+        model=_model(raw.get("model"), path.parent),
         trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
         rollout=tuple(nodes),
         coordinator=coordinator,

@@ -5,6 +5,12 @@ and serves it from vLLM-like sharded reference ranks
 (:class:`~dcr.testing.reference.ShardedReferenceModel`).  Each process computes only its
 part: a trainer rank its shards, a receiver nothing but its digests, the launcher the
 canonical tensors it checks receivers against.
+
+With ``[model] checkpoint`` the catalog is the checkpoint's (read from its safetensors
+headers, :mod:`dcr.catalog`) and the config its ``config.json``: receivers hosted by an engine
+serving that checkpoint need nothing more.  The synthetic trainer and the reference ranks
+model it when it is a checkpoint of one of their families in one dtype (synthetic weights,
+the checkpoint's names, shapes and dtype).
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import numpy as np
 import torch
 
 from dcr.apply.receiver import Receiver, xor_allowed_across
-from dcr.delta.bits import bits
+from dcr.catalog import read_catalog, read_config
+from dcr.delta.bits import bits, dtype_name
 from dcr.delta.layout import TrainingPlan, TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import TensorSpec
 from dcr.engine.setup import Integration
+from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, ReceiverSpec
-from dcr.testing.models import canonical_shapes, tiny_config
+from dcr.testing.models import FAMILIES, canonical_shapes, tiny_config
 from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.testing.synthetic import SyntheticRun
 
@@ -78,31 +86,82 @@ class FleetModel:
     @cached_property
     def config(self) -> dict[str, Any]:
         m = self.fleet.model
+        if m.checkpoint is not None:
+            return read_config(m.checkpoint)
         return sized_config(m.family, m.size_mb * MB, **m.overrides)
 
-    @property
+    @cached_property
     def family(self) -> str:
+        """The model family: ``[model] family``, or the checkpoint's ``model_type``."""
+        if self.fleet.model.checkpoint is not None:
+            return str(self.config.get("model_type", ""))
         return self.fleet.model.family
 
     @cached_property
     def run(self) -> SyntheticRun:
+        self.require_synthetic()
         m = self.fleet.model
         return SyntheticRun(
-            config=self.config, family=m.family, seed=m.seed, rate=m.rate, rates=m.rates
-        )
+            config=self.config, family=self.family, seed=m.seed, rate=m.rate, rates=m.rates,
+            dtype=self.dtype,
+        )  # fmt: skip
 
     @cached_property
     def catalog(self) -> dict[str, TensorSpec]:
+        if self.fleet.model.checkpoint is not None:
+            return read_catalog(self.fleet.model.checkpoint)
         return {
             n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
             for n, s in canonical_shapes(self.config, self.family).items()
         }
 
     @cached_property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the synthetic weights and reference ranks: the catalog's one dtype
+        (bfloat16 when the catalog mixes dtypes, which :meth:`require_synthetic` refuses)."""
+        dtypes = {s.dtype for s in self.catalog.values()}
+        return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16
+
+    @cached_property
+    def synthetic_problem(self) -> str | None:
+        """Why the synthetic trainer and the reference ranks cannot model this catalog
+        (``None``: they can -- always without ``[model] checkpoint``)."""
+        checkpoint = self.fleet.model.checkpoint
+        if checkpoint is None:
+            return None
+        if self.family not in FAMILIES:
+            return f"its model_type is {self.family!r}, not one of {list(FAMILIES)}"
+        dtypes = sorted({dtype_name(s.dtype) for s in self.catalog.values()})
+        if len(dtypes) != 1:
+            return f"it mixes dtypes {dtypes}"
+        try:
+            shapes = canonical_shapes(self.config, self.family)
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"its config.json lacks what a {self.family} layout needs ({exc!r})"
+        found = {n: s.shape for n, s in self.catalog.items()}
+        if found != shapes:
+            odd = sorted(n for n in set(found) | set(shapes) if found.get(n) != shapes.get(n))
+            return f"its tensors are not the {self.family} layout ({odd[:3]} differ)"
+        return None
+
+    def require_synthetic(self) -> None:
+        """Raise :class:`~dcr.errors.ConfigError` when the synthetic trainer and the reference
+        ranks cannot model this catalog (see :attr:`synthetic_problem`)."""
+        problem = self.synthetic_problem
+        if problem is not None:
+            raise ConfigError(
+                f"dcr's synthetic trainer and reference receivers cannot model the checkpoint "
+                f"{self.fleet.model.checkpoint}: {problem}; receivers hosted by an engine "
+                "serving it, with your own trainer's owners, can",
+                check="checkpoint",
+            )
+
+    @cached_property
     def plan(self) -> TrainingPlan:
         t = self.fleet.trainer
         layout = TrainLayout(tp=t.tp, ep=t.ep, dp=t.dp)
-        return build_plan(self.catalog, layout, family=self.family, config=self.config)
+        family = self.family if self.family in FAMILIES else None
+        return build_plan(self.catalog, layout, family=family, config=self.config)
 
     @property
     def build(self) -> BuildConfig:
@@ -117,15 +176,21 @@ class FleetModel:
     def receiver_model(self, spec: ReceiverSpec) -> ShardedReferenceModel:
         """An empty serving rank (all zeros): it restores the committed version by dense
         refit over the fleet."""
-        return ShardedReferenceModel(self.config, self.family, tp_size=spec.tp, tp_rank=spec.rank)
+        self.require_synthetic()
+        return ShardedReferenceModel(
+            self.config, self.family, tp_size=spec.tp, tp_rank=spec.rank, dtype=self.dtype
+        )
 
     @cached_property
     def xor_names(self) -> frozenset[str]:
         """Names every receiver's loader path preserves bit for bit (mixed mode XORs them).
 
         Classification depends on the module structure, not on sizes, so it is computed on
-        a narrow copy of the model with the same layers and tensor names.
+        a narrow copy of the model with the same layers and tensor names.  A checkpoint the
+        reference ranks cannot model XORs nothing: every record is an overwrite.
         """
+        if self.synthetic_problem is not None:
+            return frozenset()
         narrow = dict(self.config)
         heads = int(narrow["num_attention_heads"])
         kv = int(narrow.get("num_key_value_heads", heads))
@@ -134,12 +199,14 @@ class FleetModel:
         if narrow.get("num_experts"):
             narrow["moe_intermediate_size"] = 16
         catalog = {
-            n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
+            n: TensorSpec(name=n, shape=s, dtype=self.dtype)
             for n, s in canonical_shapes(narrow, self.family).items()
         }
         receivers = []
         for spec in {(r.tp, r.rank) for r in self.fleet.receivers}:
-            model = ShardedReferenceModel(narrow, self.family, tp_size=spec[0], tp_rank=spec[1])
+            model = ShardedReferenceModel(
+                narrow, self.family, tp_size=spec[0], tp_rank=spec[1], dtype=self.dtype
+            )
             receiver = Receiver(ShardedReferenceLoader(model), catalog)
             receiver.prewarm()
             receivers.append(receiver)
@@ -156,10 +223,11 @@ class FleetModel:
         self, state: Mapping[str, torch.Tensor], specs: Iterable[ReceiverSpec]
     ) -> dict[tuple[int, int], dict[str, str]]:
         """Digests of a dense load of ``state`` into each serving rank layout."""
+        self.require_synthetic()
         out = {}
         for tp, rank in sorted({(s.tp, s.rank) for s in specs}):
             loader = ShardedReferenceLoader.dense(
-                self.config, self.family, state, tp_size=tp, tp_rank=rank
+                self.config, self.family, state, tp_size=tp, tp_rank=rank, dtype=self.dtype
             )
             out[(tp, rank)] = digests(loader.module)
         return out

@@ -1,14 +1,19 @@
 """Tiny Hugging Face checkpoint directories built locally, for tests that run a real serving
 runtime (vLLM) on the checkpoints of :mod:`dcr.testing.models`.
 
-A checkpoint directory holds ``config.json`` (written by the family's ``transformers`` config
-class, so runtimes parse it exactly as they parse a downloaded model) and ``model.safetensors``.
-No tokenizer is written: runtimes are started with their tokenizer disabled.  ``transformers``
-and ``safetensors`` are imported only when a function here runs (``pip install 'dcr[vllm]'``).
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` -- or, sharded, files
+``model-0000k-of-0000n.safetensors`` and the ``model.safetensors.index.json`` naming the file of
+every tensor, as ``save_pretrained`` writes large models.  Where ``transformers`` is installed
+(as in every environment with a serving runtime) ``config.json`` is written by the family's
+config class, so runtimes parse it exactly as they parse a downloaded model; elsewhere it is
+the config dict itself, which is all dcr reads of it.  No tokenizer is written: runtimes are
+started with their tokenizer disabled.  ``safetensors`` and ``transformers`` are imported only
+when a function here runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,12 +25,13 @@ from dcr.delta.bits import dtype_name
 from dcr.errors import ConfigError
 from dcr.testing.models import canonical_shapes
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "read_checkpoint", "write_checkpoint"]
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "read_checkpoint", "write_checkpoint"]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
-_INSTALL_HINT = "needs transformers and safetensors (pip install 'dcr[vllm]')"
+_INSTALL_HINT = "needs safetensors (pip install safetensors)"
 
 
 def _check_state_dict(
@@ -62,13 +68,18 @@ def write_checkpoint(
     config: Mapping[str, Any],
     family: str,
     state_dict: Mapping[str, torch.Tensor],
+    *,
+    shard_bytes: int | None = None,
 ) -> Path:
     """Write ``config`` and ``state_dict`` as a Hugging Face checkpoint directory; returns it.
 
     ``config`` is a dict from :func:`dcr.testing.models.tiny_config` (any family field may be
     overridden); its ``model_type`` must belong to ``family``.  The state dict must hold exactly
     the family's checkpoint tensors (:func:`~dcr.testing.models.canonical_shapes`), all of one
-    dtype, which is recorded in the config.  An existing checkpoint in ``directory`` is replaced.
+    dtype, which is recorded in the config.  ``shard_bytes`` shards the tensors, in checkpoint
+    order, into files of at most that many bytes of data (a larger tensor gets a file of its
+    own) with an index, as ``save_pretrained`` does.  An existing checkpoint in ``directory``
+    is replaced.
     """
     if config.get("model_type") != family:
         raise ConfigError(
@@ -78,10 +89,47 @@ def write_checkpoint(
     dtype = _check_state_dict(config, family, state_dict)
     try:
         from safetensors.torch import save_file
-        from transformers import AutoConfig
     except ImportError as exc:
         raise ConfigError(f"write_checkpoint {_INSTALL_HINT}") from exc
 
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    _write_config(out, config, family, dtype)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
+    if shard_bytes is None:
+        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        return out
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    held = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        if shards[-1] and held + size > shard_bytes:
+            shards.append({})
+            held = 0
+        shards[-1][name] = t
+        held += size
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def _write_config(out: Path, config: Mapping[str, Any], family: str, dtype: torch.dtype) -> None:
+    """``config.json``: through the family's ``transformers`` config class where it is
+    installed, else the config dict with its dtype."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        text = json.dumps({**config, "dtype": dtype_name(dtype)}, indent=2, sort_keys=True)
+        (out / CONFIG_FILE).write_text(text + "\n")
+        return
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
     try:
         hf_config = AutoConfig.for_model(family, **fields)
@@ -89,13 +137,7 @@ def write_checkpoint(
         raise ConfigError(f"transformers rejected the {family} config: {exc}") from exc
     hf_config.architectures = list(config.get("architectures", []))
     hf_config.dtype = dtype_name(dtype)
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    return out
 
 
 def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
