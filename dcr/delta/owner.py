@@ -33,15 +33,12 @@ from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.ordered import ULP_DTYPES, ulp_delta
 from dcr.delta.parallel import default_threads, ordered_map
-from dcr.delta.records import Encoding, Item, Mode, TensorSpec
+from dcr.delta.records import Encoding, Item, Mode, Span, TensorSpec
 from dcr.errors import ConfigError, DcrError, LayoutError
 
 __all__ = ["BuildConfig", "BuildStats", "Bucket", "Owner", "ResidualJob"]
 
 MiB = 1 << 20
-
-_DENSE_BLOCK = 1 << 20
-"""Source elements projected at once by a dense build: bounds its index temporaries."""
 
 _SCAN_BLOCK = 1 << 20
 """Source elements one worker compares at once: large enough that the per-block Python work
@@ -155,14 +152,19 @@ Index = npt.NDArray[np.int64]
 
 
 class _Packer:
-    """Collects records per (canonical name, encoding) and turns them into sorted items."""
+    """Collects records per (canonical name, encoding) and turns them into sorted items.
+
+    A part holds listed indices (a delta build's changed elements) or a :class:`Span` (a
+    dense build's whole projections); parts whose spans continue each other become one span
+    item, so a dense build never lists an index.
+    """
 
     def __init__(self, catalog: Mapping[str, TensorSpec]) -> None:
         self.catalog = catalog
-        self.parts: dict[tuple[str, Encoding], list[tuple[Index, UInt]]] = {}
+        self.parts: dict[tuple[str, Encoding], list[tuple[Index | Span, UInt]]] = {}
 
-    def add(self, name: str, encoding: Encoding, indices: Index, values: UInt) -> None:
-        if not indices.size:
+    def add(self, name: str, encoding: Encoding, indices: Index | Span, values: UInt) -> None:
+        if not values.size:
             return
         self.parts.setdefault((name, encoding), []).append((indices, values))
 
@@ -172,45 +174,127 @@ class _Packer:
     def items(self, stats: BuildStats) -> list[Item]:
         out = []
         for (name, enc), chunks in self.parts.items():
-            # Each part is sorted (a monotone map of sorted source indices); parts in order with
-            # no overlap at their seams need no sort.  Unsorted seams are sorted and checked.
-            in_order = all(a[0][-1] < b[0][0] for a, b in itertools.pairwise(chunks))
-            if len(chunks) == 1:
-                idx, vals = chunks[0]
-            else:
-                idx = np.concatenate([c[0] for c in chunks])
-                vals = np.concatenate([c[1] for c in chunks])
-            if not in_order:
-                order = np.argsort(idx, kind="stable")
-                idx, vals = idx[order], vals[order]
-                if not bool((np.diff(idx) > 0).all()):
-                    raise LayoutError(
-                        "two records for one canonical destination",
-                        tensor=name,
-                        check="conflicting-records",
-                    )
             spec = self.catalog[name]
-            out.append(
-                Item(
-                    name=name,
-                    shape=spec.shape,
-                    dtype=spec.dtype,
-                    encoding=enc,
-                    indices=np.ascontiguousarray(idx, dtype=np.int64),
-                    values=np.ascontiguousarray(vals),
-                )
-            )
+            item = _span_item(spec, enc, chunks)
+            if item is None:
+                item = _listed_item(spec, enc, chunks)
+            out.append(item)
             if enc is Encoding.XOR:
                 stats.xor_items += 1
-                stats.xor_entries += int(idx.size)
+                stats.xor_entries += item.count
             elif enc is Encoding.ULP:
                 stats.ulp_items += 1
-                stats.ulp_entries += int(idx.size)
+                stats.ulp_entries += item.count
             else:
                 stats.overwrite_items += 1
-                stats.overwrite_entries += int(idx.size)
+                stats.overwrite_entries += item.count
         self.parts = {}
         return out
+
+
+def _span_item(
+    spec: TensorSpec, enc: Encoding, chunks: list[tuple[Index | Span, UInt]]
+) -> Item | None:
+    """One span item of parts that are spans each continuing the one before, else ``None``."""
+    first = chunks[0][0]
+    if not isinstance(first, Span):
+        return None
+    span, count = first, int(chunks[0][1].shape[0])
+    for part, values in chunks[1:]:
+        if not isinstance(part, Span) or not span.follows(count, part):
+            return None
+        count += int(values.shape[0])
+    values = chunks[0][1] if len(chunks) == 1 else np.concatenate([c[1] for c in chunks])
+    return Item(
+        name=spec.name,
+        shape=spec.shape,
+        dtype=spec.dtype,
+        encoding=enc,
+        span=span,
+        values=np.ascontiguousarray(values),
+    )
+
+
+def _listed_item(spec: TensorSpec, enc: Encoding, chunks: list[tuple[Index | Span, UInt]]) -> Item:
+    """One item of listed indices: each part is sorted (a monotone map of sorted source
+    indices); parts in order with no overlap at their seams need no sort, unsorted seams are
+    sorted and checked."""
+    parts = [(p.locate(0, int(v.shape[0])) if isinstance(p, Span) else p, v) for p, v in chunks]
+    in_order = all(a[0][-1] < b[0][0] for a, b in itertools.pairwise(parts))
+    if len(parts) == 1:
+        idx, vals = parts[0]
+    else:
+        idx = np.concatenate([c[0] for c in parts])
+        vals = np.concatenate([c[1] for c in parts])
+    if not in_order:
+        order = np.argsort(idx, kind="stable")
+        idx, vals = idx[order], vals[order]
+        if not bool((np.diff(idx) > 0).all()):
+            raise LayoutError(
+                "two records for one canonical destination",
+                tensor=spec.name,
+                check="conflicting-records",
+            )
+    return Item(
+        name=spec.name,
+        shape=spec.shape,
+        dtype=spec.dtype,
+        encoding=enc,
+        indices=np.ascontiguousarray(idx, dtype=np.int64),
+        values=np.ascontiguousarray(vals),
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _DenseRun:
+    """Local element ranges of one shard that land in one :class:`Span` of ``names``."""
+
+    names: tuple[str, ...]
+    span: Span
+    pieces: list[tuple[int, int]]
+    count: int
+
+
+def _dense_spans(segments: Sequence[Segment]) -> list[_DenseRun]:
+    """A shard's affine segments as spans of canonical elements, per name in segment order;
+    a segment that continues an earlier span of its names (fused QKV's per-group rows of one
+    projection) joins it."""
+    out: list[_DenseRun] = []
+    last: dict[tuple[str, ...], _DenseRun] = {}
+    for seg in segments:
+        for lo, hi, span in _segment_spans(seg):
+            run = last.get(seg.names)
+            if run is not None and run.span.follows(run.count, span):
+                run.pieces.append((lo, hi))
+                run.count += hi - lo
+                continue
+            run = _DenseRun(names=seg.names, span=span, pieces=[(lo, hi)], count=hi - lo)
+            last[seg.names] = run
+            out.append(run)
+    return out
+
+
+def _segment_spans(seg: Segment) -> list[tuple[int, int, Span]]:
+    """``(lo, hi, span)``: the segment's local range as spans; a row-spread segment that
+    starts inside a row gives that row's rest as a run first."""
+    if seg.stop <= seg.start:
+        return []
+    first = int(seg.canonical(np.array([seg.start], dtype=np.int64))[0])
+    if not seg.period or not seg.gap:
+        return [(seg.start, seg.stop, Span(first))]
+    out = []
+    start = seg.start
+    cut = -(-start // seg.period) * seg.period
+    if cut != start:
+        end = min(cut, seg.stop)
+        out.append((start, end, Span(first)))
+        if end == seg.stop:
+            return out
+        start = end
+        first = int(seg.canonical(np.array([start], dtype=np.int64))[0])
+    span = Span(first, seg.period, seg.gap) if seg.stop - start > seg.period else Span(first)
+    out.append((start, seg.stop, span))
+    return out
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -536,8 +620,9 @@ class Owner:
         xor_allowed: Container[str],
         residual: Sequence[ResidualJob],
         project: bool,
-    ) -> Iterator[int]:
-        """Add the changed set to ``packer``; yield the input bytes of each emitting chunk.
+    ) -> Iterator[tuple[int, bool]]:
+        """Add the changed set to ``packer``; yield the input bytes of each emitting chunk
+        (and ``False``: whether more chunks emit is not known ahead).
 
         Blocks of every chunk are compared on worker threads, a bounded window ahead of the
         chunk being packed (:func:`~dcr.delta.parallel.ordered_map`); each block finds its
@@ -577,7 +662,7 @@ class Owner:
                 nbytes = sum(s.nbytes for s in chunks[finished])
                 stats.source_bytes += nbytes
                 if emitted[finished]:
-                    yield nbytes
+                    yield nbytes, False
                 finished += 1
         for chunk in chunks[finished:]:
             stats.source_bytes += sum(s.nbytes for s in chunk)
@@ -599,12 +684,18 @@ class Owner:
             if idx.size:
                 stats.residual_changed += int(idx.size)
                 packer.add(job.spec.name, Encoding.OVERWRITE, idx, new[idx])
-                yield job.spec.nbytes
+                yield job.spec.nbytes, False
         if project:
             self._changed = changed
 
-    def _dense_records(self, packer: _Packer, stats: BuildStats) -> Iterator[int]:
-        """Add every committed element to ``packer``; yield the input bytes of each chunk."""
+    def _dense_records(self, packer: _Packer, stats: BuildStats) -> Iterator[tuple[int, bool]]:
+        """Add every committed element to ``packer``; yield the input bytes of each chunk and
+        whether a later chunk emits records too.
+
+        Each shard's affine segments become :class:`Span` records (segments of one tensor
+        that continue each other are joined), so the only memory a chunk takes is the copy of
+        its values; nothing lists an index.
+        """
         epoch = self._epoch
 
         def check_epoch() -> None:
@@ -614,50 +705,48 @@ class Owner:
                     check="dense-stale",
                 )
 
-        for chunk in self.chunks():
+        chunks = [
+            [(s, _dense_spans(s.mapping.segments())) for s in chunk if s.mapping is not None]
+            for chunk in self.chunks()
+        ]
+        residual = [t for t in self.plan.residual if t.name in self.residual_baseline]
+        emits = [any(spans for _, spans in chunk) for chunk in chunks]
+        for number, chunk in enumerate(chunks):
             chunk_bytes = 0
-            emitted = False
             t0 = time.thread_time()
-            for s in chunk:
-                assert s.mapping is not None
+            for s, spans in chunk:
                 chunk_bytes += s.nbytes
                 flat = bits(self.trackers[s.key]).reshape(-1)
-                # Mappings are monotone per destination, so blocks in order keep every
-                # destination's indices sorted (no argsort when the packer concatenates).
-                for start in range(0, flat.shape[0], _DENSE_BLOCK):
-                    stop = min(start + _DENSE_BLOCK, flat.shape[0])
-                    local = np.arange(start, stop, dtype=np.int64)
-                    for d in s.mapping.project(local):
-                        values = (
-                            flat[start:stop].copy() if d.select is None else flat[local[d.select]]
-                        )
-                        packer.add(d.name, Encoding.OVERWRITE, d.indices, values)
-                        emitted = True
+                for run in spans:
+                    values = np.empty(run.count, dtype=flat.dtype)
+                    at = 0
+                    for lo, hi in run.pieces:
+                        values[at : at + hi - lo] = flat[lo:hi]
+                        at += hi - lo
+                    for name in run.names:
+                        packer.add(name, Encoding.OVERWRITE, run.span, values)
             check_epoch()
             stats.add_time("project", time.thread_time() - t0)
             stats.source_bytes += chunk_bytes
-            if emitted:
-                yield chunk_bytes
-        for task in self.plan.residual:
-            base = self.residual_baseline.get(task.name)
-            if base is None:
-                continue
-            flat = bits(base).reshape(-1)
-            packer.add(
-                task.name, Encoding.OVERWRITE, np.arange(flat.shape[0], dtype=np.int64), flat.copy()
-            )
+            if emits[number]:
+                yield chunk_bytes, bool(residual) or any(emits[number + 1 :])
+        for n, task in enumerate(residual):
+            flat = bits(self.residual_baseline[task.name]).reshape(-1)
+            packer.add(task.name, Encoding.OVERWRITE, Span(0), flat.copy())
             check_epoch()
             stats.source_bytes += task.spec.nbytes
-            yield task.spec.nbytes
+            yield task.spec.nbytes, n + 1 < len(residual)
 
     def _buckets(
-        self, records: Iterable[int], packer: _Packer, stats: BuildStats
+        self, records: Iterable[tuple[int, bool]], packer: _Packer, stats: BuildStats
     ) -> Iterator[Bucket]:
         """Close a bucket once record-emitting chunks reach ``bucket_bytes`` (paper §7.2).
 
         ``records`` fills ``packer`` and yields the input bytes of each chunk that emitted
-        records.  One complete bucket is held back so that the last one can be marked final;
-        an owner that emitted nothing yields one empty final bucket.
+        records, with whether a later chunk is known to emit too.  A bucket closed where more
+        records are known to follow is yielded at once; otherwise it is held back until the
+        next one closes, so that the last bucket can be marked final.  An owner that emitted
+        nothing yields one empty final bucket.
         """
         input_bytes = 0
         pending: Bucket | None = None
@@ -672,12 +761,19 @@ class Owner:
             input_bytes = 0
             return b
 
-        for nbytes in records:
+        for nbytes, more in records:
             input_bytes += nbytes
             if input_bytes >= self.config.bucket_bytes:
                 if pending is not None:
                     yield pending
-                pending = flush()
+                    pending = None
+                if more:
+                    closed = flush()
+                    if closed is not None:
+                        yield closed
+                        del closed  # the consumer owns it now: do not hold it while building
+                else:
+                    pending = flush()
         last = flush()
         if pending is not None and last is not None:
             yield pending

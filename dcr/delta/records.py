@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ from dcr.delta.bits import DTYPE_CODES, dtype_name, numpy_bits_dtype
 from dcr.errors import ConfigError
 from dcr.protocol.types import Mode  # one enum for the protocol core and the data plane
 
-__all__ = ["Encoding", "Item", "Mode", "TensorSpec"]
+__all__ = ["Encoding", "Item", "Mode", "Span", "TensorSpec"]
 
 
 class Encoding(enum.IntEnum):
@@ -75,27 +75,130 @@ class TensorSpec:
         return cls(name=name, shape=tuple(t.shape), dtype=t.dtype)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The flat indices of an item's entries, implied rather than listed.
+
+    Entry ``j`` lies at ``start + j + (j // period) * gap``: with ``gap == 0`` one contiguous
+    run ``start, start+1, ...``; otherwise rows of ``period`` consecutive elements spread
+    ``period + gap`` apart (a row-parallel shard's columns in its canonical tensor).  A dense
+    refit's items are spans, so neither owners nor receivers hold an 8-byte index per element
+    (:attr:`Item.span`).
+    """
+
+    start: int
+    period: int = 0
+    gap: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.period < 0 or self.gap < 0 or (self.gap and not self.period):
+            raise ConfigError(
+                f"span start {self.start}, period {self.period}, gap {self.gap} is not a span"
+            )
+
+    @property
+    def is_run(self) -> bool:
+        """Whether the entries are consecutive elements (whatever their count)."""
+        return self.gap == 0
+
+    def index(self, j: int) -> int:
+        """Flat index of entry ``j``."""
+        return self.start + j + (j // self.period) * self.gap if self.gap else self.start + j
+
+    def locate(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
+        """Flat indices of entries ``lo .. hi-1`` (a new int64 array)."""
+        out = np.arange(lo, hi, dtype=np.int64)
+        if self.gap:
+            rows = out // self.period
+            rows *= self.gap
+            out += rows
+        out += self.start
+        return out
+
+    def follows(self, count: int, other: Span) -> bool:
+        """Whether ``other`` continues this span of ``count`` entries (one span covers both)."""
+        if other.period != self.period or other.gap != self.gap:
+            return False
+        if self.gap and count % self.period:
+            return False
+        return other.start == self.index(count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False, init=False)
 class Item:
     """One owner's entries for one canonical tensor.
 
-    ``indices`` are flat C-order indices into the canonical tensor, strictly increasing;
-    ``values`` has the unsigned integer type of the tensor's dtype width and one entry per index.
+    The entries' flat C-order indices into the canonical tensor are strictly increasing; they
+    are either listed (``indices``) or implied by a :class:`Span` (``span``, one run or evenly
+    spaced rows, the form of dense refits).  :attr:`indices` is an int64 array either way
+    (built on demand for a span: consumers that must stay small read :attr:`span` first).
+    ``values`` has the unsigned integer type of the tensor's dtype width and one entry per
+    index.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     encoding: Encoding
-    indices: npt.NDArray[np.int64]
     values: npt.NDArray[np.unsignedinteger[Any]]
-    verified: bool = False
-    """Set by dcr's payload decoder: ``indices`` were checked strictly increasing and inside
+    span: Span | None
+    """The implied indices, or ``None`` when they are listed."""
+    verified: bool
+    """Set by dcr's payload decoder: the indices were checked strictly increasing and inside
     the tensor, so a receiver need not scan them again."""
+    listed: npt.NDArray[np.int64] | None = field(repr=False)
+    """The listed indices (``None`` for a span).  The constructor takes them as ``indices``
+    (or as ``listed``, which is what :func:`dataclasses.replace` passes on)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        encoding: Encoding,
+        values: npt.NDArray[np.unsignedinteger[Any]],
+        indices: npt.NDArray[np.int64] | None = None,
+        span: Span | None = None,
+        verified: bool = False,
+        listed: npt.NDArray[np.int64] | None = None,
+    ) -> None:
+        if indices is None:
+            indices = listed
+        if (indices is None) == (span is None):
+            raise ConfigError("an item has either listed indices or a span", tensor=name)
+        for key, value in (
+            ("name", name),
+            ("shape", shape),
+            ("dtype", dtype),
+            ("encoding", encoding),
+            ("values", values),
+            ("span", span),
+            ("verified", verified),
+            ("listed", indices),
+        ):
+            object.__setattr__(self, key, value)
+
+    @property
+    def indices(self) -> npt.NDArray[np.int64]:
+        """Flat indices of the entries (for a span, a new array on every call)."""
+        if self.listed is not None:
+            return self.listed
+        assert self.span is not None
+        return self.span.locate(0, self.count)
+
+    def locate(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
+        """Flat indices of entries ``lo .. hi-1`` (a view of listed indices, else new)."""
+        if self.listed is not None:
+            return self.listed[lo:hi]
+        assert self.span is not None
+        return self.span.locate(lo, hi)
 
     @property
     def count(self) -> int:
-        return int(self.indices.shape[0])
+        if self.listed is not None:
+            return int(self.listed.shape[0])
+        return int(self.values.shape[0])
 
     @property
     def spec(self) -> TensorSpec:
@@ -104,7 +207,10 @@ class Item:
     def validate(self) -> None:
         """Check the invariants an encoder relies on; raises :class:`ConfigError`."""
         n = math.prod(self.shape)
-        if self.indices.dtype != np.int64 or self.indices.ndim != 1:
+        listed = self.listed
+        if listed is not None and (
+            not isinstance(listed, np.ndarray) or listed.dtype != np.int64 or listed.ndim != 1
+        ):
             raise ConfigError("indices must be a 1-D int64 array", tensor=self.name)
         if self.values.dtype != numpy_bits_dtype(self.dtype) or self.values.shape != (self.count,):
             raise ConfigError(
@@ -112,7 +218,16 @@ class Item:
                 tensor=self.name,
             )
         if self.count:
-            if self.indices[0] < 0 or self.indices[-1] >= n:
+            first, last = self.bounds
+            if first < 0 or last >= n:
                 raise ConfigError("index out of range", tensor=self.name, check="bounds")
-            if self.count > 1 and not bool(np.all(np.diff(self.indices) > 0)):
+            if listed is not None and self.count > 1 and not bool(np.all(np.diff(listed) > 0)):
                 raise ConfigError("indices must be strictly increasing", tensor=self.name)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """First and last flat index of a non-empty item."""
+        if self.listed is not None:
+            return int(self.listed[0]), int(self.listed[-1])
+        assert self.span is not None
+        return self.span.start, self.span.index(self.count - 1)

@@ -61,8 +61,8 @@ from dcr.wire.locations import (
     V1_KINDS,
     V2_KINDS,
     LocationKind,
+    check_run,
     decode_gaps,
-    decode_run,
 )
 from dcr.wire.planes import join_planes, word_dtype
 from dcr.wire.split import (
@@ -628,19 +628,21 @@ def _decode_v1(
     n = len(entries)
     tensor = np.empty(n, dtype=np.int64)
     count = np.array([e.count for e in entries], dtype=np.int64)
+    is_run = np.array([e.kind is LocationKind.RUN for e in entries], dtype=bool)
+    run = np.full(n, -1, dtype=np.int64)
     start = np.zeros(n, dtype=np.int64)
-    np.cumsum(count[:-1], out=start[1:])
-    indices = np.empty(int(count.sum()), dtype=np.int64)
+    np.cumsum(np.where(is_run, 0, count)[:-1], out=start[1:])
+    indices = np.empty(int(count[~is_run].sum()), dtype=np.int64)
     for i, e in enumerate(entries):
         tensor[i] = tensors.setdefault((e.name, e.shape, e.dtype), len(tensors))
-        s = int(start[i])
         if e.kind is LocationKind.RUN:
-            idx = decode_run(e.location, e.count, e.numel, attempt=attempt, tensor=e.name)
+            check_run(e.location, e.count, e.numel, attempt=attempt, tensor=e.name)
+            run[i] = e.location
         else:
+            s = int(start[i])
             width = GAP_WIDTHS[e.kind]
             words = _words(gaps[width], e.location, e.count, word_dtype(width), layout)
-            idx = decode_gaps(words, e.numel, attempt=attempt, tensor=e.name)
-        indices[s : s + e.count] = idx
+            indices[s : s + e.count] = decode_gaps(words, e.numel, attempt=attempt, tensor=e.name)
         if e.dtype == torch.bool and e.count:
             vals = values[1][e.value : e.value + e.count]
             if int(vals.max()) > 1:
@@ -655,6 +657,7 @@ def _decode_v1(
         value_start=np.array([e.value for e in entries], dtype=np.int64),
         indices=indices,
         values={w: v for w, v in values.items() if v.shape[0]},
+        run=run,
     )
 
 
@@ -853,21 +856,29 @@ def _decode_v2(
             "bounds",
         )
 
-    # -- locations -------------------------------------------------------------------------
-    n = int(count.sum())
+    # -- locations: only Rice items list their indices; a run stays its start ------------
+    listed = np.flatnonzero(rice)
+    listed_count = np.where(rice, count, 0)
+    n = int(listed_count.sum())
     offs = np.zeros(n_items, dtype=np.int64)
-    np.cumsum(count[:-1], out=offs[1:])
+    np.cumsum(listed_count[:-1], out=offs[1:])
+    run = np.where(rice, -1, start_u.astype(np.int64))
+
+    def reject_listed(message: str, check: str, item: int | None = None) -> PayloadRejected:
+        return reject(message, check, None if item is None else int(listed[item]))
+
     loc_sym = body.read(sizes[0])
     kernels = native.kernels
+    per_listed = (count[listed], lk[listed], start_u[listed], numel[listed])
     if kernels is not None:
         indices = _locations_native(
-            kernels, body, loc_sym, loc_ks, esc_loc, layout, sizes, count, rice, lk, start_u,
-            numel, n, attempt, reject,
+            kernels, body, loc_sym, loc_ks, esc_loc, layout, sizes, *per_listed, n, attempt,
+            reject_listed,
         )  # fmt: skip
     else:
         indices = _locations_numpy(
-            body, loc_sym, loc_ks, esc_loc, layout, sizes, count, rice, lk, start_u, numel, n,
-            n_gaps, gaps_n, n_items, attempt, reject,
+            body, loc_sym, loc_ks, esc_loc, layout, sizes, *per_listed, n, n_gaps,
+            gaps_n[listed], attempt, reject_listed,
         )  # fmt: skip
 
     # -- values ----------------------------------------------------------------------------
@@ -940,6 +951,7 @@ def _decode_v2(
         value_start=value_start,
         indices=indices,
         values=values,
+        run=run,
     )
 
 
@@ -1002,7 +1014,6 @@ def _locations_native(
     layout: ValueLayout,
     sizes: list[int],
     count: npt.NDArray[np.int64],
-    rice: npt.NDArray[np.bool_],
     lk: npt.NDArray[np.int64],
     start_u: npt.NDArray[np.uint64],
     numel: npt.NDArray[np.int64],
@@ -1010,14 +1021,15 @@ def _locations_native(
     attempt: int,
     reject: Any,
 ) -> npt.NDArray[np.int64]:
-    """Every item's positions in one C pass (:func:`_locations_numpy` without temporaries)."""
+    """The positions of every Rice item (per-item arrays of those items) in one C pass
+    (:func:`_locations_numpy` without temporaries)."""
     streams = _streams(body, ks, attempt)
     escapes = _class_words(body.read(sizes[2]), esc_loc, layout)[8]
     _check_escapes(int(np.count_nonzero(symbols == GAP_CAP)), escapes, GAP_CAP, reject)
     indices = np.empty(n, dtype=np.int64)
     status, bad = kernels.join_locations(
         symbols, streams, np.ascontiguousarray(escapes, dtype=_U64), count,
-        rice.astype(np.int64), lk, np.ascontiguousarray(start_u, dtype=_U64),
+        np.ones(count.shape[0], dtype=np.int64), lk, np.ascontiguousarray(start_u, dtype=_U64),
         np.ascontiguousarray(numel, dtype=np.int64), indices,
     )  # fmt: skip
     if status:
@@ -1033,51 +1045,49 @@ def _locations_numpy(
     layout: ValueLayout,
     sizes: list[int],
     count: npt.NDArray[np.int64],
-    rice: npt.NDArray[np.bool_],
     lk: npt.NDArray[np.int64],
     start_u: npt.NDArray[np.uint64],
     numel: npt.NDArray[np.int64],
     n: int,
     n_gaps: int,
     gaps_n: npt.NDArray[np.int64],
-    n_items: int,
     attempt: int,
     reject: Any,
 ) -> npt.NDArray[np.int64]:
-    """Every item's positions: the gaps joined, then runs and cumulative sums, vectorized."""
+    """The positions of every Rice item (per-item arrays of those items): the gaps joined,
+    then cumulative sums, vectorized."""
     loc_rems = _remainders(body, loc_ks, attempt)
     loc_escs = _class_words(body.read(sizes[2]), esc_loc, layout)[8]
     gaps = _join(loc_sym, GAP_CAP, loc_escs, loc_rems, gaps_n, lk, numel - 1, reject)
-    offs = np.zeros(n_items, dtype=np.int64)
+    offs = np.zeros(count.shape[0], dtype=np.int64)
     np.cumsum(count[:-1], out=offs[1:])
     steps = np.ones(n, dtype=_U64)
-    nonempty = count > 0
-    firsts = offs[nonempty]
     if n_gaps:
-        in_gaps = np.repeat(rice, count)
-        in_gaps[offs[rice]] = False
+        in_gaps = np.ones(n, dtype=bool)
+        in_gaps[offs] = False
         gaps += _U64(1)
         steps[in_gaps] = gaps
         del in_gaps
-    steps[firsts] = start_u[nonempty]
+    steps[offs] = start_u
     np.cumsum(steps, out=steps)
     if n:
-        base = steps[firsts] - start_u[nonempty]
-        steps -= np.repeat(base, count[nonempty])
+        base = steps[offs] - start_u
+        steps -= np.repeat(base, count)
     if n_gaps and float(gaps.max()) * n_gaps >= _TOP:
         # Positions could wrap around 2**64 inside an item: they must still increase.
         up = np.ones(n, dtype=bool)
         up[1:] = steps[1:] > steps[:-1]
-        up[firsts] = True
+        up[offs] = True
         if not bool(up.all()):
             bad = int(np.searchsorted(offs, int(np.flatnonzero(~up)[0]), side="right")) - 1
             raise reject("positions wrap around", "bounds", bad)
     if n:
-        last = steps[offs[nonempty] + count[nonempty] - 1]
-        bad_last = last >= numel[nonempty].astype(_U64)
+        last = steps[offs + count - 1]
+        bad_last = last >= numel.astype(_U64)
         if bool(bad_last.any()):
-            bad = int(np.flatnonzero(nonempty)[int(np.flatnonzero(bad_last)[0])])
-            raise reject("a position is outside the tensor", "bounds", bad)
+            raise reject(
+                "a position is outside the tensor", "bounds", int(np.flatnonzero(bad_last)[0])
+            )
     indices = steps.view(np.int64)
     return indices
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ from dcr.wire.format import (
     ValueLayout,
     payload_digest,
 )
-from dcr.wire.locations import GAP_WIDTHS, LocationKind, encode_locations
+from dcr.wire.locations import GAP_WIDTHS, LocationKind, encode_locations, encode_span
 from dcr.wire.planes import split_planes, word_dtype
 from dcr.wire.split import (
     GAP_CAP,
@@ -82,17 +82,21 @@ _BITS = {dt: np.dtype(numpy_bits_dtype(dt)) for dt in DTYPE_CODES}
 def _check_arrays(item: Item) -> None:
     """``Item.validate`` without its monotonicity pass, which :func:`_body_v2` does on the
     differences it computes anyway; raises :class:`ConfigError`."""
-    idx, values = item.indices, item.values
-    if not isinstance(idx, np.ndarray) or idx.dtype != np.int64 or idx.ndim != 1:
+    idx, values = item.listed, item.values
+    if idx is not None and (
+        not isinstance(idx, np.ndarray) or idx.dtype != np.int64 or idx.ndim != 1
+    ):
         raise ConfigError("indices must be a 1-D int64 array", tensor=item.name)
     bits_dtype = _BITS.get(item.dtype)
     if bits_dtype is None:
         raise ConfigError(f"dtype {item.dtype} is not supported", tensor=item.name, check="dtype")
-    n = idx.shape[0]
+    n = item.count
     if not isinstance(values, np.ndarray) or values.dtype != bits_dtype or values.shape != (n,):
         raise ConfigError(f"values must be {bits_dtype.name}[{n}]", tensor=item.name)
-    if n and (int(idx[0]) < 0 or int(idx[-1]) >= math.prod(item.shape)):
-        raise ConfigError("index out of range", tensor=item.name, check="bounds")
+    if n:
+        first, last = item.bounds
+        if first < 0 or last >= math.prod(item.shape):
+            raise ConfigError("index out of range", tensor=item.name, check="bounds")
 
 
 def _entry_metadata(item: Item, attempt: int, version: int) -> tuple[bytes, bytes]:
@@ -253,9 +257,7 @@ def _compress_sections(sections: list[npt.NDArray[np.uint8]], size: int, level: 
     if params.window_log > WINDOW_LOG_MAX:
         tuned["window_log"] = WINDOW_LOG_MAX
     if tuned:
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, source_size=size, **tuned
-        )
+        params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size, **tuned)
     compressor = zstandard.ZstdCompressor(compression_params=params).compressobj(size=size)
     out: list[bytes] = []
     done = pending = 0
@@ -287,9 +289,26 @@ class _Streams:
         return sum(int(a.shape[0]) for a in self.escapes)
 
 
-_Job = tuple[str, int, npt.NDArray[Any]]
-"""One item's words to split: tensor name (for errors), Rice parameter, the item's array
-(sorted indices for locations, ULP deltas for values)."""
+_Job = tuple[str, int, Item | npt.NDArray[Any]]
+"""One item's words to split: tensor name (for errors), Rice parameter, and the item (whose
+sorted indices give the gaps) or its ULP deltas."""
+
+_PIECE = 1 << 20
+"""Gaps of a span item split at once: its indices are generated piece by piece, never
+listed whole."""
+
+
+def _pieces(source: Item | npt.NDArray[Any]) -> Iterator[npt.NDArray[Any]]:
+    """The arrays a job splits, in order: an item's indices (listed, or a span's in pieces
+    that overlap by one index, so that every gap lies in one piece), or the ULP deltas."""
+    if not isinstance(source, Item):
+        yield source
+    elif source.listed is not None:
+        yield source.listed
+    else:
+        gaps = source.count - 1
+        for lo in range(0, gaps, _PIECE):
+            yield source.locate(lo, min(lo + _PIECE, gaps) + 1)
 
 
 def _split_numpy(jobs: list[_Job], gaps: bool, attempt: int) -> _Streams:
@@ -297,23 +316,24 @@ def _split_numpy(jobs: list[_Job], gaps: bool, attempt: int) -> _Streams:
     symbols: list[npt.NDArray[np.uint8]] = []
     remainders: dict[int, list[npt.NDArray[np.unsignedinteger[Any]]]] = {}
     escapes: list[npt.NDArray[np.uint64]] = []
-    for name, k, array in jobs:
-        if gaps:
-            words = np.subtract(array[1:], array[:-1])
-            if int(words.min()) < 1:
-                raise ConfigError(
-                    "indices must be strictly increasing", attempt=attempt, tensor=name
-                )
-            words = words.view(np.uint64)
-            words -= np.uint64(1)
-        else:
-            words = zigzag(array)
-        sym, esc, rem = split(words, k, cap)
-        symbols.append(sym)
-        if esc.shape[0]:
-            escapes.append(esc)
-        if k:
-            remainders.setdefault(k, []).append(rem)
+    for name, k, source in jobs:
+        for array in _pieces(source):
+            if gaps:
+                words = np.subtract(array[1:], array[:-1])
+                if int(words.min()) < 1:
+                    raise ConfigError(
+                        "indices must be strictly increasing", attempt=attempt, tensor=name
+                    )
+                words = words.view(np.uint64)
+                words -= np.uint64(1)
+            else:
+                words = zigzag(array)
+            sym, esc, rem = split(words, k, cap)
+            symbols.append(sym)
+            if esc.shape[0]:
+                escapes.append(esc)
+            if k:
+                remainders.setdefault(k, []).append(rem)
     packed = _concat(symbols)
     return _Streams(
         symbols=packed if gaps else pack_nibbles(packed),
@@ -322,15 +342,19 @@ def _split_numpy(jobs: list[_Job], gaps: bool, attempt: int) -> _Streams:
     )
 
 
+def _job_size(source: Item | npt.NDArray[Any]) -> int:
+    """Words a job splits: an item's gaps, or its ULP deltas."""
+    return source.count - 1 if isinstance(source, Item) else int(source.shape[0])
+
+
 def _split_native(jobs: list[_Job], gaps: bool, attempt: int, kernels: Any) -> _Streams:
     """:func:`_split_numpy` in C: every item's words go straight into the shared streams."""
     cap = GAP_CAP if gaps else VALUE_CAP
-    sizes = [int(a.shape[0]) - 1 if gaps else int(a.shape[0]) for _, _, a in jobs]
     per_k: dict[int, int] = {}
-    for (_, k, _), n in zip(jobs, sizes, strict=True):
+    for _, k, source in jobs:
         if k:
-            per_k[k] = per_k.get(k, 0) + n
-    total = sum(sizes)
+            per_k[k] = per_k.get(k, 0) + _job_size(source)
+    total = sum(_job_size(source) for _, _, source in jobs)
     symbols = np.empty(total, np.uint8) if gaps else np.zeros((total + 1) // 2, np.uint8)
     streams = {k: np.zeros(remainder_bytes(n, k), np.uint8) for k, n in sorted(per_k.items())}
     empty = np.empty(0, np.uint8)
@@ -338,19 +362,23 @@ def _split_native(jobs: list[_Job], gaps: bool, attempt: int, kernels: Any) -> _
     escapes: list[npt.NDArray[np.uint64]] = []
     at_sym = 0
     at_rem = dict.fromkeys(per_k, 0)
-    for (name, k, array), n in zip(jobs, sizes, strict=True):
-        esc = np.empty(n, np.uint64)
-        n_esc = split_fn(
-            array, k, cap, symbols, at_sym, streams.get(k, empty), per_k.get(k, 0),
-            at_rem.get(k, 0), esc,
-        )  # fmt: skip
-        if n_esc < 0:
-            raise ConfigError("indices must be strictly increasing", attempt=attempt, tensor=name)
-        if n_esc:
-            escapes.append(esc[:n_esc].copy())
-        at_sym += n
-        if k:
-            at_rem[k] += n
+    for name, k, source in jobs:
+        for array in _pieces(source):
+            n = int(array.shape[0]) - 1 if gaps else int(array.shape[0])
+            esc = np.empty(n, np.uint64)
+            n_esc = split_fn(
+                array, k, cap, symbols, at_sym, streams.get(k, empty), per_k.get(k, 0),
+                at_rem.get(k, 0), esc,
+            )  # fmt: skip
+            if n_esc < 0:
+                raise ConfigError(
+                    "indices must be strictly increasing", attempt=attempt, tensor=name
+                )
+            if n_esc:
+                escapes.append(esc[:n_esc].copy())
+            at_sym += n
+            if k:
+                at_rem[k] += n
     return _Streams(symbols=symbols, remainders=list(streams.values()), escapes=escapes)
 
 
@@ -423,19 +451,18 @@ def _body_v2(
         tensor_ids[i] = known[0]
         encoding = item.encoding
         encodings[i] = int(encoding)
-        idx = item.indices
-        count = int(idx.shape[0])
+        count = item.count
         counts[i] = count
         if count:
-            first, last = int(idx[0]), int(idx[-1])
+            first, last = item.bounds
             starts[i] = first
             if count > 1:
                 if last - first != count - 1:
                     kinds[i] = rice
                     k = gap_k(count, first, last)
                     location_ks[i] = k
-                    location_jobs.append((item.name, k, idx))
-                elif not _increasing(idx, kernels):
+                    location_jobs.append((item.name, k, item))
+                elif item.listed is not None and not _increasing(item.listed, kernels):
                     raise ConfigError(
                         "indices must be strictly increasing", attempt=attempt, tensor=item.name
                     )
@@ -500,7 +527,11 @@ def _body_v1(items: Sequence[Item], layout: ValueLayout, attempt: int) -> npt.ND
     for item in items:
         name, shape = _entry_metadata(item, attempt, V1)
         count = item.count
-        locations = encode_locations(item.indices)
+        locations = (
+            encode_span(item.span, count)
+            if item.span is not None
+            else encode_locations(item.indices)
+        )
         if locations.kind is LocationKind.RUN:
             location_field = locations.start
         else:

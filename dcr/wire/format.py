@@ -24,7 +24,7 @@ import numpy.typing as npt
 import torch
 
 from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
-from dcr.delta.records import Encoding, Item
+from dcr.delta.records import Encoding, Item, Span
 from dcr.errors import ConfigError
 
 __all__ = [
@@ -179,17 +179,20 @@ _ENCODINGS = tuple(Encoding(i) for i in range(len(Encoding)))
 
 
 class Items(Sequence[Item]):
-    """The decoded items of one payload, stored compactly: one concatenated ``indices`` array
-    and one concatenated value array per word width, with per-item offsets.
+    """The decoded items of one payload, stored compactly: the listed indices of every item
+    that is not a run, concatenated, and one concatenated value array per word width, with
+    per-item offsets.
 
     Indexing or iterating yields :class:`~dcr.delta.records.Item` objects whose ``indices`` and
-    ``values`` are views of those arrays (made on demand, so decoding costs no Python object per
-    item).  The arrays are the decoder's own (never views of the received bytes).
+    ``values`` are views of those arrays, or, for a run, a :class:`~dcr.delta.records.Span`
+    (made on demand, so decoding costs no Python object per item and no index per run entry).
+    The arrays are the decoder's own (never views of the received bytes).
     """
 
     __slots__ = (
         "_count",
         "_encoding",
+        "_run",
         "_start",
         "_tensor",
         "_value_start",
@@ -210,34 +213,45 @@ class Items(Sequence[Item]):
         value_start: npt.NDArray[np.int64],
         indices: npt.NDArray[np.int64],
         values: dict[int, npt.NDArray[np.unsignedinteger[Any]]],
+        run: npt.NDArray[np.int64] | None = None,
         verified: bool = False,
     ) -> None:
         self.tensors = tuple(tensors)
         """``(name, shape, dtype)`` of each distinct tensor the items refer to."""
         self.indices = indices
-        """Every item's flat indices, concatenated in item order."""
+        """The flat indices of every item that is not a run, concatenated in item order."""
         self.values = values
         """Word width -> every value of that width, concatenated in item order."""
         self._tensor = tensor.tolist()
         self._encoding = encoding.tolist()
         self._start = start.tolist()
+        """Per item: where its listed indices start in ``indices``."""
         self._count = count.tolist()
         self._value_start = value_start.tolist()
+        self._run = [-1] * len(self._tensor) if run is None else run.tolist()
+        """Per item: the first index of a run item, ``-1`` for an item of listed indices."""
         self._verified = verified
         """The decoder checked every item's indices (strictly increasing, in bounds)."""
 
     @classmethod
     def of(cls, items: Sequence[Item]) -> Items:
-        """Compact copies of ``items`` (used for payloads built in memory)."""
+        """Compact copies of ``items`` (used for payloads built in memory); run items stay
+        runs, other spans are listed."""
         names: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
         tensor, counts, widths = [], [], []
-        for it in items:
+        runs = np.full(len(items), -1, dtype=np.int64)
+        listed = []
+        for i, it in enumerate(items):
             tensor.append(names.setdefault((it.name, tuple(it.shape), it.dtype), len(names)))
             counts.append(it.count)
             widths.append(it.values.dtype.itemsize)
+            if it.span is not None and it.span.is_run:
+                runs[i] = it.span.start
+            else:
+                listed.append(it.indices)
         count = np.array(counts, dtype=np.int64)
         start = np.zeros(len(items), dtype=np.int64)
-        np.cumsum(count[:-1], out=start[1:])
+        np.cumsum(np.where(runs < 0, count, 0)[:-1], out=start[1:])
         value_start = np.zeros(len(items), dtype=np.int64)
         values: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
         for w in sorted(set(widths)):
@@ -254,12 +268,9 @@ class Items(Sequence[Item]):
             start=start,
             count=count,
             value_start=value_start,
-            indices=(
-                np.concatenate([it.indices for it in items])
-                if items
-                else np.empty(0, dtype=np.int64)
-            ),
+            indices=np.concatenate(listed) if listed else np.empty(0, dtype=np.int64),
             values=values,
+            run=runs,
         )
 
     def __len__(self) -> int:
@@ -270,12 +281,14 @@ class Items(Sequence[Item]):
         start, count = self._start[i], self._count[i]
         values = self.values[_WIDTHS[dtype]] if count else _EMPTY[_WIDTHS[dtype]]
         vs = self._value_start[i]
+        run = self._run[i]
         return Item(
             name=name,
             shape=shape,
             dtype=dtype,
             encoding=_ENCODINGS[self._encoding[i]],
-            indices=self.indices[start : start + count],
+            indices=None if run >= 0 else self.indices[start : start + count],
+            span=Span(run) if run >= 0 else None,
             values=values[vs : vs + count],
             verified=self._verified,
         )
@@ -299,7 +312,7 @@ class Items(Sequence[Item]):
             yield self._item(i)
 
     def __repr__(self) -> str:
-        return f"Items({len(self)} items, {self.indices.shape[0]} entries)"
+        return f"Items({len(self)} items, {sum(self._count)} entries)"
 
 
 _WIDTHS: dict[torch.dtype, int] = {

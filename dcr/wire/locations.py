@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from dcr.delta.records import Span
 from dcr.errors import ConfigError, PayloadRejected
 
 __all__ = [
@@ -23,9 +24,11 @@ __all__ = [
     "V2_KINDS",
     "LocationKind",
     "Locations",
+    "check_run",
     "decode_gaps",
     "decode_run",
     "encode_locations",
+    "encode_span",
     "gap_kind",
 ]
 
@@ -110,15 +113,31 @@ def encode_locations(indices: npt.NDArray[np.int64]) -> Locations:
     return Locations(kind=kind, start=0, gaps=gaps.astype(_GAP_DTYPES[kind]))
 
 
-def decode_run(
+def encode_span(span: Span, count: int) -> Locations:
+    """:func:`encode_locations` of the ``count`` indices a :class:`Span` implies, without
+    listing them: a run, or the gap words of its rows (``0`` inside a row, ``gap`` between
+    rows)."""
+    if count == 0:
+        return Locations(kind=LocationKind.RUN, start=0, gaps=np.empty(0, dtype=np.uint8))
+    if span.is_run or count <= span.period:
+        return Locations(kind=LocationKind.RUN, start=span.start, gaps=np.empty(0, np.uint8))
+    kind = gap_kind(max(span.start, span.gap))
+    gaps = np.zeros(count, dtype=_GAP_DTYPES[kind])
+    gaps[0] = span.start
+    gaps[span.period :: span.period] = span.gap
+    return Locations(kind=kind, start=0, gaps=gaps)
+
+
+def check_run(
     start: int,
     count: int,
     numel: int,
     *,
     attempt: int | None = None,
     tensor: str | None = None,
-) -> npt.NDArray[np.int64]:
-    """Indices ``start .. start+count-1`` after checking they lie in ``[0, numel)``."""
+) -> None:
+    """Check that the run ``start .. start+count-1`` lies in ``[0, numel)``; an empty run
+    must start at 0.  Raises :class:`PayloadRejected` (``check="bounds"``)."""
     if start < 0 or count < 0 or start + count > numel:
         raise PayloadRejected(
             f"run of {count} entries at {start} exceeds {numel} elements",
@@ -133,6 +152,18 @@ def decode_run(
             tensor=tensor,
             check="bounds",
         )
+
+
+def decode_run(
+    start: int,
+    count: int,
+    numel: int,
+    *,
+    attempt: int | None = None,
+    tensor: str | None = None,
+) -> npt.NDArray[np.int64]:
+    """Indices ``start .. start+count-1`` after :func:`check_run`."""
+    check_run(start, count, numel, attempt=attempt, tensor=tensor)
     return np.arange(start, start + count, dtype=np.int64)
 
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from test_dist_group import canonical_of, scaled_plan
 
-import dcr.delta.owner as owner_module
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.loader import Loader
 from dcr.apply.receiver import Receiver
@@ -151,9 +150,7 @@ def test_dense_items_are_sorted_and_mostly_runs() -> None:
     )
 
 
-def test_dense_blocks_and_buckets_do_not_change_the_records(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_dense_buckets_do_not_change_the_records() -> None:
     cfg = tiny_config("qwen3_moe")
     w = random_state_dict(cfg, "qwen3_moe", seed=4)
     catalog = {n: TensorSpec.of(n, t) for n, t in w.items()}
@@ -174,7 +171,6 @@ def test_dense_blocks_and_buckets_do_not_change_the_records(
         return out
 
     whole = merged(LocalTrainingGroup(plan, plan.slice(w)))
-    monkeypatch.setattr(owner_module, "_DENSE_BLOCK", 37)  # blocks that cut rows and halves
     small = BuildConfig(chunk_bytes=2048, bucket_bytes=4096)
     group = LocalTrainingGroup(plan, plan.slice(w), config=small)
     assert max(len(list(it)) for it, _ in group.build_dense().values()) > 3
