@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Transport
+from dcr.catalog import check_catalog
 from dcr.delta.fingerprint import owner_proof
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket, BuildStats
@@ -127,6 +128,14 @@ class OwnerService:
     _updated: anyio.Event = field(default_factory=anyio.Event)
 
     def __post_init__(self) -> None:
+        # Receivers admit payloads against the integration's catalog: a training side built
+        # on another one (another checkpoint, dtype or vocabulary) would fail every attempt.
+        check_catalog(
+            self.integration.catalog,
+            self.side.group.catalog,
+            expected_from="the integration setup (what receivers admit)",
+            found_from=f"owner {self.name}'s training plan",
+        )
         self.core = OwnerCore(
             self.name, baseline=self.baseline, sends_in_flight=self.sends_in_flight
         )

@@ -40,6 +40,9 @@ __all__ = ["ReceiverHooks", "ReceiverService", "open_receiver"]
 
 Hook = Callable[[], Awaitable[None]]
 
+_CATALOG_CHECKS = frozenset({"name", "shape", "dtype"})
+"""Reception checks of an item against the receiver's catalog."""
+
 
 async def _nothing() -> None:
     return None
@@ -219,6 +222,7 @@ class ReceiverService:
         key = d.key
         digest = hashlib.blake2b(d.data, digest_size=16).digest()
         rejection: str | None = None
+        detail = ""
         final = False
         try:
             payload = await anyio.to_thread.run_sync(self._decode, d.data, limiter=self.limiter)
@@ -230,15 +234,20 @@ class ReceiverService:
                 key.payload_id,
             ):
                 rejection = "schema"
+                detail = "the header names another attempt, owner or payload than its delivery"
             else:
                 self._checked[delivery] = payload
         except PayloadRejected as exc:
             rejection = exc.check or "schema"
-        await self._local(
-            ev.PayloadArrived(
-                delivery=delivery, key=key, digest=digest, final=final, rejection=rejection
-            )
-        )
+            detail = str(exc)
+            if rejection in _CATALOG_CHECKS:
+                # Deterministic: every attempt of these owners will fail the same way.
+                detail = f"the owners' catalog differs from this receiver's: {detail}"
+        arrived = ev.PayloadArrived(
+            delivery=delivery, key=key, digest=digest, final=final, rejection=rejection,
+            detail=detail,
+        )  # fmt: skip
+        await self._local(arrived)
 
     def _decode(self, data: bytes) -> Payload:
         t0 = time.perf_counter()

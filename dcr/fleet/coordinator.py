@@ -329,7 +329,8 @@ class FleetCoordinator:
                 # Retry soon (a baseline update in progress, a damaged payload, ...).
                 job.deadline = min(job.deadline, anyio.current_time() + 1.0)
                 self.log.emit("dense-failed", receiver=receiver, job=job.job,
-                              endpoint=failure.endpoint, check=failure.check)  # fmt: skip
+                              endpoint=failure.endpoint, check=failure.check,
+                              message=failure.message)  # fmt: skip
 
     def _on_job_sent(self, done: msg.SendsDone) -> bool:
         """An owner sent its last payload of a dense job; once every owner has, the receiver

@@ -209,7 +209,8 @@ class PayloadArrived:
     """The engine ran the reception checks on a delivery's bytes.
 
     ``digest`` is the digest of the received compressed body; ``rejection`` names the failed
-    check (digest, magic, schema, names, shapes, dtypes, classification) or is ``None``.
+    check (digest, magic, schema, names, shapes, dtypes, classification) or is ``None``, and
+    ``detail`` says what the check found (the tensor, the shapes or dtypes that differ).
     """
 
     delivery: int
@@ -217,6 +218,7 @@ class PayloadArrived:
     digest: bytes
     final: bool
     rejection: str | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

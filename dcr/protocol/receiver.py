@@ -488,6 +488,8 @@ class ReceiverCore:
             return
         if e.rejection is not None:
             message = f"payload {key.owner}/{key.payload_id} failed {e.rejection}"
+            if e.detail:
+                message += f": {e.detail}"
             self._fail(s, e.rejection, message, out)
             out.append(cmd.Discard(delivery=e.delivery, reason=e.rejection))
             return
