@@ -55,6 +55,7 @@ from dcr.protocol.types import Timeouts
 
 __all__ = [
     "CoordinatorSection",
+    "EngineSection",
     "FleetConfig",
     "ModelSection",
     "ReceiverSpec",
@@ -133,6 +134,42 @@ class RolloutNode:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSection:
+    """A vLLM engine whose workers are receivers of the fleet (``[[engine]]``).
+
+    The launcher starts it as ``python -m dcr.integrations.vllm`` instead of one ``dcr
+    receiver`` process per rank, supervises it as one process group and checks its ranks by
+    the fingerprint of their stored bits (:mod:`dcr.integrations.vllm`).
+    """
+
+    name: str
+    receivers: tuple[str, ...]
+    """The receiver of each worker rank, in rank order (declared in ``[[rollout]]`` as ranks
+    ``0 .. n-1`` of ``tp = n`` on one node)."""
+    model: str | None = None
+    """The checkpoint directory the engine serves (relative to the fleet file); default the
+    ``[model] checkpoint``."""
+    checkpoint_version: int | None = None
+    """The version whose checkpoint ``model`` is: when it is the committed one at start, the
+    engine joins serving; otherwise (``None``) its ranks first restore the committed version
+    by dense refit."""
+    plain_weights: bool = False
+    """CPU engines: keep the weights plain (``load_format="dcr_plain"``) so in-place refit is
+    exact."""
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    pause_mode: str | None = None
+    """How the request gate pauses the engine (``wait``, ``keep``, ``abort``); default: as
+    each attempt's RL mode wants."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables of the engine process on top of the launcher's (e.g.
+    ``VLLM_CPU_KVCACHE_SPACE``)."""
+    stop_s: float = 60.0
+    """How long a stopping engine may take to shut down before its process group is
+    killed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorSection:
     """The coordinator process and its standbys."""
 
@@ -169,6 +206,9 @@ class FleetConfig:
     model: ModelSection = field(default_factory=ModelSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: tuple[RolloutNode, ...] = ()
+    engines: tuple[EngineSection, ...] = ()
+    """vLLM engines hosting receivers (``[[engine]]``); the other receivers run as ``dcr
+    receiver`` processes."""
     coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
     queue: QueueConfig = field(default_factory=QueueConfig)
     """Every receiver's bounded apply queue (``[queue]``: ``groups``, ``group_size``)."""
@@ -189,6 +229,10 @@ class FleetConfig:
             if any(r.name == receiver for r in node.receivers):
                 return node
         raise ConfigError(f"no rollout node hosts receiver {receiver!r}")
+
+    def engine_of(self, receiver: str) -> EngineSection | None:
+        """The ``[[engine]]`` whose worker is ``receiver``, if one is."""
+        return next((e for e in self.engines if receiver in e.receivers), None)
 
     def receiver(self, name: str) -> ReceiverSpec:
         for r in self.receivers:
@@ -273,8 +317,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     top = raw.get("fleet", {})
-    allowed = {"fleet", "model", "trainer", "rollout", "coordinator", "queue", "commit_store",
-               "control", "transport", "proof"}  # fmt: skip
+    allowed = {"fleet", "model", "trainer", "rollout", "engine", "coordinator", "queue",
+               "commit_store", "control", "transport", "proof"}  # fmt: skip
     if set(raw) - allowed:
         raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
     coord_raw = dict(raw.get("coordinator", {}))
@@ -310,6 +354,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         model=_model(raw.get("model"), path.parent),
         trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
         rollout=tuple(nodes),
+        engines=_engines(raw.get("engine", []), path.parent),
         coordinator=coordinator,
         queue=_section(QueueConfig, raw.get("queue"), "queue"),
         proof=proof,
@@ -331,6 +376,50 @@ def _transport(raw: Any) -> dict[str, Any]:
     return dict(raw)
 
 
+def _engines(raw: Any, base: Path) -> tuple[EngineSection, ...]:
+    """``[[engine]]`` tables, their ``receivers`` as tuples and ``model`` relative to ``base``."""
+    if not isinstance(raw, list):
+        raise ConfigError("[[engine]] must be an array of tables")
+    engines = []
+    for i, table in enumerate(raw):
+        engine: EngineSection = _section(EngineSection, table, f"engine.{i}")
+        names = engine.receivers
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"[[engine]] {engine.name!r}: receivers must be a list of names")
+        if not isinstance(engine.env, dict):
+            raise ConfigError(f"[[engine]] {engine.name!r}: env must be a table of strings")
+        model = None if engine.model is None else str(base / engine.model)
+        engines.append(replace(engine, receivers=tuple(names), model=model,
+                               env={str(k): str(v) for k, v in engine.env.items()}))  # fmt: skip
+    return tuple(engines)
+
+
+def _check_engines(cfg: FleetConfig) -> None:
+    names = [e.name for e in cfg.engines]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{cfg.path}: engine names must be unique")
+    hosted = [r for e in cfg.engines for r in e.receivers]
+    if len(set(hosted)) != len(hosted):
+        raise ConfigError(f"{cfg.path}: a receiver can be a worker of one engine only")
+    for e in cfg.engines:
+        where = f"[[engine]] {e.name!r}"
+        if not e.receivers:
+            raise ConfigError(f"{where}: receivers must name one receiver per worker rank")
+        if e.model is None and cfg.model.checkpoint is None:
+            raise ConfigError(f"{where}: model (or [model] checkpoint) names what it serves")
+        layout = [(cfg.receiver(r).tp, cfg.receiver(r).rank) for r in e.receivers]
+        workers = len(e.receivers)
+        if layout != [(workers, rank) for rank in range(workers)]:
+            raise ConfigError(
+                f"{where}: receivers {list(e.receivers)} must be declared as ranks 0..{workers - 1}"
+                f" of tp={workers}, in that order; they are (tp, rank) {layout}"
+            )
+        if len({cfg.node_of(r).name for r in e.receivers}) != 1:
+            raise ConfigError(f"{where}: its receivers must be on one [[rollout]] node")
+        if e.pause_mode not in (None, "wait", "keep", "abort"):
+            raise ConfigError(f"{where}: pause_mode must be wait, keep or abort")
+
+
 def _check(cfg: FleetConfig) -> None:
     if not cfg.rollout:
         raise ConfigError(f"{cfg.path}: at least one [[rollout]] node is needed")
@@ -344,6 +433,7 @@ def _check(cfg: FleetConfig) -> None:
         raise ConfigError(f"{cfg.path}: rollout node names must be unique")
     if cfg.model.refits < 1 or not all(0 < r <= 1 for r in (cfg.model.rate, *cfg.model.rates)):
         raise ConfigError("[model] needs refits >= 1 and every rate in (0, 1]")
+    _check_engines(cfg)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -6,16 +6,22 @@ file, each as its own OS process running ``dcr <role>``, and restarts what dies:
 (it rejoins by dense refit), a relay node (at the same
 address, so its receivers reconnect), a coordinator (it comes back as a standby), and the
 whole trainer when one rank dies (a broken torch.distributed group is restarted as a whole,
-as torchrun does; the ranks resume at the committed version).  It follows the processes'
+as torchrun does; the ranks resume at the committed version).  Receivers that are the workers
+of an ``[[engine]]`` run in that vLLM engine (``python -m dcr.integrations.vllm``), started in
+a process group of its own (front end, engine core, workers) that is stopped, killed and
+restarted as a whole.  It follows the processes'
 event files to show progress, to strike planned faults (SIGKILL of a role at a chosen moment)
-and to check every receiver bit for bit: each receiver reports digests of its parameters
-whenever it holds a committed version, and the launcher compares them with a dense load of
-that version computed here.  On exit every child is stopped, SIGTERM first, then SIGKILL;
-children also die with the launcher (``PR_SET_PDEATHSIG``).
+and to check every receiver bit for bit: each receiver reports digests of its parameters (an
+engine's workers: the fingerprint of their stored bits, :mod:`dcr.fleet.checks`) whenever it
+holds a committed version, and the launcher compares them with that version's canonical
+tensors computed here.  On exit every child is stopped, SIGTERM first, then SIGKILL;
+children also die with the launcher (``PR_SET_PDEATHSIG``; an engine process shuts its
+engine down when the launcher dies).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,9 +33,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcr.fleet.config import FleetConfig, free_port
+import torch
+
+from dcr.fleet.checks import check_fingerprints, proof_from_json
+from dcr.fleet.config import EngineSection, FleetConfig, free_port
 from dcr.fleet.events import EventReader
 from dcr.fleet.model import FleetModel
+from dcr.protocol.proof import Proof
 
 __all__ = ["Fault", "Launcher", "RefitRow", "default_faults", "fault_plan", "random_faults"]
 
@@ -112,6 +122,39 @@ class _Proc:
     argv: list[str]
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    group: bool = False
+    """Runs in a process group of its own (an engine and its children), signalled as one."""
+    env: dict[str, str] = field(default_factory=dict)
+    stop_s: float = 10.0
+
+
+_GROUP_GONE_S = 60.0
+"""How long the processes of a killed group may take to disappear."""
+
+
+def _signal(proc: _Proc, signum: int) -> None:
+    """Send ``signum`` to the process, or to its whole group."""
+    assert proc.popen is not None
+    if proc.group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signum)
+    elif proc.popen.poll() is None:
+        proc.popen.send_signal(signum)
+
+
+def _kill(proc: _Proc) -> None:
+    """SIGKILL the process (and every process left in its group) and wait until gone."""
+    assert proc.popen is not None
+    _signal(proc, signal.SIGKILL)
+    proc.popen.wait()
+    if proc.group:
+        deadline = time.monotonic() + _GROUP_GONE_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 @dataclass(slots=True)
@@ -196,6 +239,8 @@ class Launcher:
         self._stopping = False
         self._last: dict[str, dict[str, Any]] = {}
         """Process -> its latest event (what a timeout reports)."""
+        self._fingerprints: dict[tuple[str, int], dict[str, Proof]] = {}
+        """(engine, version) -> its ranks' fingerprints of that version reported so far."""
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -252,17 +297,44 @@ class Launcher:
 
     def _spawn(self, proc: _Proc) -> None:
         log = (self.cfg.run_dir / "logs" / f"{proc.name}.log").open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **proc.env)
         proc.popen = subprocess.Popen(
-            proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
+            proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=proc.group,
+        )  # fmt: skip
         log.close()
         proc.starts += 1
 
-    def _add(self, name: str, role: str, argv: list[str]) -> None:
-        proc = _Proc(name=name, role=role, argv=argv)
+    def _add(self, name: str, role: str, argv: list[str], **options: Any) -> None:
+        proc = _Proc(name=name, role=role, argv=argv, **options)
         self.procs[name] = proc
         self._spawn(proc)
+
+    def _engine_argv(self, engine: EngineSection) -> list[str]:
+        """``python -m dcr.integrations.vllm`` for ``engine``: its workers join the fleet as
+        its receivers, report fingerprints for the checks, and stop with the launcher."""
+        model = engine.model or self.cfg.model.checkpoint
+        assert model is not None  # the fleet file check requires one
+        ready = self.cfg.run_dir / f"engine-{engine.name}.ready.json"
+        argv = [sys.executable, "-m", "dcr.integrations.vllm", "--model", model,
+                "--tp", str(len(engine.receivers)), "--dtype", engine.dtype,
+                "--fleet", str(self.cfg.path), "--receivers", ",".join(engine.receivers),
+                "--report-fingerprints", "--stop-with-parent",
+                "--ready-file", str(ready)]  # fmt: skip
+        if engine.plain_weights:
+            argv.append("--plain-weights")
+        if engine.max_model_len is not None:
+            argv += ["--max-model-len", str(engine.max_model_len)]
+        if engine.checkpoint_version is not None:
+            argv += ["--checkpoint-version", str(engine.checkpoint_version)]
+        if engine.pause_mode is not None:
+            argv += ["--pause-mode", engine.pause_mode]
+        return argv
+
+    def _process_of(self, name: str) -> str:
+        """The process that hosts ``name``: an engine for its workers' receivers."""
+        engine = self.cfg.engine_of(name)
+        return f"engine-{engine.name}" if engine is not None else name
 
     def _start_trainer(self) -> None:
         """(Re)start every trainer rank around a fresh rendezvous store held here."""
@@ -288,20 +360,23 @@ class Launcher:
             name = "coordinator" if i == 0 else f"coordinator-{i}"
             self._add(name, "coordinator", self._argv("coordinator", "--name", name))
         for r in self.cfg.receivers:
-            self._add(r.name, "receiver", self._argv("receiver", "--name", r.name))
+            if self.cfg.engine_of(r.name) is None:
+                self._add(r.name, "receiver", self._argv("receiver", "--name", r.name))
+        for e in self.cfg.engines:
+            self._add(f"engine-{e.name}", "engine", self._engine_argv(e), group=True,
+                      env=dict(e.env), stop_s=e.stop_s)  # fmt: skip
         self._start_trainer()
         self.say(f"started {len(self.procs)} processes (run directory {self.cfg.run_dir})")
 
     def kill(self, name: str, version: int) -> None:
-        """SIGKILL one process now (a planned fault during the refit to ``version``);
-        supervision restarts it."""
-        proc = self.procs[name]
+        """SIGKILL one process now (a planned fault during the refit to ``version``), the
+        engine of an engine-hosted receiver; supervision restarts it."""
+        proc = self.procs[self._process_of(name)]
         if proc.popen is not None and proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGKILL)
-            proc.popen.wait()
-            self.kills.append((version, name))
+            _kill(proc)
+            self.kills.append((version, proc.name))
             self.rows.setdefault(version, RefitRow(version=version)).killed.append(proc.role)
-            self.say(f"SIGKILL {name} (pid {proc.popen.pid}) during refit {version}")
+            self.say(f"SIGKILL {proc.name} (pid {proc.popen.pid}) during refit {version}")
 
     def _supervise(self) -> None:
         trainer_down = False
@@ -313,6 +388,8 @@ class Launcher:
                 trainer_down = True
                 continue
             self.say(f"{proc.name} exited ({code}); restarting it")
+            if proc.group:
+                _kill(proc)  # what its leader left behind
             self._spawn(proc)
         if trainer_down:
             self.say("a trainer rank exited: restarting the whole trainer at the committed version")
@@ -323,19 +400,19 @@ class Launcher:
             self._start_trainer()
 
     def stop(self) -> None:
-        """SIGTERM every child, then SIGKILL what is left after a grace period."""
+        """SIGTERM every child, then SIGKILL what is left after a grace period (an engine's
+        ``stop_s``; its whole process group)."""
         self._stopping = True
-        live = [p.popen for p in self.procs.values() if p.popen is not None]
+        live = [p for p in self.procs.values() if p.popen is not None]
         for p in live:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
+            _signal(p, signal.SIGTERM)
+        start = time.monotonic()
         for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            assert p.popen is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(max(0.1, start + max(p.stop_s, 10.0) - time.monotonic()))
+            if p.group or p.popen.poll() is None:
+                _kill(p)
         self._trainer_store = None
 
     # -- events ------------------------------------------------------------------------------
@@ -343,8 +420,9 @@ class Launcher:
     def _row(self, version: int) -> RefitRow:
         return self.rows.setdefault(version, RefitRow(version=version))
 
-    def _expected_digests(self, version: int) -> dict[tuple[int, int], dict[str, str]]:
-        if version not in self._expected:
+    def _canonical(self, version: int) -> dict[str, torch.Tensor]:
+        """The canonical tensors of ``version`` (advanced from the last version asked for)."""
+        if version != self._state_version:
             run = self.model.run
             if version < self._state_version or not self._state:
                 self._state = run.state(version)
@@ -352,7 +430,13 @@ class Launcher:
                 for v in range(self._state_version + 1, version + 1):
                     run.advance(self._state, v)
             self._state_version = version
-            self._expected[version] = self.model.expected_digests(self._state, self.cfg.receivers)
+        return self._state
+
+    def _expected_digests(self, version: int) -> dict[tuple[int, int], dict[str, str]]:
+        if version not in self._expected:
+            state = self._canonical(version)
+            specs = [r for r in self.cfg.receivers if self.cfg.engine_of(r.name) is None]
+            self._expected[version] = self.model.expected_digests(state, specs)
         return self._expected[version]
 
     def _on_event(self, e: dict[str, Any]) -> None:
@@ -386,7 +470,10 @@ class Launcher:
             self._row(int(e["base"]) + 1).disproved.extend(e["receivers"])
             self.say(f"refit {int(e['base']) + 1}: disproved {', '.join(e['receivers'])}")
         elif kind == "holds":
-            self._check(who, int(e["version"]), e["digests"])
+            if "digests" in e:
+                self._check(who, int(e["version"]), e["digests"])
+            elif "proof" in e:
+                self._check_fingerprint(who, int(e["version"]), proof_from_json(e["proof"]))
             self._checked.setdefault(int(e["version"]), set()).add(who)
         elif kind == "stepped":
             self._stepped.setdefault(int(e["version"]), set()).add(who)
@@ -404,6 +491,24 @@ class Launcher:
         if bad:
             self.mismatches.append(f"{receiver} v{version}: {bad[:3]}")
             self.say(f"[red]{receiver} holds v{version} with {len(bad)} mismatching tensors")
+
+    def _check_fingerprint(self, receiver: str, version: int, proof: Proof) -> None:
+        """Check an engine's ranks once each reported its fingerprint of ``version``."""
+        engine = self.cfg.engine_of(receiver)
+        if engine is None:
+            return
+        reported = self._fingerprints.setdefault((engine.name, version), {})
+        reported[receiver] = proof
+        if set(reported) != set(engine.receivers):
+            return
+        del self._fingerprints[(engine.name, version)]
+        failed = check_fingerprints(version, self._canonical(version), reported)
+        for name in engine.receivers:
+            if version > 0:
+                self._row(version).checks[name] = name not in failed
+            if name in failed:
+                self.mismatches.append(f"{name} v{version}: {failed[name]}")
+                self.say(f"[red]{name} holds v{version} with other bits: {failed[name]}")
 
     def _lockstep(self) -> None:
         """``[trainer] lockstep``: let the trainer publish version ``k`` once every rank

@@ -31,7 +31,7 @@ from dcr.delta.layout import TrainingPlan, TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import TensorSpec
 from dcr.engine.setup import Integration
-from dcr.errors import ConfigError
+from dcr.errors import CheckpointError, ConfigError
 from dcr.fleet.config import FleetConfig, ReceiverSpec
 from dcr.testing.models import FAMILIES, canonical_shapes, tiny_config
 from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
@@ -129,7 +129,11 @@ class FleetModel:
         checkpoint = self.fleet.model.checkpoint
         if checkpoint is None:
             return None
-        if self.family not in FAMILIES:
+        try:
+            family = self.family
+        except CheckpointError as exc:
+            return exc.message
+        if family not in FAMILIES:
             return f"its model_type is {self.family!r}, not one of {list(FAMILIES)}"
         dtypes = sorted({dtype_name(s.dtype) for s in self.catalog.values()})
         if len(dtypes) != 1:

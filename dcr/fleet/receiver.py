@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Literal
 
 import anyio
 import torch
 
+from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
+from dcr.fleet.checks import holds_request, proof_to_json
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
@@ -66,7 +69,7 @@ async def run_receiver(
     receiver: Receiver | None = None,
     hooks: ReceiverHooks | None = None,
     held: CommitRecord | None = None,
-    report_digests: bool = True,
+    report: Literal["digests", "fingerprint", "none"] = "digests",
     started: Callable[[ReceiverService], None] | None = None,
 ) -> None:
     """Serve receiver ``name`` until cancelled.
@@ -75,9 +78,11 @@ async def run_receiver(
     refit.  An engine that hosts the rank passes ``receiver`` (prewarmed, around its own
     loader), its request-gate ``hooks`` (the fleet adds its ``holds`` report to theirs) and
     ``held``, the committed record its storage already holds (``None``: restore it by dense
-    refit first).  ``report_digests=False`` leaves the digests out of ``holds`` events (no
-    launcher checks them, and hashing every parameter would keep the gate closed longer).
-    ``started`` is told the service once it serves.
+    refit first).  ``report`` is what ``holds`` events carry for the launcher's check:
+    ``digests`` of every parameter (a reference rank), the ``fingerprint`` of the version as
+    the storage holds it (any loader's layout, :mod:`dcr.fleet.checks`), or nothing (no
+    launcher checks; hashing keeps the gate closed longer).  ``started`` is told the service
+    once it serves.
     """
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
@@ -97,9 +102,14 @@ async def run_receiver(
     time_fetches(transport, log)
 
     async def holds(record: CommitRecord) -> None:
-        if report_digests:
+        if report == "digests":
             found = await anyio.to_thread.run_sync(digests, module)
             log.emit("holds", version=record.version, candidate=record.candidate, digests=found)
+        elif report == "fingerprint":
+            request = holds_request(record.version)
+            proof = await anyio.to_thread.run_sync(receiver_proof, receiver, request)
+            log.emit("holds", version=record.version, candidate=record.candidate,
+                     proof=proof_to_json(proof))  # fmt: skip
         else:
             log.emit("holds", version=record.version, candidate=record.candidate)
         await anyio.to_thread.run_sync(flip_if_planned, record.version)

@@ -171,16 +171,25 @@ async def join_fleet(
     names: Sequence[str],
     *,
     checkpoint_version: int | None = None,
+    checkpoint: str | Path | None = None,
     pause_mode: PauseMode | None = None,
     apply_threads: int | None = None,
     gate_timeout_s: float = 3600.0,
+    report_fingerprints: bool = False,
 ) -> AsyncIterator[EngineReceivers]:
     """Make the workers of ``engine`` receivers ``names`` (one per worker rank) of the fleet
     described by the fleet file ``fleet``, for the duration of the block.
 
     Raises the worker's error (a :class:`~dcr.errors.DcrError`: repacked weights, a fleet file
-    that does not match the engine) before the block when a worker cannot join; every
-    worker then leaves and the engine serves as before.
+    that does not match the engine, a catalog that does not fit its model) before the block
+    when a worker cannot join; every worker then leaves and the engine serves as before.
+
+    ``checkpoint`` is a Hugging Face checkpoint directory whose catalog (names, shapes and
+    dtypes from its safetensors headers, :func:`dcr.catalog.read_catalog`) the receivers
+    take instead of the fleet file's (``[model] checkpoint``, else its synthetic model) --
+    usually the checkpoint the engine serves.  Each worker checks it against its model at
+    prewarm: every tensor must load, every parameter must be filled.  The owners must build
+    payloads against the same catalog.
 
     ``checkpoint_version`` is the version whose checkpoint the engine was started from: when
     it is the committed version, the engine keeps serving and the receivers join at the
@@ -190,6 +199,8 @@ async def join_fleet(
     requests finish first), ``"keep"`` (in-flight requests freeze and finish on the new
     weights, reporting both versions) or ``"abort"``; by default each attempt pauses as its
     RL mode wants, ``"wait"`` when synchronous and ``"keep"`` when asynchronous.
+    ``report_fingerprints`` has every receiver report, in the fleet's event files, the
+    fingerprint of each version it holds (what ``dcr fleet`` checks engines by).
     """
     from dcr.fleet.config import load_fleet
 
@@ -220,6 +231,8 @@ async def join_fleet(
             held=held,
             apply_threads=apply_threads,
             gate_timeout_s=gate_timeout_s,
+            checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
+            report_fingerprints=report_fingerprints,
         )
         results = await engine.collective_rpc("dcr_join", args=(spec.to_wire(),))
         failed = [(w, r["error"]) for w, r in enumerate(results) if "error" in r]

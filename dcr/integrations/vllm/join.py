@@ -23,7 +23,10 @@ class JoinSpec:
 
     ``names[r]`` is the receiver of worker rank ``r`` in the fleet file ``fleet``; ``gate``
     the engine gate's address; ``held`` the committed record the engine's weights hold
-    (``None``: restore the committed version by dense refit first).
+    (``None``: restore the committed version by dense refit first); ``checkpoint`` the
+    checkpoint directory whose catalog the receivers take instead of the fleet file's;
+    ``report_fingerprints`` whether they report the fingerprint of every version they hold
+    (for the launcher's checks).
     """
 
     fleet: str
@@ -32,6 +35,8 @@ class JoinSpec:
     held: CommitRecord | None = None
     apply_threads: int | None = None
     gate_timeout_s: float = 3600.0
+    checkpoint: str | None = None
+    report_fingerprints: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -41,6 +46,8 @@ class JoinSpec:
             "held": None if self.held is None else [self.held.version, self.held.candidate],
             "apply_threads": self.apply_threads,
             "gate_timeout_s": self.gate_timeout_s,
+            "checkpoint": self.checkpoint,
+            "report_fingerprints": self.report_fingerprints,
         }
 
     @classmethod
@@ -53,6 +60,8 @@ class JoinSpec:
             held=None if held is None else CommitRecord(version=int(held[0]), candidate=held[1]),
             apply_threads=raw.get("apply_threads"),
             gate_timeout_s=float(raw.get("gate_timeout_s", 3600.0)),
+            checkpoint=None if raw.get("checkpoint") is None else str(raw["checkpoint"]),
+            report_fingerprints=bool(raw.get("report_fingerprints", False)),
         )
 
 

@@ -24,11 +24,15 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
     ``collective_rpc``), for bit-for-bit comparisons.
 ``GET /health``
 
-Without ``--fleet`` the engine serves the checkpoint as loaded (a reference engine).  Once
-it serves, the process writes ``{"url", "pid"}`` to ``--ready-file`` if given.  SIGTERM or
-SIGINT stop it: the receivers leave, the engine shuts down.  When the workers cannot join
-(for example weights repacked by the CPU backend without ``--plain-weights``) it prints the
-error and exits with status 1.
+Without ``--fleet`` the engine serves the checkpoint as loaded (a reference engine).
+``--catalog DIR`` gives the receivers the catalog of that checkpoint directory instead of the
+fleet file's.  Once it serves, the process writes ``{"url", "pid"}`` to ``--ready-file`` if
+given.  SIGTERM or SIGINT stop it: the receivers leave, the engine shuts down.  With
+``--stop-with-parent`` (what ``dcr fleet`` passes) the process kills itself and its engine
+-- its whole process group when it leads one -- as soon as the process that started it is
+gone, whatever it is doing then (starting the engine included).  When the workers cannot join
+(for example weights repacked by the CPU backend without ``--plain-weights``, or a catalog
+that does not fit the model) it prints the error and exits with status 1.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -66,6 +72,9 @@ class ServerOptions:
     fleet: str | None = None
     receivers: tuple[str, ...] = ()
     checkpoint_version: int | None = None
+    catalog: str | None = None
+    """Checkpoint directory whose catalog the receivers take (default: the fleet file's)."""
+    report_fingerprints: bool = False
     pause_mode: PauseMode | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -207,7 +216,9 @@ async def serve(options: ServerOptions) -> None:
                         options.fleet,
                         options.receivers,
                         checkpoint_version=options.checkpoint_version,
+                        checkpoint=options.catalog,
                         pause_mode=options.pause_mode,
+                        report_fingerprints=options.report_fingerprints,
                     )
                 )
             await runner.setup()
@@ -246,6 +257,21 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="the version whose checkpoint --model is; if committed, join without a dense refit",
     )
+    p.add_argument(
+        "--catalog",
+        help="checkpoint directory whose safetensors headers give the receivers' catalog "
+        "(default: the fleet file's [model])",
+    )
+    p.add_argument(
+        "--report-fingerprints",
+        action="store_true",
+        help="report the fingerprint of every version the workers hold (dcr fleet checks it)",
+    )
+    p.add_argument(
+        "--stop-with-parent",
+        action="store_true",
+        help="kill this process and its engine once the process that started it is gone",
+    )
     p.add_argument("--pause-mode", choices=PAUSE_MODES, help="how the gate pauses the engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port")
@@ -253,8 +279,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_PARENT_POLL_S = 0.2
+
+
+def _stop_with_parent() -> None:
+    """Watch the parent from a daemon thread; once this process is orphaned, SIGKILL its
+    process group when it leads one (the engine core and workers are in it), else itself.
+
+    ``PR_SET_PDEATHSIG`` would reach this process only, not the engine processes vLLM starts,
+    and a signal arriving while the engine starts is not handled; the group kill is."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if parent == 1:  # already orphaned
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="dcr-stop-with-parent", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.stop_with_parent:
+        _stop_with_parent()
     receivers = tuple(n for n in args.receivers.split(",") if n)
     if args.fleet is not None and len(receivers) != args.tp:
         print(f"--receivers needs {args.tp} names (one per worker rank)", file=sys.stderr)
@@ -268,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet=args.fleet,
         receivers=receivers,
         checkpoint_version=args.checkpoint_version,
+        catalog=args.catalog,
+        report_fingerprints=args.report_fingerprints,
         pause_mode=args.pause_mode,
         host=args.host,
         port=args.port,

@@ -4,8 +4,11 @@ vLLM mixes :class:`DcrWorkerExtension` into each worker class when the engine is
 with ``worker_extension_cls=`` :data:`~dcr.integrations.vllm.EXTENSION`; the engine process
 then drives it with ``collective_rpc`` (see :mod:`dcr.integrations.vllm.engine`).
 ``dcr_join`` wraps the worker's model and its native ``load_weights`` in a
-:class:`~dcr.apply.receiver.Receiver` (prewarmed in place: it refuses weights the CPU backend
-repacked) and starts, on an event loop in a thread of its own, the fleet receiver of this
+:class:`~dcr.apply.receiver.Receiver` over the fleet's catalog (the fleet file's, or read from
+the checkpoint directory the join names) and prewarms it in place: it refuses weights the CPU
+backend repacked and a catalog that does not fit the model (a tensor the model cannot load, a
+parameter no tensor writes).  It then starts, on an event loop in a thread of its own, the
+fleet receiver of this
 rank (:func:`dcr.fleet.receiver.run_receiver`): ZeroMQ control to the coordinator, the relay
 tree of its host for payloads, decode and in-place apply in this process.  Its request-gate
 hooks call the engine process's gate (:mod:`dcr.integrations.vllm.gate`), so writes into the
@@ -24,12 +27,17 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
 from dcr.integrations.vllm import plain  # noqa: F401  (registers the load format here)
 from dcr.integrations.vllm.join import JoinSpec, error_to_wire
 from dcr.protocol.types import CommitRecord
+
+if TYPE_CHECKING:
+    from dcr.apply.receiver import Receiver
+    from dcr.fleet.config import FleetConfig
 
 __all__ = ["DcrWorkerExtension"]
 
@@ -158,14 +166,44 @@ class DcrWorkerExtension:
         get_model: Callable[[], Any] = self.get_model  # type: ignore[attr-defined]
         return get_model()
 
+    def _dcr_prewarm(self, cfg: FleetConfig, threads: int | None) -> tuple[Receiver, Any]:
+        """A receiver around this worker's model over the fleet's catalog, prewarmed; raises
+        when the catalog does not fit the model (see :func:`dcr.catalog.uncovered_parameters`)."""
+        from dcr.adapters.loaders.vllm import VllmLoader
+        from dcr.apply.receiver import ApplyConfig, Receiver
+        from dcr.catalog import uncovered_parameters
+        from dcr.fleet.model import FleetModel
+
+        source = cfg.model.checkpoint or "the fleet file's [model]"
+        config = ApplyConfig() if threads is None else ApplyConfig(threads=threads)
+        receiver = Receiver(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
+        try:
+            report = receiver.prewarm()
+        except LoaderPathUnsupported as exc:
+            if exc.check != "native-loader":
+                raise
+            raise ConfigError(
+                f"the catalog of {source} does not fit the engine's model: vLLM cannot load "
+                f"{exc.tensor!r} ({exc.message})",
+                tensor=exc.tensor,
+                check="catalog",
+            ) from exc
+        uncovered = uncovered_parameters(receiver)
+        if uncovered:
+            raise ConfigError(
+                f"the catalog of {source} does not fill {len(uncovered)} parameters of the "
+                f"engine's model ({', '.join(uncovered[:3])}{' ...' if len(uncovered) > 3 else ''})"
+                ": the model has tensors the catalog lacks, which no refit would update",
+                tensor=uncovered[0],
+                check="catalog",
+            )
+        return receiver, report
+
     def _dcr_join(self, spec: JoinSpec) -> dict[str, Any]:
         import anyio.from_thread
 
-        from dcr.adapters.loaders.vllm import VllmLoader
-        from dcr.apply.receiver import ApplyConfig, Receiver
         from dcr.engine.receiver import ReceiverHooks
         from dcr.fleet.config import load_fleet
-        from dcr.fleet.model import FleetModel
         from dcr.fleet.receiver import run_receiver
         from dcr.integrations.vllm.gate import GateClient
 
@@ -176,6 +214,8 @@ class DcrWorkerExtension:
             raise ConfigError(f"no receiver name for worker rank {rank} in {list(spec.names)}")
         name = spec.names[rank]
         cfg = load_fleet(spec.fleet)
+        if spec.checkpoint is not None:
+            cfg = replace(cfg, model=replace(cfg.model, checkpoint=spec.checkpoint))
         declared = cfg.receiver(name)
         if (declared.tp, declared.rank) != (len(spec.names), rank):
             raise ConfigError(
@@ -183,11 +223,7 @@ class DcrWorkerExtension:
                 f"but it runs as rank {rank} of {len(spec.names)} workers",
                 check="layout",
             )
-        config = ApplyConfig() if spec.apply_threads is None else ApplyConfig(
-            threads=spec.apply_threads
-        )  # fmt: skip
-        receiver = Receiver(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
-        report = receiver.prewarm()
+        receiver, report = self._dcr_prewarm(cfg, spec.apply_threads)
 
         hosted = _Hosted(name)
         gate = GateClient(spec.gate, rank, timeout_s=spec.gate_timeout_s)
@@ -216,7 +252,8 @@ class DcrWorkerExtension:
             try:
                 await run_receiver(
                     cfg, name, receiver=receiver, hooks=hooks, held=spec.held,
-                    report_digests=False, started=hosted.on_started,
+                    report="fingerprint" if spec.report_fingerprints else "none",
+                    started=hosted.on_started,
                 )  # fmt: skip
             finally:
                 gate.close()
