@@ -17,6 +17,7 @@ import numpy.typing as npt
 import torch
 
 __all__ = [
+    "Box",
     "IndexMap",
     "ViewGeometry",
     "byte_intervals",
@@ -239,6 +240,87 @@ class IndexMap:
         if hit.size == count:
             return slice(lo, hi), pos
         return hit + lo, pos[hit]
+
+    def _below(self, x: int) -> int:
+        """View elements whose source offset (relative to ``src_offset``) is below ``x``.
+
+        Nested dimensions enumerate the view in increasing offset order, so this is a
+        mixed-radix count, outermost digit first.
+        """
+        if not self.dims:
+            return int(x > 0)
+        n, inner = 0, math.prod(size for _, size, _ in self.dims)
+        last = len(self.dims) - 1
+        for i, (stride, size, _) in enumerate(self.dims):
+            if x <= 0:
+                return n
+            inner //= size
+            if i == last:
+                return n + min(size, -(-x // stride))
+            q = x // stride
+            if q >= size:
+                return n + size * inner
+            n += q * inner
+            x -= q * stride
+        return n
+
+    def boxes(self, start: int, count: int) -> list[Box]:
+        """The view elements whose source offset lies in the run ``start .. start+count-1``,
+        as blocks whose values are ``values[offset ...]`` of the run's values.
+
+        Nested dimensions enumerate the view in increasing offset order, so the run is one
+        flat range of the enumeration, at most two blocks per dimension plus one: the run's
+        writes become block copies without an index per entry.
+        """
+        lo = self._below(start - self.src_offset)
+        hi = self._below(start + count - self.src_offset)
+        sizes = tuple(size for _, size, _ in self.dims)
+        if not sizes:
+            return [(self.dst_offset, self.src_offset - start, ())] if hi > lo else []
+        out: list[Box] = []
+        for first, shape in _flat_boxes(lo, hi, sizes):
+            dst = self.dst_offset + sum(
+                m * d for m, (_, _, d) in zip(first, self.dims, strict=True)
+            )
+            src = self.src_offset - start
+            src += sum(m * t for m, (t, _, _) in zip(first, self.dims, strict=True))
+            dims = tuple((n, d, t) for n, (t, _, d) in zip(shape, self.dims, strict=True) if n > 1)
+            out.append((dst, src, dims))
+        return out
+
+
+Box = tuple[int, int, tuple[tuple[int, int, int], ...]]
+"""A block of a copy: ``(destination offset, value offset, dims)``, ``dims`` the block's
+``(size, destination stride, source stride)`` per dimension, outermost first (sizes above 1;
+no dims: one element).  Element ``i`` (a multi-index) is destination
+``offset + sum(i_d * destination stride_d)`` and value ``value offset + sum(i_d * source
+stride_d)``."""
+
+
+def _flat_boxes(
+    lo: int, hi: int, sizes: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The C-order flat range ``[lo, hi)`` of an array of ``sizes`` as hyper-rectangles
+    ``(first multi-index, shape)``: at most two per dimension plus one."""
+    if lo >= hi:
+        return []
+    if len(sizes) == 1:
+        return [((lo,), (hi - lo,))]
+    inner = math.prod(sizes[1:])
+    rest = sizes[1:]
+    qa, ra = divmod(lo, inner)
+    qb, rb = divmod(hi, inner)
+    if qa == qb:
+        return [((qa, *m), (1, *sh)) for m, sh in _flat_boxes(ra, rb, rest)]
+    out = []
+    if ra:
+        out += [((qa, *m), (1, *sh)) for m, sh in _flat_boxes(ra, inner, rest)]
+        qa += 1
+    if qb > qa:
+        out.append(((qa, *(0,) * len(rest)), (qb - qa, *rest)))
+    if rb:
+        out += [((qb, *m), (1, *sh)) for m, sh in _flat_boxes(0, rb, rest)]
+    return out
 
 
 def enumerate_map(

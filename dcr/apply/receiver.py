@@ -55,6 +55,7 @@ from dcr.apply.writes import (
     entries_of,
     execute,
     irregular,
+    plan_block,
     plan_enumerated,
     plan_in_layout,
     plan_masked,
@@ -62,7 +63,7 @@ from dcr.apply.writes import (
 )
 from dcr.delta.bits import numpy_bits_dtype
 from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, Item, TensorSpec
+from dcr.delta.records import Encoding, Item, Span, TensorSpec
 from dcr.errors import (
     ConfigError,
     DcrError,
@@ -414,15 +415,18 @@ class Receiver:
         if not isinstance(item.encoding, Encoding):
             raise reject(f"unknown encoding {item.encoding!r}", "encoding")
         want = self._words[item.name]
-        indices, values = item.indices, item.values
-        if not isinstance(indices, np.ndarray) or indices.dtype != np.int64 or indices.ndim != 1:
+        listed, values = item.listed, item.values
+        if item.span is not None:
+            if not isinstance(item.span, Span) or listed is not None:
+                raise reject("an item has either listed indices or a span", "schema")
+        elif not isinstance(listed, np.ndarray) or listed.dtype != np.int64 or listed.ndim != 1:
             raise reject("indices must be a 1-D int64 array", "schema")
         if (
             not isinstance(values, np.ndarray)
             or values.dtype != want
-            or values.shape != indices.shape
+            or values.shape != (item.count,)
         ):
-            raise reject(f"values must be {want.name}[{indices.shape[0]}]", "schema")
+            raise reject(f"values must be {want.name}[{item.count}]", "schema")
         if item.encoding is not Encoding.OVERWRITE:
             if item.name not in self._xor_allowed:
                 path = self._paths[item.name]
@@ -452,6 +456,18 @@ class Receiver:
         def reject(message: str, check: str) -> PayloadRejected:
             return PayloadRejected(message, attempt=attempt, tensor=name, check=check)
 
+        run = _run_of(items)
+        if run is not None:
+            start, values = run
+            if start < 0 or start + values.shape[0] > spec.numel:
+                raise reject("index out of range", "bounds")
+            return _Group(
+                spec=spec,
+                path=self._paths[name],
+                encoding=encoding,
+                entries=entries_of(start, values, spec.dtype),
+                merged=len(items),
+            )
         if len(items) == 1:
             indices, values = items[0].indices, items[0].values
         else:
@@ -609,7 +625,7 @@ class Receiver:
         calls = 0
         if call is None:
             view = (
-                scratch.fill(spec, None, entries.indices, torch_bits(entries.values))
+                scratch.fill(spec, None, entries.where, torch_bits(entries.values))
                 if in_place
                 else scratch.view(spec)
             )
@@ -656,6 +672,12 @@ class Receiver:
             imap = self._imap(path, n) if record.strategy is CopyStrategy.SPARSE else None
             if in_place:
                 plans.append(plan_in_layout(copy, self._flats, imap, entries))
+            elif (
+                imap is not None
+                and entries.run
+                and (relative or copy.dst_geometry.dtype == entries.dtype)
+            ):
+                plans.append(plan_block(copy, self._flats, imap, entries))
             elif imap is not None:
                 plans.append(plan_sparse(copy, self._flats, imap, entries, relative=relative))
             else:
@@ -678,12 +700,12 @@ class Receiver:
         calls = 1
         masks: list[torch.Tensor | None] = []
         if two_pass:
-            view = scratch.fill(spec, math.nan, entries.indices, torch.zeros_like(values))
+            view = scratch.fill(spec, math.nan, entries.where, torch.zeros_like(values))
             first = self._call(path, view, fail)
             self._check_pattern(path, first, fail)
             masks = self._masks(path, first)
             calls = 2
-        view = scratch.fill(spec, math.nan, entries.indices, values)
+        view = scratch.fill(spec, math.nan, entries.where, values)
         call = self._call(path, view, fail)
         self._check_pattern(path, call, fail)
         if not two_pass:
@@ -718,6 +740,25 @@ def _restoring(guard: StorageGuard, fail: Fail) -> Iterator[None]:
     except DcrError:
         guard.check(fail)
         raise
+
+
+def _run_of(items: list[Item]) -> tuple[int, npt.NDArray[Any]] | None:
+    """``(start, values)`` when the items are runs that together form one run (a dense
+    refit's items), else ``None``."""
+    runs = [i for i in items if i.count]
+    if not runs or any(i.span is None or not i.span.is_run for i in runs):
+        return None
+    runs.sort(key=lambda i: i.span.start if i.span is not None else 0)
+    first = runs[0].span
+    assert first is not None
+    at = first.start
+    for i in runs:
+        assert i.span is not None
+        if i.span.start != at:
+            return None
+        at += i.count
+    values = runs[0].values if len(runs) == 1 else np.concatenate([i.values for i in runs])
+    return first.start, values
 
 
 def _repeats(path: LoaderPath, call: LoaderCall) -> bool:

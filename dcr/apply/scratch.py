@@ -63,14 +63,17 @@ class Scratch:
         self,
         spec: TensorSpec,
         placeholder: float | None,
-        indices: npt.NDArray[np.int64],
+        indices: npt.NDArray[np.int64] | slice,
         values: torch.Tensor,
     ) -> torch.Tensor:
         """``placeholder`` everywhere (kept as is when ``None``), then ``values`` (bits) at the
-        flat ``indices``."""
+        flat ``indices`` (listed, or a slice for a run: one block copy)."""
         view = self.view(spec)
         if placeholder is not None:
             view.fill_(placeholder)
         flat = view.view(-1).view(bits_dtype(spec.dtype))
-        flat.index_put_((torch_index(indices, flat.device),), values.to(flat.device))
+        if isinstance(indices, slice):
+            flat[indices].copy_(values)
+        else:
+            flat.index_put_((torch_index(indices, flat.device),), values.to(flat.device))
         return view

@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from dcr import native
 from dcr.apply.call import Fail
-from dcr.apply.geometry import IndexMap, byte_intervals, enumerate_map, overlapping_groups
+from dcr.apply.geometry import Box, IndexMap, byte_intervals, enumerate_map, overlapping_groups
 from dcr.apply.hook import InterceptedCopy
 from dcr.apply.scratch import torch_bits, torch_index
 from dcr.delta.bits import bits_dtype
@@ -42,6 +43,7 @@ __all__ = [
     "FlatViews",
     "WritePlan",
     "active_mask",
+    "BLOCK",
     "cast_bits",
     "copies_overlap",
     "default_threads",
@@ -50,6 +52,7 @@ __all__ = [
     "irregular",
     "plan_enumerated",
     "plan_in_layout",
+    "plan_block",
     "plan_masked",
     "plan_sparse",
 ]
@@ -67,15 +70,42 @@ Words = npt.NDArray[np.unsignedinteger[Any]]
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class Entries:
-    """A group's sorted flat canonical indices and their value bits (the item dtype's width)."""
+    """A group's sorted flat canonical indices and their value bits (the item dtype's width).
 
-    indices: npt.NDArray[np.int64]
+    The indices are ``listed``, or, when ``listed`` is ``None``, the run ``start ..
+    start+count-1`` (a dense refit's form: block writes, no index per entry).
+    """
+
     values: Words
     dtype: torch.dtype
+    listed: npt.NDArray[np.int64] | None = None
+    start: int = 0
 
     @property
     def count(self) -> int:
-        return int(self.indices.shape[0])
+        return int(self.values.shape[0])
+
+    @property
+    def run(self) -> bool:
+        return self.listed is None
+
+    @property
+    def indices(self) -> npt.NDArray[np.int64]:
+        """Every index (for a run, a new array: paths whose cost is O(view) anyway)."""
+        return self.locate(0, self.count)
+
+    def locate(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
+        """Indices of entries ``lo .. hi-1``."""
+        if self.listed is not None:
+            return self.listed[lo:hi]
+        return np.arange(self.start + lo, self.start + hi, dtype=np.int64)
+
+    @property
+    def where(self) -> npt.NDArray[np.int64] | slice:
+        """The entries' positions in a flat canonical tensor: the listed indices, or a slice."""
+        if self.listed is not None:
+            return self.listed
+        return slice(self.start, self.start + self.count)
 
 
 def _flat_bits(dst: torch.Tensor) -> torch.Tensor:
@@ -143,14 +173,25 @@ class WritePlan:
     cast: torch.dtype | None = None
     positions: npt.NDArray[np.int64] | None = None
     values: Words | None = None
+    blocks: tuple[Box, ...] | None = None
+    """*Block* plans (a run of entries through a nested view, no cast): the blocks of
+    :meth:`IndexMap.boxes`, cut into pieces of at most :data:`BLOCK` elements; ``values``
+    are the run's values."""
 
     @property
     def size(self) -> int:
-        """Entries (mapped) or positions (materialized) the plan iterates over."""
+        """Entries (mapped), positions (materialized) or blocks the plan iterates over."""
+        if self.blocks is not None:
+            return len(self.blocks)
         if self.entries is not None:
             return self.entries.count
         assert self.positions is not None
         return int(self.positions.shape[0])
+
+    @property
+    def step(self) -> int:
+        """What one task of :func:`execute` takes: :data:`CHUNK` entries, or one block."""
+        return 1 if self.blocks is not None else CHUNK
 
     def chunk(self, start: int, stop: int) -> tuple[npt.NDArray[np.int64], Words]:
         """Destination positions (storage elements) and their values for one chunk."""
@@ -158,7 +199,7 @@ class WritePlan:
             assert self.positions is not None and self.values is not None
             return self.positions[start:stop], self.values[start:stop]
         assert self.imap is not None
-        sel, where = self.imap.select(self.entries.indices[start:stop])
+        sel, where = self.imap.select(self.entries.locate(start, stop))
         values = self.entries.values[start:stop][sel]  # a slice for a run of entries: no copy
         if self.cast is not None:
             values = _words(cast_bits(torch_bits(values), self.entries.dtype, self.cast))
@@ -174,6 +215,7 @@ def _plan(
     cast: torch.dtype | None = None,
     positions: npt.NDArray[np.int64] | None = None,
     values: Words | None = None,
+    blocks: tuple[Box, ...] | None = None,
 ) -> WritePlan:
     return WritePlan(
         label=copy.storage.label,
@@ -185,6 +227,7 @@ def _plan(
         cast=cast,
         positions=positions,
         values=values,
+        blocks=blocks,
     )
 
 
@@ -241,6 +284,55 @@ def plan_sparse(
     dst = copy.dst_geometry.dtype
     cast = None if relative or dst == entries.dtype else dst
     return _plan(copy, flats, imap=imap, entries=entries, cast=cast)
+
+
+BLOCK = 1 << 20
+"""Elements per block task: big enough that a task is one long copy, small enough that a
+large tensor's blocks spread over every core."""
+
+
+def _pieces(box: Box, limit: int) -> list[Box]:
+    """``box`` cut along its outer dimensions into blocks of at most ``limit`` elements
+    (a one-dimensional box into slices)."""
+    dst, src, dims = box
+    total = math.prod(n for n, _, _ in dims)
+    if total <= limit:
+        return [box]
+    size, dst_stride, src_stride = dims[0]
+    inner = total // size
+    if inner > limit:
+        return [
+            piece
+            for i in range(size)
+            for piece in _pieces((dst + i * dst_stride, src + i * src_stride, dims[1:]), limit)
+        ]
+    step = max(1, limit // inner)
+    return [
+        (
+            dst + i * dst_stride,
+            src + i * src_stride,
+            ((min(step, size - i), *dims[0][1:]), *dims[1:]),
+        )
+        for i in range(0, size, step)
+    ]
+
+
+def plan_block(
+    copy: InterceptedCopy, flats: FlatViews, imap: IndexMap, entries: Entries
+) -> WritePlan:
+    """A block plan: a run of entries through a nested view of the same dtype.
+
+    The run is one flat range of the view's elements (:meth:`IndexMap.boxes`), so its writes
+    are block copies (overwrite) or block read-modify-writes (XOR, ULP) straight from the
+    run's values: no index per entry, near memory-copy speed.
+    """
+    boxes = imap.boxes(entries.start, entries.count)
+    return _plan(
+        copy,
+        flats,
+        values=entries.values,
+        blocks=tuple(p for box in boxes for p in _pieces(box, BLOCK)),
+    )
 
 
 def plan_enumerated(
@@ -395,16 +487,109 @@ def _run_native(
     assert imap is not None
     entries = plan.entries
     dims = np.array(imap.dims, dtype=np.int64).reshape(-1)
+    indices, values = entries.listed, entries.values
+    if indices is None:  # a run: this chunk's indices only
+        indices, values, start, stop = (
+            entries.locate(start, stop),
+            values[start:stop],
+            0,
+            stop - start,
+        )
     written, wrong = kernels.rmw_mapped(
-        flat, entries.indices, entries.values, start, stop, imap.src_offset, imap.dst_offset,
-        dims, int(encoding), check,
+        flat, indices, values, start, stop, imap.src_offset, imap.dst_offset, dims,
+        int(encoding), check,
     )  # fmt: skip
     return int(written), int(wrong)
+
+
+def _reach(offset: int, dims: tuple[tuple[int, int, int], ...], which: int) -> int:
+    """The last element a block reaches: ``which`` 1 for the destination, 2 for the values."""
+    return offset + sum((d[0] - 1) * d[which] for d in dims)
+
+
+def _block_numpy(flat: Words, values: Words, box: Box, encoding: Encoding, check: bool) -> int:
+    """One block of a run through strided views of the storage words and the run's values;
+    returns post-check failures."""
+    dst_off, src_off, dims = box
+    if (
+        dst_off < 0
+        or src_off < 0
+        or _reach(dst_off, dims, 1) >= flat.shape[0]
+        or _reach(src_off, dims, 2) >= values.shape[0]
+    ):
+        raise ValueError("a block lies outside its buffers")
+    dims = dims or ((1, 1, 1),)  # one element as a 1-element block: no 0-d scalars below
+    shape = tuple(d[0] for d in dims)
+    size = flat.itemsize
+    dst = as_strided(flat[dst_off:], shape, tuple(d[1] * size for d in dims))
+    src = as_strided(values[src_off:], shape, tuple(d[2] * size for d in dims), writeable=False)
+    if encoding is Encoding.OVERWRITE:
+        np.copyto(dst, src)
+        return int(np.count_nonzero(dst != src)) if check else 0
+    before = dst.copy()
+    if encoding is Encoding.XOR:
+        np.bitwise_xor(dst, src, out=dst)
+    else:
+        np.copyto(dst, _ulp_add(before, src))
+    if not check:
+        return 0
+    now = dst.copy()
+    undone = now ^ src if encoding is Encoding.XOR else _ulp_add(now, -src)
+    return int(np.count_nonzero(undone != before))
+
+
+def _block_torch(
+    flat: torch.Tensor, values: Words, box: Box, encoding: Encoding, check: bool
+) -> int:
+    """:func:`_block_numpy` with torch ops, for storages on other devices."""
+    dst_off, src_off, dims = box
+    top = _reach(src_off, dims, 2)
+    if dst_off < 0 or src_off < 0 or _reach(dst_off, dims, 1) >= flat.shape[0]:
+        raise ValueError("a block lies outside its buffers")
+    dims = dims or ((1, 1, 1),)
+    shape = tuple(d[0] for d in dims)
+    dst = flat.as_strided(shape, tuple(d[1] for d in dims), dst_off)
+    part = torch_bits(values[src_off : top + 1], flat.device)
+    src = part.as_strided(shape, tuple(d[2] for d in dims), 0)
+    if encoding is Encoding.OVERWRITE:
+        dst.copy_(src)
+        return int((dst != src).sum()) if check else 0
+    before = dst.clone()
+    dst.copy_(before ^ src if encoding is Encoding.XOR else add_ordered(before, src))
+    if not check:
+        return 0
+    undone = dst ^ src if encoding is Encoding.XOR else add_ordered(dst, src.neg())
+    return int((undone != before).sum())
+
+
+def _run_blocks(
+    plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
+) -> tuple[int, int]:
+    """Blocks ``start .. stop-1`` of a block plan: in C where built, else numpy or torch."""
+    assert plan.blocks is not None and plan.values is not None
+    kernels = native.kernels
+    written = wrong = 0
+    for box in plan.blocks[start:stop]:
+        if plan.words is None:
+            wrong += _block_torch(plan.flat, plan.values, box, encoding, check)
+        elif kernels is not None:
+            dims = np.array(box[2], dtype=np.int64).reshape(-1)
+            wrong += int(
+                kernels.write_block(
+                    plan.words, box[0], plan.values, box[1], dims, int(encoding), check
+                )[1]
+            )
+        else:
+            wrong += _block_numpy(plan.words, plan.values, box, encoding, check)
+        written += math.prod(d[0] for d in box[2])
+    return written, wrong
 
 
 def _run_chunk(
     plan: WritePlan, encoding: Encoding, start: int, stop: int, check: bool
 ) -> tuple[int, int]:
+    if plan.blocks is not None:
+        return _run_blocks(plan, encoding, start, stop, check)
     kernels = native.kernels
     if kernels is not None and plan.cast is None and plan.words is not None:
         return _run_native(kernels, plan, encoding, start, stop, check)
@@ -436,9 +621,9 @@ def execute(
     with torch.no_grad():
         for stage in stages:
             tasks: deque[tuple[WritePlan, Encoding, int, int]] = deque(
-                (plan, encoding, a, min(a + CHUNK, plan.size))
+                (plan, encoding, a, min(a + plan.step, plan.size))
                 for plan, encoding in stage
-                for a in range(0, plan.size, CHUNK)
+                for a in range(0, plan.size, plan.step)
             )
             for plan, _ in stage:
                 written.setdefault(plan, 0)
@@ -479,6 +664,9 @@ def execute(
     return written
 
 
-def entries_of(indices: npt.NDArray[np.int64], values: Words, dtype: torch.dtype) -> Entries:
-    """:class:`Entries` from an item's (or a merged group's) numpy arrays."""
-    return Entries(indices=indices, values=values, dtype=dtype)
+def entries_of(indices: npt.NDArray[np.int64] | int, values: Words, dtype: torch.dtype) -> Entries:
+    """:class:`Entries` from an item's (or a merged group's) numpy arrays; an int is the
+    start of a run of ``len(values)`` entries."""
+    if isinstance(indices, int):
+        return Entries(values=values, dtype=dtype, start=indices)
+    return Entries(values=values, dtype=dtype, listed=indices)

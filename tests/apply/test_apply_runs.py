@@ -1,0 +1,300 @@
+"""Run items (a dense refit's form) apply as block writes with the bits of listed items.
+
+An item whose indices are one run (:class:`~dcr.delta.records.Span`) reaches a receiver with
+no index per entry; through a bit-preserving copy it becomes block copies (overwrite) or block
+read-modify-writes (XOR, ULP) in resident storage, while casts and transforming paths keep
+their own paths.  Every test compares the stored bits (integer views) with the same entries
+sent as listed indices and with a dense load, on the C kernels and on numpy.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from apply_helpers import (
+    A_LOG,
+    base_state_dict,
+    bit_diff,
+    catalog_of,
+    dense_reference,
+    snapshot,
+    tp_config,
+    update,
+)
+
+import dcr.apply.receiver as receiver_module
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply import ApplyConfig, Receiver
+from dcr.apply.geometry import IndexMap, ViewGeometry
+from dcr.delta.bits import bits
+from dcr.delta.ordered import ULP_DTYPES, ulp_delta
+from dcr.delta.records import Encoding, Item, Span
+from dcr.errors import LoaderConditionViolated, PayloadRejected
+from dcr.testing.models import FAMILIES
+from dcr.testing.modules import module_from_state_dict
+
+pytestmark = pytest.mark.usefixtures("both_paths")
+
+
+def _as_listed(item: Item) -> Item:
+    return Item(
+        name=item.name,
+        shape=item.shape,
+        dtype=item.dtype,
+        encoding=item.encoding,
+        indices=item.indices,
+        values=item.values,
+    )
+
+
+def _runs(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    relative: frozenset[str],
+    cut: np.random.Generator | None = None,
+) -> list[Item]:
+    """One run per tensor taking ``old`` to ``new`` there: the whole tensor, or a random
+    range when ``cut`` is given; relative encodings (ULP for floats, else XOR) on
+    ``relative`` names, overwrites elsewhere."""
+    items = []
+    for name, t in new.items():
+        b_new, b_old = bits(t).reshape(-1), bits(old[name]).reshape(-1)
+        lo, hi = 0, b_new.size
+        if cut is not None:
+            lo = int(cut.integers(0, b_new.size))
+            hi = int(cut.integers(lo + 1, b_new.size + 1))
+        enc = Encoding.OVERWRITE
+        values = b_new[lo:hi].copy()
+        if name in relative:
+            enc = Encoding.ULP if t.dtype in ULP_DTYPES else Encoding.XOR
+            d = ulp_delta(b_new[lo:hi], b_old[lo:hi])
+            values = d if enc is Encoding.ULP else b_new[lo:hi] ^ b_old[lo:hi]
+        items.append(
+            Item(
+                name=name,
+                shape=tuple(t.shape),
+                dtype=t.dtype,
+                encoding=enc,
+                span=Span(lo),
+                values=np.ascontiguousarray(values),
+            )
+        )
+    return items
+
+
+def _cut(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], items: list[Item]):
+    """``old`` with each item's run taken from ``new``."""
+    out = {n: t.clone() for n, t in old.items()}
+    for item in items:
+        assert item.span is not None
+        lo, hi = item.span.start, item.span.start + item.count
+        bits(out[item.name]).reshape(-1)[lo:hi] = bits(new[item.name]).reshape(-1)[lo:hi]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("relative", [False, True], ids=["overwrite", "relative"])
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "ranges"])
+def test_runs_give_the_bits_of_listed_items_and_of_a_dense_load(
+    family: str, tp: int, relative: bool, whole: bool
+) -> None:
+    """Reference ranks (fused QKV and gate/up, row and column slices, vocabulary padding, a
+    cast fp32 norm, a transforming ``A_log``) take runs over whole tensors or random ranges
+    -- partial rows of sliced views -- exactly as listed items."""
+    config = tp_config(family, tp)
+    w0 = base_state_dict(config, family)
+    w1 = update(w0, rate=0.5, seed=tp)
+    rng = None if whole else np.random.default_rng(tp + 10 * relative)
+    for rank in range(tp):
+        by_run = Receiver(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_list = Receiver(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_run.prewarm()
+        by_list.prewarm()
+        allowed = by_run.xor_allowed() if relative else frozenset()
+        if rng is not None:
+            rng = np.random.default_rng(tp + 10 * relative)  # the same ranges on every rank
+        items = _runs(w0, w1, allowed, rng)
+        runs = by_run.apply_items(items, attempt=1)
+        listed = by_list.apply_items([_as_listed(i) for i in items], attempt=1)
+        assert bit_diff(snapshot(by_run.loader.module), snapshot(by_list.loader.module)) == []
+        target = w1 if whole else _cut(w0, w1, items)
+        want = dense_reference(config, family, target, tp, rank).module
+        assert bit_diff(snapshot(by_run.loader.module), snapshot(want)) == []
+        assert [(r.name, r.written, r.copies) for r in runs.items] == [
+            (r.name, r.written, r.copies) for r in listed.items
+        ]
+
+
+def test_a_dense_run_writes_blocks_and_lists_no_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-tensor run of 4M elements through a plain module: block plans, and the apply
+    allocates nothing near one index (8 bytes) per entry."""
+    n = 1 << 22
+    w0 = {"w": torch.zeros(n, dtype=torch.bfloat16)}
+    receiver = Receiver(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver.prewarm()
+    values = np.random.default_rng(0).integers(0, 1 << 16, n, dtype=np.uint16)
+    item = Item(
+        name="w",
+        shape=(n,),
+        dtype=torch.bfloat16,
+        encoding=Encoding.OVERWRITE,
+        span=Span(0),
+        values=values,
+    )
+    blocks = []
+    real = receiver_module.plan_block
+    monkeypatch.setattr(receiver_module, "plan_block", lambda *a: blocks.append(1) or real(*a))
+    tracemalloc.start()
+    try:
+        report = receiver.apply_items([item], attempt=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert blocks and report.written == n and not report.items[0].dense
+    assert peak < n  # listed indices alone would take 8 * n bytes
+    param = dict(receiver.loader.module.named_parameters())["w"]
+    np.testing.assert_array_equal(bits(param), values)
+
+
+def test_runs_through_a_cast_and_a_transforming_path() -> None:
+    """An fp32 parameter loaded from bf16 (a cast copy: entries cast one by one) and
+    ``A_log`` (a computed copy: the placeholder path) take runs like listed items."""
+    config = tp_config("qwen3", 2)
+    w0 = base_state_dict(config, "qwen3")
+    w1 = update(w0, rate=1.0, seed=3)
+    norm = "model.norm.weight"
+    names = [norm, A_LOG]
+    for rank in range(2):
+        receiver = Receiver(dense_reference(config, "qwen3", w0, 2, rank), catalog_of(w0))
+        receiver.prewarm()
+        items = [i for i in _runs(w0, w1, frozenset()) if i.name in names]
+        report = receiver.apply_items(items, attempt=1)
+        assert {r.name: r.dense for r in report.items}[A_LOG]  # the placeholder path
+        target = {n: (w1 if n in names else w0)[n] for n in w0}
+        want = dense_reference(config, "qwen3", target, 2, rank).module
+        assert bit_diff(snapshot(receiver.loader.module), snapshot(want)) == []
+
+
+def test_post_apply_checks_on_blocks() -> None:
+    config = tp_config("llama", 2)
+    w0 = base_state_dict(config, "llama")
+    w1 = update(w0, rate=0.5, seed=4)
+    for rank in range(2):
+        loader = dense_reference(config, "llama", w0, 2, rank)
+        receiver = Receiver(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
+        receiver.prewarm()
+        items = _runs(w0, w1, receiver.xor_allowed())
+        report = receiver.apply_items(items, attempt=1)
+        assert report.checked == report.written > 0
+        want = dense_reference(config, "llama", w1, 2, rank).module
+        assert bit_diff(snapshot(loader.module), snapshot(want)) == []
+
+
+@pytest.mark.usefixtures("numpy_path")
+def test_the_post_apply_check_catches_a_wrong_block_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The numpy block writer re-reads what it wrote (the C one: tests/test_native.py)."""
+    import dcr.apply.writes as writes
+
+    w0 = {"w": torch.zeros(64, dtype=torch.bfloat16)}
+    receiver = Receiver(
+        TorchModuleLoader(module_from_state_dict(w0)),
+        catalog_of(w0),
+        ApplyConfig(post_apply_checks=True),
+    )
+    receiver.prewarm()
+    real = np.copyto
+
+    def off_by_one(dst: np.ndarray, src: np.ndarray) -> None:
+        real(dst, src ^ np.uint16(1))
+
+    monkeypatch.setattr(writes.np, "copyto", off_by_one)
+    item = Item(
+        name="w",
+        shape=(64,),
+        dtype=torch.bfloat16,
+        encoding=Encoding.OVERWRITE,
+        span=Span(8),
+        values=np.arange(16, dtype=np.uint16),
+    )
+    with pytest.raises(LoaderConditionViolated) as err:
+        receiver.apply_items([item], attempt=1)
+    assert err.value.check == "post-apply"
+
+
+def test_runs_of_one_tensor_join_and_bad_runs_change_nothing() -> None:
+    w0 = {"a": torch.zeros(40, dtype=torch.bfloat16), "b": torch.zeros(8, dtype=torch.bfloat16)}
+    receiver = Receiver(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver.prewarm()
+
+    def run(name: str, start: int, values: list[int], enc: Encoding = Encoding.OVERWRITE) -> Item:
+        shape = tuple(w0[name].shape)
+        return Item(
+            name=name,
+            shape=shape,
+            dtype=torch.bfloat16,
+            encoding=enc,
+            span=Span(start),
+            values=np.array(values, dtype=np.uint16),
+        )
+
+    # Runs that continue each other (in any order) are one group; a gap between them is not.
+    report = receiver.apply_items([run("a", 10, [3, 4]), run("a", 4, [1] * 6)], attempt=1)
+    assert [(r.entries, r.merged) for r in report.items] == [(8, 2)]
+    receiver.apply_items([run("a", 30, [7]), run("a", 20, [5, 6])], attempt=1)
+    module = dict(receiver.loader.module.named_parameters())
+    want = np.zeros(40, np.uint16)
+    want[4:10], want[10:12], want[20:22], want[30] = 1, [3, 4], [5, 6], 7
+    np.testing.assert_array_equal(bits(module["a"]), want)
+
+    before = snapshot(receiver.loader.module)
+    for bad, check in (
+        ([run("b", 0, [9] * 4), run("a", 38, [1, 2, 3])], "bounds"),  # past the end
+        ([run("b", 0, [9] * 4), run("a", 4, [1, 2]), run("a", 5, [3])], "overlap"),
+        ([run("a", 0, [1]), run("a", 0, [2], Encoding.XOR)], "overlap"),  # two encodings
+    ):
+        with pytest.raises(PayloadRejected) as err:
+            receiver.apply_items(bad, attempt=2)
+        assert err.value.check == check
+        assert bit_diff(snapshot(receiver.loader.module), before) == []
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda t: t.view(6, 8, 5)[1:4, 2:6, 1:3],
+        lambda t: t.view(6, 8, 5)[:, 3:5],
+        lambda t: t.view(48, 5)[7:20],
+        lambda t: t.view(6, 8, 5)[2, 3, 4],
+        lambda t: t.view(6, 8, 5)[:, :, 2],
+        lambda t: t[3:200],
+    ],
+)
+def test_index_map_boxes_cover_exactly_the_run(view: object) -> None:
+    """The blocks of a run through a nested view are the positions the index map gives its
+    entries, each once, with the same values."""
+    base = torch.zeros(6 * 8 * 5)
+    src = view(base)  # type: ignore[operator]
+    dst = torch.empty(src.shape)
+    imap = IndexMap.build(ViewGeometry.of(src, "scratch"), ViewGeometry.of(dst, "d"))
+    assert imap is not None
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        lo = int(rng.integers(0, 241))
+        hi = int(rng.integers(lo, 241))
+        sel, pos = imap.map(np.arange(lo, hi, dtype=np.int64))
+        want = dict(zip(pos.tolist(), sel.tolist(), strict=True))
+        got: dict[int, int] = {}
+        for d0, s0, dims in imap.boxes(lo, hi - lo):
+            at = [(d0, s0)]
+            for size, ds, ss in dims:
+                at = [(d + i * ds, s + i * ss) for d, s in at for i in range(size)]
+            for d, s in at:
+                assert d not in got
+                got[d] = s
+        assert got == want
