@@ -212,11 +212,14 @@ def encode_payload(
     if version == V1:
         body = _body_v1(items, layout, attempt)
         compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        compressed = compressor.compress(body.data)
+        compressed = [compressor.compress(body.data)]
+        body_size = int(body.shape[0])
+        del body
     else:
         sections = _body_v2(items, layout, attempt)
-        body_size = sum(int(sec.shape[0]) for sec in sections)
+        body_size = sum(sec.size for sec in sections)
         compressed = _compress_sections(sections, body_size, level)
+        del sections
     fixed = HEADER_FIELDS.pack(
         MAGIC,
         version,
@@ -230,10 +233,11 @@ def encode_payload(
         level,
         len(items),
         0,
-        body.shape[0] if version == V1 else body_size,
-        len(compressed),
+        body_size,
+        sum(len(c) for c in compressed),
     )
-    return b"".join((fixed, payload_digest(fixed, compressed), compressed))
+    # One join of the header and the compressed pieces: the payload is the only copy made.
+    return b"".join((fixed, payload_digest(fixed, *compressed), *compressed))
 
 
 _FLUSH_MIN = 512
@@ -242,15 +246,17 @@ gets Huffman tables of its own instead of sharing one with a differently distrib
 neighbour."""
 
 
-def _compress_sections(sections: list[npt.NDArray[np.uint8]], size: int, level: int) -> bytes:
+def _compress_sections(sections: list[_Section], size: int, level: int) -> list[bytes]:
     """One zstd frame (content size stated, window at most ``2**WINDOW_LOG_MAX``) of the
     concatenated ``sections`` (``size`` bytes in all), with a block boundary at the end of
-    each section that follows enough data.
+    each section that follows enough data; returns the frame in pieces.
 
-    The sections are entropy-friendly symbol streams and near-uniform bits with few repeats
-    worth a match, so at the fast levels (<= 1) the match finder is kept minimal (a tiny hash
-    table, 7-byte minimum matches): zstd's Huffman stage does the work, 1.6x faster on gap
-    symbols and no larger.  Other levels use zstd's own parameters.
+    Each section is fed in pieces as it is produced (a byte plane is gathered a piece at a
+    time), so the body is never held whole.  The sections are entropy-friendly symbol streams
+    and near-uniform bits with few repeats worth a match, so at the fast levels (<= 1) the
+    match finder is kept minimal (a tiny hash table, 7-byte minimum matches): zstd's Huffman
+    stage does the work, 1.6x faster on gap symbols and no larger.  Other levels use zstd's
+    own parameters.
     """
     tuned: dict[str, int] = {"hash_log": 6, "chain_log": 6, "min_match": 7} if level <= 1 else {}
     params = zstandard.ZstdCompressionParameters.from_level(level, source_size=size)
@@ -262,17 +268,60 @@ def _compress_sections(sections: list[npt.NDArray[np.uint8]], size: int, level: 
     out: list[bytes] = []
     done = pending = 0
     for section in sections:
-        n = int(section.shape[0])
+        n = section.size
         if not n:
             continue
-        out.append(compressor.compress(section.data))
+        for piece in section.pieces():
+            chunk = compressor.compress(piece.data)
+            if chunk:
+                out.append(chunk)
         pending += n
         done += n
         if pending >= _FLUSH_MIN and done < size:
             out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
             pending = 0
     out.append(compressor.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
-    return b"".join(out)
+    return out
+
+
+_GATHER = 1 << 22
+"""Words of a byte plane gathered at once (the piece handed to zstd)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Section:
+    """One section of a version 2 body, produced piece by piece: the bytes of ``raw``, or
+    one width class of ``words`` (byte plane ``byte``, or every byte row-major when
+    ``byte`` is ``None``)."""
+
+    raw: npt.NDArray[np.uint8] | None = None
+    words: tuple[npt.NDArray[np.unsignedinteger[Any]], ...] = ()
+    width: int = 1
+    byte: int | None = None
+
+    @property
+    def size(self) -> int:
+        if self.raw is not None:
+            return int(self.raw.shape[0])
+        return (
+            self.width * sum(int(a.shape[0]) for a in self.words)
+            if self.byte is None
+            else (sum(int(a.shape[0]) for a in self.words))
+        )
+
+    def pieces(self) -> Iterator[npt.NDArray[np.uint8]]:
+        if self.raw is not None:
+            yield self.raw
+            return
+        word = word_dtype(self.width)
+        for a in self.words:
+            le = a.astype(word, copy=False)
+            if self.byte is None:
+                yield np.ascontiguousarray(le).view(np.uint8)
+                continue
+            for lo in range(0, int(le.shape[0]), _GATHER):
+                rows = le[lo : lo + _GATHER].view(np.uint8).reshape(-1, self.width)
+                yield np.ascontiguousarray(rows[:, self.byte])
 
 
 @dataclass(slots=True)
@@ -390,30 +439,25 @@ def _split_streams(jobs: list[_Job], *, gaps: bool, attempt: int) -> _Streams:
     return _split_native(jobs, gaps, attempt, kernels)
 
 
-def _class_sections(classes: Classes, layout: ValueLayout) -> list[npt.NDArray[np.uint8]]:
+def _class_sections(classes: Classes, layout: ValueLayout) -> list[_Section]:
     """The width classes of ``classes`` as body sections: one per byte plane, or one per
     class in the plain layout."""
-    out: list[npt.NDArray[np.uint8]] = []
+    out: list[_Section] = []
     for width in WORD_WIDTHS:
-        arrays = classes[width]
-        total = sum(int(a.shape[0]) for a in arrays)
-        if not total:
+        arrays = tuple(a for a in classes[width] if a.shape[0])
+        if not arrays:
             continue
-        region = np.empty(total * width, dtype=np.uint8)
-        _write_classes(region, 0, {**_classes(), width: arrays}, layout)
         if layout is ValueLayout.BYTEPLANE:
-            out.extend(region.reshape(width, total))
+            out.extend(_Section(words=arrays, width=width, byte=b) for b in range(width))
         else:
-            out.append(region)
+            out.append(_Section(words=arrays, width=width))
     return out
 
 
-def _body_v2(
-    items: Sequence[Item], layout: ValueLayout, attempt: int
-) -> list[npt.NDArray[np.uint8]]:
+def _body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[_Section]:
     """The uncompressed version 2 body of ``items`` as its sections, in order (each section
     ends a zstd block if it is long enough: byte planes and streams get Huffman tables of
-    their own)."""
+    their own); the word classes are gathered only while they are compressed."""
     tensors: dict[str, tuple[int, tuple[int, ...], Any]] = {}
     tensor_list: list[bytes] = []
     n_items = len(items)
@@ -494,13 +538,13 @@ def _body_v2(
     head += tensor_bytes
     head += records.tobytes()
     return [
-        np.frombuffer(head, dtype=np.uint8),
-        loc.symbols,
-        *loc.remainders,
+        _Section(raw=np.frombuffer(head, dtype=np.uint8)),
+        _Section(raw=loc.symbols),
+        *(_Section(raw=r) for r in loc.remainders),
         *_class_sections({**_classes(), 8: loc.escapes}, layout),
         *_class_sections(value_words, layout),
-        val.symbols,
-        *val.remainders,
+        _Section(raw=val.symbols),
+        *(_Section(raw=r) for r in val.remainders),
         *_class_sections({**_classes(), 8: val.escapes}, layout),
     ]
 

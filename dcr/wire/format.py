@@ -373,9 +373,11 @@ class DecodeLimits:
                 raise ConfigError(f"DecodeLimits.{field} must be a positive int, got {value!r}")
 
 
-def payload_digest(fixed: bytes | memoryview, compressed: bytes | memoryview) -> bytes:
-    """BLAKE2b-128 over the header bytes before the digest, then the compressed body."""
+def payload_digest(fixed: bytes | memoryview, *compressed: bytes | memoryview) -> bytes:
+    """BLAKE2b-128 over the header bytes before the digest, then the compressed body (given
+    whole or in consecutive pieces)."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     h.update(fixed)
-    h.update(compressed)
+    for piece in compressed:
+        h.update(piece)
     return h.digest()
