@@ -262,12 +262,24 @@ class _Body:
     def read(self, n: int) -> npt.NDArray[np.uint8]:
         """The next ``n`` body bytes (the caller has checked ``n`` against ``remaining``)."""
         assert 0 <= n <= self.remaining
-        self.remaining -= n
         if self._flat is not None:
+            self.remaining -= n
             out = np.frombuffer(self._flat, dtype=np.uint8, count=n, offset=self._pos)
             self._pos += n
             return out
         buf = np.empty(n, dtype=np.uint8)
+        self.read_into(buf)
+        return buf
+
+    def read_into(self, buf: npt.NDArray[np.uint8]) -> None:
+        """The next ``len(buf)`` body bytes into ``buf`` (C-contiguous; length checked by the
+        caller against ``remaining``)."""
+        n = int(buf.shape[0])
+        assert 0 <= n <= self.remaining
+        if self._flat is not None:
+            buf[...] = self.read(n)
+            return
+        self.remaining -= n
         view = memoryview(buf.data)
         got = 0
         try:
@@ -278,7 +290,6 @@ class _Body:
                 got += k
         except zstandard.ZstdError as exc:
             raise self.reject(f"zstd: {exc}") from exc
-        return buf
 
     def finish(self) -> None:
         """Check that the whole body was consumed and the frame ends there."""
@@ -527,6 +538,32 @@ def _class_words(
     }
 
 
+_JOIN = 1 << 22
+"""Bytes of one byte plane read at once while words are joined from their planes."""
+
+
+def _read_words(
+    body: _Body, totals: dict[int, int], layout: ValueLayout
+) -> dict[int, npt.NDArray[np.unsignedinteger[Any]]]:
+    """Every width class of the next ``sum(w * totals[w])`` body bytes as one native word
+    array per width, read straight into the words (a byte plane a piece at a time): the
+    classes are never held twice."""
+    out: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
+    for w in WORD_WIDTHS:
+        n = totals[w]
+        words = np.empty(n, dtype=word_dtype(w))
+        raw = words.view(np.uint8)
+        if layout is ValueLayout.PLAIN or w == 1:
+            body.read_into(raw)
+        else:
+            matrix = raw.reshape(n, w)
+            for b in range(w):
+                for lo in range(0, n, _JOIN):
+                    matrix[lo : lo + _JOIN, b] = body.read(min(_JOIN, n - lo))
+        out[w] = words.astype(np.dtype(f"u{w}"), copy=False)
+    return out
+
+
 def _catalog_body_bound(
     catalog: Mapping[str, TensorSpec], limits: DecodeLimits, version: int, n_items: int
 ) -> int:
@@ -623,7 +660,7 @@ def _decode_v1(
 
     layout = framing.layout
     gaps = _class_matrices(body.read(location_bytes), gap_totals, layout)
-    values = _class_words(body.read(value_bytes), value_totals, layout)
+    values = _read_words(body, value_totals, layout)
     tensors: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
     n = len(entries)
     tensor = np.empty(n, dtype=np.int64)
@@ -882,7 +919,7 @@ def _decode_v2(
         )  # fmt: skip
 
     # -- values ----------------------------------------------------------------------------
-    words = _class_words(body.read(sizes[3]), val_words, layout)
+    words = _read_words(body, val_words, layout)
     packed = body.read(sizes[4])
     if n_ulp % 2 and int(packed[-1]) >> 4:
         raise _reject(attempt, "the padding nibble of the value symbols is not zero", "schema")
