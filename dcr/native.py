@@ -10,6 +10,7 @@ present (``make test`` sets ``DCR_REQUIRE_NATIVE=1``).
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -20,8 +21,9 @@ __all__ = ["SCAN_KIND", "available", "kernels", "require"]
 kernels: ModuleType | None
 """The ``dcr._kernels`` module, or ``None`` when it is not built or is disabled."""
 
+_loaded: ModuleType | None
 try:
-    from dcr import _kernels as _loaded
+    _loaded = importlib.import_module("dcr._kernels")
 except ImportError:  # built without a C compiler: numpy paths
     _loaded = None
 
