@@ -570,8 +570,12 @@ class Launcher:
             and set(row.checks) >= {r.name for r in self.cfg.receivers}
         )
 
-    def run(self) -> dict[str, Any]:
-        """Start the fleet, run it to the last version, stop it; returns the report."""
+    def run(self, *, before_stop: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Start the fleet, run it to the last version, stop it; returns the report.
+
+        ``before_stop`` is called once the last version is committed and checked on every
+        receiver, while every process still runs (to look at the fleet before it stops: an
+        engine's HTTP API, say)."""
         t0 = time.monotonic()
 
         def terminate(signum: int, frame: object) -> None:
@@ -594,6 +598,8 @@ class Launcher:
                 for e in self._reader.poll():
                     self._on_event(e)
                 time.sleep(0.05)
+            if before_stop is not None:
+                before_stop()
         finally:
             self.stop()
             signal.signal(signal.SIGTERM, previous)
