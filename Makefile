@@ -13,7 +13,7 @@ help:
 	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
-	@echo "make bench      dcr bench codec, construct, apply, proof, relay, refit, project (JSON to out/)"
+	@echo "make bench      dcr bench codec, construct, apply, dense, proof, relay, refit, project (JSON to out/)"
 	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
 	@echo "make docs       regenerate generated docs (protocol state diagram)"
 
@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/dcr bench codec --floor --json | tee out/bench-codec-floor.json
 	$(BIN)/dcr bench construct --json | tee out/bench-construct.json
 	$(BIN)/dcr bench apply --json | tee out/bench-apply.json
+	$(BIN)/dcr bench dense --json | tee out/bench-dense.json
 	$(BIN)/dcr bench proof --json | tee out/bench-proof.json
 	$(BIN)/dcr bench relay --json | tee out/bench-relay.json
 	$(BIN)/dcr bench refit --json --plot out/bench-refit.png | tee out/bench-refit.json

@@ -163,6 +163,32 @@ def _parser() -> argparse.ArgumentParser:
     app.add_argument("--threads", type=_positive, default=None, help="apply threads")
     app.add_argument("--json", action="store_true", help="print one JSON object")
 
+    dense = bsub.add_parser(
+        "dense",
+        help="memory and time of a dense refit (restoring a receiver from the owners)",
+        description=(
+            "The `bench construct` model in a TP=--tp training layout: every owner builds its "
+            "dense buckets (overwrite records of every element) and encodes them as the "
+            "fleet's owners do; then, for each loader, the payloads are decoded and applied "
+            "one at a time onto a receiver holding other weights, against a dense native load "
+            "through the same loader. Each phase runs in a fresh process and reports its peak "
+            "resident memory above what it held before. The applied bits are checked against "
+            "the dense load; a mismatch fails the run."
+        ),
+    )
+    dense.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
+    dense.add_argument("--tp", type=_positive, default=2, help="training TP (default 2)")
+    dense.add_argument(
+        "--loaders",
+        type=_loaders,
+        default=["torch", "reference-tp2"],
+        help="subset of torch,reference-tp2,vllm",
+    )
+    dense.add_argument("--chunk-mb", type=_positive, default=16, help="chunk size in MiB")
+    dense.add_argument("--bucket-mb", type=_positive, default=64, help="bucket size in MiB")
+    dense.add_argument("--threads", type=_positive, default=None, help="apply threads")
+    dense.add_argument("--json", action="store_true", help="print one JSON object")
+
     proof = bsub.add_parser(
         "proof",
         help="cost and detection rate of the base-version proof and the fingerprint",
@@ -374,6 +400,22 @@ def _bench_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_dense(args: argparse.Namespace) -> int:
+    from dcr.bench.dense import format_dense_table, run_dense_bench
+
+    result = run_dense_bench(
+        size_bytes=int(args.size_gb * 1e9),
+        tp=args.tp,
+        chunk_bytes=args.chunk_mb << 20,
+        bucket_bytes=args.bucket_mb << 20,
+        loaders=args.loaders,
+        threads=args.threads,
+        log=_err,
+    )
+    print(json.dumps(result) if args.json else format_dense_table(result))
+    return 0
+
+
 def _bench_proof(args: argparse.Namespace) -> int:
     from dcr.bench.proof import run_proof_bench
 
@@ -534,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "apply": _bench_apply,
             "codec": _bench_codec,
             "construct": _bench_construct,
+            "dense": _bench_dense,
             "project": _bench_project,
             "proof": _bench_proof,
             "refit": _bench_refit,

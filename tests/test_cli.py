@@ -127,3 +127,17 @@ def test_bench_proof_json(capsys):
     assert out["cost"]["fingerprint_receiver_s_per_gb"] > 0
     # The fingerprint catches every corruption kind in every trial.
     assert all(rates["fingerprint"] == 1.0 for rates in out["detection"].values())
+
+
+def test_bench_dense_json(capsys):
+    out = run_json(
+        capsys, "bench", "dense", "--size-gb", "0.02", "--loaders", "torch,reference-tp2",
+        "--bucket-mb", "4",
+    )  # fmt: skip
+    build = out["build"]
+    assert build["payloads"] > 1 and build["payload_bytes"] > 0
+    assert build["largest_bucket_bytes"] <= out["model"]["checkpoint_bytes"]
+    assert [r["loader"] for r in out["apply"]] == ["torch", "reference-tp2"]
+    for r in out["apply"]:
+        assert r["bit_exact"] is True and r["payloads"] == build["payloads"]
+        assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0
