@@ -1043,7 +1043,9 @@ static inline int check_one(int enc, int w, uint64_t before, uint64_t now, uint6
     }
 }
 
-#define PREFETCH_AHEAD 16
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 32
+#endif
 
 /* Where entry i of a chunk lands: an explicit position array, or a canonical index mapped
  * through a nested view geometry (see rmw_mapped); -1 when the index lies outside the view. */
@@ -1079,12 +1081,22 @@ static void rmw_core(unsigned char *flat, int w, const unsigned char *vals, cons
                      Py_ssize_t lo, Py_ssize_t hi, int enc, uint64_t *before,
                      Py_ssize_t *written, Py_ssize_t *wrong) {
     Py_ssize_t n_written = 0, n_wrong = 0;
+    /* Each landing position is computed once, PREFETCH_AHEAD entries early: prefetched then,
+     * kept in a ring until its entry comes. */
+    int64_t ring[PREFETCH_AHEAD];
+    for (Py_ssize_t j = lo; j < hi && j < lo + PREFETCH_AHEAD; j++) {
+        int64_t a = where_of(m, j);
+        ring[(j - lo) % PREFETCH_AHEAD] = a;
+        if (a >= 0) __builtin_prefetch(flat + (size_t)a * w, 1);
+    }
     for (Py_ssize_t i = lo; i < hi; i++) {
+        const Py_ssize_t slot = (i - lo) % PREFETCH_AHEAD;
+        int64_t at = ring[slot];
         if (i + PREFETCH_AHEAD < hi) {
-            int64_t ahead = where_of(m, i + PREFETCH_AHEAD);
-            if (ahead >= 0) __builtin_prefetch(flat + (size_t)ahead * w, 1);
+            int64_t a = where_of(m, i + PREFETCH_AHEAD);
+            ring[slot] = a;
+            if (a >= 0) __builtin_prefetch(flat + (size_t)a * w, 1);
         }
-        int64_t at = where_of(m, i);
         if (at < 0) continue;
         unsigned char *p = flat + (size_t)at * w;
         uint64_t b = load_word(p, w);

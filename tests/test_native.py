@@ -294,7 +294,8 @@ def test_rmw_mapped_equals_the_index_map(
     values = rng.integers(0, 65535, 120, dtype=np.uint16, endpoint=True)
     flat = rng.integers(0, 65535, 400, dtype=np.uint16, endpoint=True)
     ref = flat.copy()
-    for lo, hi in ((0, 50), (50, 120)):  # two chunks of one item
+    # Chunks of one item, shorter and longer than the kernel's prefetch distance (32).
+    for lo, hi in ((0, 5), (5, 37), (37, 38), (38, 38), (38, 120)):
         sel, where = imap.select(indices[lo:hi])
         _np_apply(ref, where, values[lo:hi][sel], enc)
         d = np.array(dims, dtype=np.int64).reshape(-1)

@@ -23,6 +23,7 @@ recorded at prewarm; only the index maps derived from that geometry are built on
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -37,10 +38,11 @@ import numpy.typing as npt
 import torch
 
 from dcr import native
-from dcr.apply.call import Fail, LoaderCall, run_loader
+from dcr.apply.call import Fail, LoaderCall, run_loader, run_loader_batch
 from dcr.apply.geometry import IndexMap
 from dcr.apply.hook import SourceKind
 from dcr.apply.loader import Loader
+from dcr.apply.pages import HugePages, advise_huge_pages
 from dcr.apply.paths import CopyStrategy, LoaderPath, PathKind, matches
 from dcr.apply.prewarm import classify, find_overlaps, with_overlaps
 from dcr.apply.scratch import Scratch, torch_bits
@@ -104,13 +106,16 @@ class ApplyConfig:
     ``placeholder`` (default NaN, the paper's default) picks the scheme for transforming paths.
     ``scratch_device`` (default: the device of the loader's first parameter) places the
     scratch buffer.  ``threads`` (default: every core, at most 8) bounds the cores one apply
-    writes with.
+    writes with.  ``huge_pages`` (default on) backs resident storages in host memory with
+    transparent huge pages at prewarm, where the kernel allows (:mod:`dcr.apply.pages`):
+    scattered writes then miss the TLB far less often.
     """
 
     post_apply_checks: bool = False
     placeholder: PlaceholderScheme = PlaceholderScheme.NAN
     scratch_device: str | None = None
     threads: int | None = None
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -121,7 +126,8 @@ class ApplyConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PrewarmReport:
-    """What prewarm found: path kinds per name, scratch size, loader calls and time."""
+    """What prewarm found: path kinds per name, scratch size, loader calls and time;
+    ``huge_page_bytes``: resident bytes now backed by huge pages (``ApplyConfig.huge_pages``)."""
 
     names: int
     preserving: int
@@ -131,6 +137,7 @@ class PrewarmReport:
     scratch_bytes: int
     loader_calls: int
     seconds: float
+    huge_page_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,6 +254,11 @@ class Receiver:
                 paths[name] = classify(spec, run, scratch.view(spec))
         paths = with_overlaps(paths, find_overlaps(paths, guard.protected))
         guard.check(self._unsupported(None), full=True)
+        huge = (
+            advise_huge_pages(t for _, t in self._loader.storage_tensors())
+            if self._config.huge_pages
+            else HugePages()
+        )
         self._guard, self._scratch, self._paths = guard, scratch, paths
         self._xor_allowed = frozenset(name for name, p in paths.items() if p.xor_allowed)
         kinds = [p.kind for p in paths.values()]
@@ -258,6 +270,7 @@ class Receiver:
             xor_allowed=len(self._xor_allowed),
             scratch_bytes=scratch.nbytes,
             loader_calls=calls,
+            huge_page_bytes=huge.collapsed,
             seconds=time.perf_counter() - start,
         )
         return self._report
@@ -321,7 +334,15 @@ class Receiver:
         guard = self._require_prewarm()[0]
         groups = self._admit_all(list(items), attempt)
         with torch.no_grad(), _restoring(guard, self._violation(attempt, None)):
+            t0 = time.perf_counter()
+            batched = self._witness_together(groups, attempt)
+            together = time.perf_counter() - t0
             planned = [self._plan(group, attempt) for group in groups]
+            if batched and planned:  # the shared call counts with the first group
+                first = planned[0]
+                planned[0] = dataclasses.replace(
+                    first, calls=first.calls + batched, seconds=first.seconds + together
+                )
             written = execute(
                 self._stages(groups, planned),
                 check=self._config.post_apply_checks,
@@ -596,6 +617,76 @@ class Receiver:
                 "pattern",
             )
 
+    def _in_place(self, group: _Group) -> bool:
+        """Whether overwrite values are cast position-dependently (:func:`irregular`): such a
+        group is scattered into scratch and loaded with its values, a call of its own."""
+        return (
+            not group.encoding.relative
+            and any(c.src.dtype != c.dst.dtype for c in group.path.copies)
+            and irregular(group.entries.values, group.spec.dtype)
+        )
+
+    def _witness_attempt_of(self, attempt: int | None) -> dict[tuple[str, bool], LoaderCall]:
+        """The witnessed loader calls of ``attempt`` (a new attempt starts with none)."""
+        if attempt != self._witness_attempt:
+            self._witnessed = {}
+            self._witness_attempt = attempt
+        return self._witnessed
+
+    def _witness_together(self, groups: list[_Group], attempt: int | None) -> int:
+        """Witness the names of a payload in one loader call; returns the calls made (0, 1).
+
+        The sparse groups whose name has no witness in this attempt yet go to the loader
+        together (:func:`run_loader_batch`); each name's share of the writes is checked like
+        a call of its own and kept as its witness.  A name whose share differs from its
+        prewarm record, or a call that cannot be split, is left to :meth:`_plan_mapped`, which
+        calls the loader for that name alone (and raises there if the loader really changed).
+        Names the loader does not report, that mutate scratch, or that need the placeholder
+        are never batched.
+        """
+        if attempt is None:
+            return 0
+        witnessed = self._witness_attempt_of(attempt)
+        todo: dict[tuple[str, bool], _Group] = {}
+        for g in groups:
+            key = (g.spec.name, g.encoding.relative)
+            if (
+                not g.entries.count
+                or key in witnessed
+                or key in todo
+                or not g.path.reported
+                or g.path.scratch_mutated
+                or (
+                    g.encoding is Encoding.OVERWRITE
+                    and any(c.strategy is CopyStrategy.PLACEHOLDER for c in g.path.copies)
+                )
+                or self._in_place(g)
+            ):
+                continue
+            todo[key] = g
+        if len(todo) < 2:
+            return 0
+        guard, scratch = self._require_prewarm()
+        batch = list(todo.values())
+        fail = self._violation(attempt, None)
+        calls = run_loader_batch(
+            self._loader,
+            guard,
+            scratch.ptr,
+            [(g.spec.name, scratch.view(g.spec)) for g in batch],
+            fail,
+            frozenset().union(*(g.path.storages for g in batch)),
+        )
+        for (key, g), call in zip(todo.items(), calls or (), strict=False):
+            if call.reported != g.path.reported or not _repeats(g.path, call):
+                continue
+            try:
+                self._witness(g, call, self._violation(attempt, g.spec.name))
+            except DcrError:
+                continue  # the name's own call decides
+            witnessed[key] = call
+        return 1
+
     def _plan_mapped(
         self, group: _Group, fail: Fail, attempt: int | None
     ) -> tuple[list[WritePlan], bool, int]:
@@ -612,16 +703,10 @@ class Receiver:
         spec, path, entries = group.spec, group.path, group.entries
         relative = group.encoding.relative
         scratch = self._require_prewarm()[1]
-        in_place = (
-            not relative
-            and any(c.src.dtype != c.dst.dtype for c in path.copies)
-            and irregular(entries.values, spec.dtype)
-        )
-        if attempt != self._witness_attempt:
-            self._witnessed = {}
-            self._witness_attempt = attempt
+        in_place = self._in_place(group)
+        witnessed = self._witness_attempt_of(attempt)
         key = (spec.name, relative)
-        call = None if in_place or attempt is None else self._witnessed.get(key)
+        call = None if in_place or attempt is None else witnessed.get(key)
         calls = 0
         if call is None:
             view = (
@@ -632,7 +717,7 @@ class Receiver:
             call = self._witness(group, self._call(path, view, fail), fail)
             calls = 1
             if not in_place and attempt is not None:
-                self._witnessed[key] = call
+                witnessed[key] = call
         plans = self._write_plans(group, call, in_place)
         return plans, in_place, calls
 

@@ -65,7 +65,8 @@ def test_later_payloads_of_an_attempt_reuse_the_witness_and_stay_bit_exact() -> 
     half = 64 * 32 // 2
     first = [_item(n, w0[n], w1[n], 0, half) for n in w0]
     second = [_item(n, w0[n], w1[n], half, 64 * 32) for n in w0]
-    assert receiver.apply_items(first, attempt=7).loader_calls == 3
+    # The three names of the first payload go to the loader together: one call.
+    assert receiver.apply_items(first, attempt=7).loader_calls == 1
     assert receiver.apply_items(second, attempt=7).loader_calls == 0
     _assert_holds(module, w1)
 
@@ -115,3 +116,51 @@ def test_a_loader_that_changed_its_writes_is_caught_at_the_next_attempt() -> Non
     assert receiver.apply_items([rest], attempt=1).loader_calls == 0
     with pytest.raises(LoaderConditionViolated):
         receiver.apply_items([_item("w1", w1["w1"], w0["w1"], 0, half)], attempt=2)
+
+
+def _full(w0: dict[str, torch.Tensor], w1: dict[str, torch.Tensor]) -> list[Item]:
+    return [_item(n, w0[n], w1[n], 0, 64 * 32) for n in w0]
+
+
+def test_a_loader_that_draws_every_tensor_first_is_witnessed_name_by_name() -> None:
+    """A loader that reads all its input before writing cannot have its writes attributed to
+    names: the names are witnessed one call each, and the apply stays exact."""
+    receiver, module, w0, w1 = _setup()
+    loader = receiver.loader
+    real = loader.load_weights
+    sizes: list[int] = []
+
+    def greedy(weights):  # type: ignore[no-untyped-def]
+        weights = list(weights)
+        sizes.append(len(weights))
+        return real(weights)
+
+    loader.load_weights = greedy  # type: ignore[method-assign]
+    report = receiver.apply_items(_full(w0, w1), attempt=1)
+    assert sizes == [3, 1, 1, 1]  # the batch, then each name alone
+    assert report.loader_calls == 4
+    _assert_holds(module, w1)
+
+
+def test_a_batch_that_misattributes_one_name_falls_back_for_it_only() -> None:
+    """A loader that writes w1 only when it sees w2 (one tensor late): w1 and w2 are
+    witnessed alone -- where, called on one name, the loader makes no write for w1 -- and the
+    apply is refused before any write lands."""
+    receiver, module, w0, w1 = _setup()
+    loader = receiver.loader
+    real = loader.load_weights
+
+    def late(weights):  # type: ignore[no-untyped-def]
+        held = []
+        for name, t in weights:
+            if name == "w1":
+                held.append((name, t))
+                continue
+            real([*held, (name, t)] if name == "w2" else [(name, t)])
+            held = []
+        return {"w0", "w1", "w2"}
+
+    loader.load_weights = late  # type: ignore[method-assign]
+    with pytest.raises(LoaderConditionViolated):
+        receiver.apply_items(_full(w0, w1), attempt=1)
+    _assert_holds(module, w0)
