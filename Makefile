@@ -5,7 +5,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-dev
-PYTEST  ?= -q
+PYTEST  ?= -q --durations=15
 
 .PHONY: help venv demo test test-main test-fast test-vllm test-megatron lint bench soak docs clean
 

@@ -6,11 +6,14 @@ exceptions and real broken connections."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import socket
 import struct
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -179,6 +182,21 @@ async def test_reset_and_refused_connections_are_retryable() -> None:
     refused.bind(("127.0.0.1", 0))
     closed_port = refused.getsockname()[1]
     refused.close()
+    # aiohttp writes a request body from a task of its own; when the server resets the
+    # connection first, that task fails too and nobody retrieves it.  The reset is this test's
+    # doing: such stray errors are dropped, every other one still fails the test.
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if isinstance(context.get("exception"), ConnectionResetError):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
     try:
         for port in (resetter.port, closed_port):
             backend = S3Backend(S3Options(bucket="b-x", endpoint_url=f"http://127.0.0.1:{port}",
@@ -193,6 +211,8 @@ async def test_reset_and_refused_connections_are_retryable() -> None:
         assert resetter.accepted >= 1
     finally:
         resetter.close()
+        gc.collect()  # a failed body-writer task reports when it is collected
+        loop.set_exception_handler(previous)
 
 
 async def test_a_missing_bucket_is_not_retried(moto_s3: S3Endpoint) -> None:
