@@ -4,8 +4,8 @@ A sparse apply touches a few bytes in many pages of the resident weights: at 1% 
 scattered bf16 changes, every 4 KiB page of every tensor is visited about twenty times in
 ascending order, and with 4 KiB pages each visit to a new page is a TLB miss (costlier still
 in a virtual machine, where a miss walks two page tables).  Backed by 2 MiB pages the same
-writes run 15-20% faster on the CPU machines measured (docs/benchmarks.md, ``dcr bench
-apply``).  A dense load, which streams, barely notices.
+apply took about 12% less time where measured (docs/benchmarks.md, ``dcr bench apply`` at
+1%).  A dense load, which streams, barely notices.
 
 :func:`advise_huge_pages` asks the kernel to back the interior 2 MiB-aligned ranges of the
 given CPU tensors with transparent huge pages: ``madvise(MADV_HUGEPAGE)`` for pages faulted
