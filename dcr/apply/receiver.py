@@ -219,6 +219,10 @@ class Receiver:
         # Loader calls witnessed in the current attempt, per (name, relative encoding).
         self._witnessed: dict[tuple[str, bool], LoaderCall] = {}
         self._witness_attempt: int | None = None
+        # Whether the names of a payload are witnessed in one loader call: off for good once
+        # a shared call could not be split or none of its shares matched (a loader that reads
+        # its input ahead), so that such a loader is not called twice per name.
+        self._batching = True
         self._flats = FlatViews()
         self._words = {n: np.dtype(numpy_bits_dtype(s.dtype)) for n, s in self._catalog.items()}
 
@@ -642,9 +646,9 @@ class Receiver:
         prewarm record, or a call that cannot be split, is left to :meth:`_plan_mapped`, which
         calls the loader for that name alone (and raises there if the loader really changed).
         Names the loader does not report, that mutate scratch, or that need the placeholder
-        are never batched.
+        are never batched; a receiver whose shared call gave no usable share stops sharing.
         """
-        if attempt is None:
+        if attempt is None or not self._batching:
             return 0
         witnessed = self._witness_attempt_of(attempt)
         todo: dict[tuple[str, bool], _Group] = {}
@@ -677,6 +681,7 @@ class Receiver:
             fail,
             frozenset().union(*(g.path.storages for g in batch)),
         )
+        accepted = 0
         for (key, g), call in zip(todo.items(), calls or (), strict=False):
             if call.reported != g.path.reported or not _repeats(g.path, call):
                 continue
@@ -685,6 +690,9 @@ class Receiver:
             except DcrError:
                 continue  # the name's own call decides
             witnessed[key] = call
+            accepted += 1
+        if not accepted:
+            self._batching = False
         return 1
 
     def _plan_mapped(

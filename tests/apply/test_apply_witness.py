@@ -140,6 +140,10 @@ def test_a_loader_that_draws_every_tensor_first_is_witnessed_name_by_name() -> N
     assert sizes == [3, 1, 1, 1]  # the batch, then each name alone
     assert report.loader_calls == 4
     _assert_holds(module, w1)
+    # The receiver stops sharing calls with this loader: the next attempt calls it per name.
+    assert receiver.apply_items(_full(w1, w0), attempt=2).loader_calls == 3
+    assert sizes == [3, 1, 1, 1, 1, 1, 1]
+    _assert_holds(module, w0)
 
 
 def test_a_batch_that_misattributes_one_name_falls_back_for_it_only() -> None:
