@@ -86,7 +86,7 @@ class StorageReader:
                 raise ConfigError(
                     f"storage {storage!r} recorded at prewarm is gone", check="storage-replaced"
                 )
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             n = int(t.untyped_storage().nbytes()) // itemsize
             view = torch.empty(0, dtype=dtype, device=t.device)
             view.set_(t.untyped_storage(), 0, (n,), (1,))

@@ -72,7 +72,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _width(dtype: torch.dtype) -> int:
     if dtype not in DTYPE_CODES:
         raise ConfigError(f"dtype {dtype_name(dtype)} is not supported", check="dtype")
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -112,7 +112,7 @@ class ShardSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 Extract = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
