@@ -97,11 +97,20 @@ def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
 
     ``directory``: every process opens the same directory (``path``, relative to the fleet
     file; default ``<run_dir>/objects``).  ``s3``: every process opens the same bucket and
-    prefix.  The other keys are the transport's settings.
+    prefix.  The other keys are the transport's settings.  On object storage the receiver
+    processes of a node share their downloads through ``<node_cache>/<node>`` (``node_cache``
+    relative to the fleet file; default ``<run_dir>/fetches`` where a node hosts several
+    receivers), so that each payload crosses into a node once.
     """
     opts = dict(cfg.transport)
     kind = opts.pop("kind")
     cls = load("transport", kind)
+    if kind in OBJECT_STORES:
+        shared = opts.pop("node_cache", None)
+        hosted = next((n for n in cfg.rollout if n.name == node), None)
+        if hosted is not None and (shared is not None or len(hosted.receivers) > 1):
+            base = cfg.path.parent / str(shared) if shared is not None else cfg.run_dir / "fetches"
+            opts["node_cache"] = str(base / hosted.name)
     if kind == "directory":
         path = opts.pop("path", None)
         root = cfg.path.parent / str(path) if path is not None else cfg.run_dir / "objects"

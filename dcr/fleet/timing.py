@@ -148,8 +148,9 @@ class TimedFetches(ObjectBackend):
         m = _PAYLOAD.match(key)
         if m is not None and data is not None:
             self._log.emit(
-                "fetched", attempt=int(m[1]), size=len(data), start=start, end=time.time()
-            )
+                "fetched", attempt=int(m[1]), size=len(data), start=start, end=time.time(),
+                key=key,
+            )  # fmt: skip
         return data
 
     async def list(self, prefix: str) -> list[ObjectInfo]:

@@ -69,6 +69,7 @@ import msgspec
 
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.adapters.transport.link import LinkLimit
+from dcr.adapters.transport.nodeshare import NodeFetches
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
 
@@ -229,6 +230,10 @@ class ObjectStoreConfig:
     cleanup_timeout_s: float = 60.0
     """Bound on a cleanup (and on writing a tombstone), which finishes even when its caller
     is cancelled."""
+    node_cache: str | None = None
+    """A directory the receiver processes of one rollout node share (local disk or tmpfs):
+    each payload is then downloaded once per node, not once per process
+    (:mod:`~dcr.adapters.transport.nodeshare`).  ``None``: every process downloads."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -265,6 +270,8 @@ class FetchStats:
     """Listings and fetches that failed after every retry."""
     retried: int = 0
     """Storage operations tried again after a retryable error (sends included)."""
+    shared: int = 0
+    """Payloads read from the node's shared copies (``node_cache``) instead of storage."""
     last_error: str = ""
 
 
@@ -380,6 +387,7 @@ class ObjectStoreTransport(Transport):
         self._nudge = anyio.Event()
         self._fetched_keys: set[PayloadKey] = set()
         self._fetched = FetchStats()
+        self._node = NodeFetches(self.config.node_cache) if self.config.node_cache else None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -398,6 +406,7 @@ class ObjectStoreTransport(Transport):
             bad_entries=f.bad_entries + changes.get("bad_entries", 0),
             errors=f.errors + changes.get("errors", 0),
             retried=f.retried + changes.get("retried", 0),
+            shared=f.shared + changes.get("shared", 0),
             last_error=changes.get("last_error", f.last_error),
         )
 
@@ -821,15 +830,20 @@ class ObjectStoreTransport(Transport):
         missing read is tried again (``retries`` times in all)."""
         tries = self.config.retries
         for i in range(tries):
-            data = await self._retry(
+            data, downloaded = await self._retry(
                 f"fetch of {f.key.owner}/{f.key.payload_id}",
-                lambda: self.backend.get(f.obj, link=self.downlink),
+                lambda: self._get_payload(f.obj),
                 attempt=f.key.attempt,
             )
             if data is not None:
-                self._count_fetched(None, len(data))
+                if downloaded:
+                    self._count_fetched(None, len(data))
+                else:
+                    self._count(shared=1)
                 if len(data) == f.size:
                     return data
+                if self._node is not None:
+                    self._node.discard(f.obj)
             if i == tries - 1:
                 if data is None:
                     self._count(missing=1, last_error=f"{f.obj} is listed but not stored")
@@ -842,6 +856,16 @@ class ObjectStoreTransport(Transport):
             self._count(retried=1)
             await anyio.sleep(self._backoff(i))
         raise AssertionError("unreachable")
+
+    async def _get_payload(self, obj: str) -> tuple[bytes | None, bool]:
+        """A payload object and whether this process downloaded it (not a copy another
+        process of the node downloaded, with ``node_cache``)."""
+        if self._node is not None:
+            try:
+                return await self._node.get(obj, lambda: self.backend.get(obj, link=self.downlink))
+            except OSError as exc:  # the node's directory failed us: download alone
+                self._count(errors=1, last_error=f"node cache {self.config.node_cache}: {exc}")
+        return await self.backend.get(obj, link=self.downlink), True
 
     def _is_stopped(self, attempt: int) -> bool:
         return attempt in self._stopped or attempt in self._remote_stopped
