@@ -13,7 +13,9 @@ once.  :class:`NodeFetches` restores that through a directory the processes of t
   waiter that waited ``wait_s`` downloads the object itself, so no process ever depends on
   another one finishing;
 * a copy whose length differs from the manifest entry is discarded by the transport, so the
-  next try downloads it again; published copies older than ``keep_s`` are swept.
+  next try downloads it again; copies of payloads whose manifest entries were cleaned up
+  (after a commit or a stop) are discarded by every process that notices, and copies older
+  than ``keep_s`` are swept (a node whose processes all stopped leaves at most those).
 
 Objects are immutable under their keys (every key names an attempt, an owner and a writer),
 and receivers check every payload's digest, so a shared copy never needs invalidating.
@@ -78,6 +80,10 @@ class NodeFetches:
                 return data, False
             if _claim(claim):
                 try:
+                    # Published between our look and our claim (its claim just released)?
+                    data = await anyio.to_thread.run_sync(_read, path)
+                    if data is not None:
+                        return data, False
                     data = await fetch()
                     if data is not None:
                         await anyio.to_thread.run_sync(self._publish, path, data)

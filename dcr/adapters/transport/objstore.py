@@ -712,6 +712,8 @@ class ObjectStoreTransport(Transport):
         for attempt in stopped - self._remote_stopped:
             self._drop_fetches(attempt)
         self._remote_stopped = stopped
+        if self._node is not None:
+            self._forget_shared(self._known - present)
         self._known &= present  # entries cleaned up are forgotten
         live = {int(k[len(MANIFEST) : len(MANIFEST) + 20]) for k in present} | {
             a for a, _, _ in self._streams
@@ -743,6 +745,19 @@ class ObjectStoreTransport(Transport):
                     recipients=recipients,
                 )
             )
+
+    def _forget_shared(self, entries: set[str]) -> None:
+        """Drop the node's copies of payloads whose manifest entries were cleaned up (storage
+        no longer holds them either; every process of the node does this, idempotently)."""
+        assert self._node is not None
+        for key in entries:
+            m = _MANIFEST_RE.match(key)
+            owner = None if m is None or m[2] is None else _owner(m[2])
+            if m is not None and owner is not None:
+                try:
+                    self._node.discard(payload_key(int(m[1]), owner, m[3], int(m[4])))
+                except OSError as exc:
+                    self._count(errors=1, last_error=f"node cache: {exc}")
 
     async def _read_entries(self, keys: list[str]) -> dict[str, _Entry | None]:
         """GET manifest entries (``fetch_concurrency`` at a time): a decoded entry, ``None``
