@@ -251,6 +251,143 @@ TARGET_AVX2 static size_t scan_avx2(const unsigned char *a, const unsigned char 
     return i;
 }
 
+/* Compaction tables of the AVX2 scans, indexed by an 8-bit mask of changed lanes: the lane
+ * numbers of the set bits in order (8 bytes, unused ones 0), and the pshufb control that
+ * gathers those 2-byte lanes of a 16-byte vector to its front.  Filled once at import. */
+static uint64_t lane_index[256];
+static unsigned char lane_shuffle16[256][16];
+
+static void init_lane_tables(void) {
+    for (int m = 0; m < 256; m++) {
+        uint64_t idx = 0;
+        int c = 0;
+        memset(lane_shuffle16[m], 0x80, 16);
+        for (int j = 0; j < 8; j++) {
+            if (!(m >> j & 1)) continue;
+            idx |= (uint64_t)j << (8 * c);
+            lane_shuffle16[m][2 * c] = (unsigned char)(2 * j);
+            lane_shuffle16[m][2 * c + 1] = (unsigned char)(2 * j + 1);
+            c++;
+        }
+        lane_index[m] = idx;
+    }
+}
+
+/* The changed lanes `m` of eight 2-byte values (`v`, a 16-byte vector) to o + c, their
+ * positions (at + lane) to pos + c; returns the new count.  Writes 16 bytes of values and 32
+ * of positions whatever the count (the outputs' slack). */
+TARGET_AVX2 static inline Py_ssize_t compact8_w2(__m128i v, unsigned m, uint32_t at, uint16_t *o,
+                                                 uint32_t *pos, Py_ssize_t c) {
+    __m128i sh = _mm_loadu_si128((const __m128i *)lane_shuffle16[m]);
+    _mm_storeu_si128((__m128i *)(o + c), _mm_shuffle_epi8(v, sh));
+    __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lane_index[m]));
+    _mm256_storeu_si256((__m256i *)(pos + c), _mm256_add_epi32(lanes, _mm256_set1_epi32((int)at)));
+    return c + __builtin_popcount(m);
+}
+
+/* AVX2, 2-byte words: 32 words per step; values computed for every lane and the changed ones
+ * compacted through the lane tables (no branch per change).  Outputs need 32 entries of
+ * slack past the last change. */
+TARGET_AVX2 static size_t scan_avx2_w2(const uint16_t *a, const uint16_t *b, size_t n, int kind,
+                                       uint32_t *pos, uint16_t *o1, uint16_t *o2,
+                                       Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    const __m256i sign = _mm256_set1_epi16((short)0x8000);
+    for (; i + 32 <= n; i += 32) {
+        __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
+        __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
+        __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 16));
+        __m256i vb1 = _mm256_loadu_si256((const __m256i *)(b + i + 16));
+        /* packs interleaves 128-bit lanes: mask bytes are words 0-7, 16-23, 8-15, 24-31. */
+        __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(va0, vb0), _mm256_cmpeq_epi16(va1, vb1));
+        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(eq);
+        if (!m) continue;
+        __m256i v0, v1;
+        switch (kind) {
+        case K_XOR: v0 = _mm256_xor_si256(va0, vb0); v1 = _mm256_xor_si256(va1, vb1); break;
+        case K_ULP: {
+#define ORDERED16(x) _mm256_xor_si256((x), _mm256_or_si256(_mm256_srai_epi16((x), 15), sign))
+            v0 = _mm256_sub_epi16(ORDERED16(va0), ORDERED16(vb0));
+            v1 = _mm256_sub_epi16(ORDERED16(va1), ORDERED16(vb1));
+#undef ORDERED16
+            break;
+        }
+        case K_NEW: v0 = va0; v1 = va1; break;
+        default: {
+            v0 = _mm256_xor_si256(va0, vb0);
+            v1 = _mm256_xor_si256(va1, vb1);
+            Py_ssize_t d = c;
+            d = compact8_w2(_mm256_castsi256_si128(va0), m & 0xFF, (uint32_t)i, o2, pos, d);
+            d = compact8_w2(_mm256_extracti128_si256(va0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8,
+                            o2, pos, d);
+            d = compact8_w2(_mm256_castsi256_si128(va1), (m >> 8) & 0xFF, (uint32_t)i + 16, o2,
+                            pos, d);
+            compact8_w2(_mm256_extracti128_si256(va1, 1), m >> 24, (uint32_t)i + 24, o2, pos, d);
+            break;
+        }
+        }
+        c = compact8_w2(_mm256_castsi256_si128(v0), m & 0xFF, (uint32_t)i, o1, pos, c);
+        c = compact8_w2(_mm256_extracti128_si256(v0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8, o1,
+                        pos, c);
+        c = compact8_w2(_mm256_castsi256_si128(v1), (m >> 8) & 0xFF, (uint32_t)i + 16, o1, pos, c);
+        c = compact8_w2(_mm256_extracti128_si256(v1, 1), m >> 24, (uint32_t)i + 24, o1, pos, c);
+    }
+    *count = c;
+    return i * 2;
+}
+
+/* AVX2, 4-byte words: 16 words per step, compacted by a lane permutation. */
+TARGET_AVX2 static inline Py_ssize_t compact8_w4(__m256i v, unsigned m, uint32_t at, uint32_t *o,
+                                                 uint32_t *pos, Py_ssize_t c) {
+    __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lane_index[m]));
+    _mm256_storeu_si256((__m256i *)(o + c), _mm256_permutevar8x32_epi32(v, lanes));
+    _mm256_storeu_si256((__m256i *)(pos + c), _mm256_add_epi32(lanes, _mm256_set1_epi32((int)at)));
+    return c + __builtin_popcount(m);
+}
+
+TARGET_AVX2 static size_t scan_avx2_w4(const uint32_t *a, const uint32_t *b, size_t n, int kind,
+                                       uint32_t *pos, uint32_t *o1, uint32_t *o2,
+                                       Py_ssize_t *count) {
+    Py_ssize_t c = *count;
+    size_t i = 0;
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+    for (; i + 16 <= n; i += 16) {
+        __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
+        __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
+        __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 8));
+        __m256i vb1 = _mm256_loadu_si256((const __m256i *)(b + i + 8));
+        unsigned m0 = 0xFF & ~(unsigned)_mm256_movemask_ps(
+                                 _mm256_castsi256_ps(_mm256_cmpeq_epi32(va0, vb0)));
+        unsigned m1 = 0xFF & ~(unsigned)_mm256_movemask_ps(
+                                 _mm256_castsi256_ps(_mm256_cmpeq_epi32(va1, vb1)));
+        if (!(m0 | m1)) continue;
+        __m256i v0, v1;
+        switch (kind) {
+        case K_XOR: v0 = _mm256_xor_si256(va0, vb0); v1 = _mm256_xor_si256(va1, vb1); break;
+        case K_ULP: {
+#define ORDERED32(x) _mm256_xor_si256((x), _mm256_or_si256(_mm256_srai_epi32((x), 31), sign))
+            v0 = _mm256_sub_epi32(ORDERED32(va0), ORDERED32(vb0));
+            v1 = _mm256_sub_epi32(ORDERED32(va1), ORDERED32(vb1));
+#undef ORDERED32
+            break;
+        }
+        case K_NEW: v0 = va0; v1 = va1; break;
+        default: {
+            v0 = _mm256_xor_si256(va0, vb0);
+            v1 = _mm256_xor_si256(va1, vb1);
+            Py_ssize_t d = compact8_w4(va0, m0, (uint32_t)i, o2, pos, c);
+            compact8_w4(va1, m1, (uint32_t)i + 8, o2, pos, d);
+            break;
+        }
+        }
+        c = compact8_w4(v0, m0, (uint32_t)i, o1, pos, c);
+        c = compact8_w4(v1, m1, (uint32_t)i + 8, o1, pos, c);
+    }
+    *count = c;
+    return i * 4;
+}
+
 /* AVX-512, 2-byte words: 64 words per step, changed lanes compressed into the outputs (no
  * branch per change).  Outputs need 64 entries of slack past the last change. */
 TARGET_AVX512 static size_t scan_avx512_w2(const uint16_t *a, const uint16_t *b, size_t n,
@@ -342,6 +479,9 @@ TARGET_AVX512 static size_t scan_avx512_w4(const uint32_t *a, const uint32_t *b,
 
 static void init_isa(void) {
 #ifdef DCR_X86_DISPATCH
+    init_lane_tables();
+#endif
+#ifdef DCR_X86_DISPATCH
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt")) isa_max = 1;
     if (isa_max == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -366,6 +506,12 @@ static Py_ssize_t scan_impl(const unsigned char *a, const unsigned char *b, Py_s
     else if (level >= 2 && w == 4)
         i = scan_avx512_w4((const uint32_t *)a, (const uint32_t *)b, (size_t)n, kind, pos,
                            (uint32_t *)o1, (uint32_t *)o2, &c);
+    else if (level >= 1 && w == 2)
+        i = scan_avx2_w2((const uint16_t *)a, (const uint16_t *)b, (size_t)n, kind, pos,
+                         (uint16_t *)o1, (uint16_t *)o2, &c);
+    else if (level >= 1 && w == 4)
+        i = scan_avx2_w4((const uint32_t *)a, (const uint32_t *)b, (size_t)n, kind, pos,
+                         (uint32_t *)o1, (uint32_t *)o2, &c);
     else if (level >= 1)
         i = scan_avx2(a, b, nbytes, w, kind, pos, o1, o2, &c);
     else
