@@ -18,6 +18,7 @@
  *   rmw_mapped     the same, positions mapped from canonical indices through a view geometry
  *   write_block    a block of a run of entries through a view geometry (memcpy when contiguous)
  *   increasing     whether int64 indices are strictly increasing
+ *   copy_at        dst[p] = src[p] at positions (an owner's baseline update at commit)
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -1506,6 +1507,57 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(copy_at_doc,
+"copy_at(dst, src, positions, shift) -> None\n\n"
+"dst[p - shift] = src[p - shift] for every int64 p of positions: dst and src are bit views of\n"
+"one length and item size.  Every position is checked before the first write (ValueError,\n"
+"nothing written, if one is outside the views).");
+
+static PyObject *py_copy_at(PyObject *self, PyObject *args) {
+    PyObject *odst, *osrc, *opos;
+    long long shift;
+    if (!PyArg_ParseTuple(args, "OOOL", &odst, &osrc, &opos, &shift)) return NULL;
+    Buf bd = {0}, bs = {0}, bp = {0};
+    PyObject *result = NULL;
+    if (!get_buf(odst, &bd, 1, "dst") || !get_buf(osrc, &bs, 0, "src") ||
+        !get_buf(opos, &bp, 0, "positions") || !need_itemsize(&bp, 8, "positions"))
+        goto done;
+    Py_ssize_t w = bd.view.itemsize, n = count_of(&bd), m = count_of(&bp);
+    if (bs.view.itemsize != w || count_of(&bs) != n) {
+        PyErr_SetString(PyExc_ValueError, "dst and src differ in item size or length");
+        goto done;
+    }
+    const int64_t *pos = bp.view.buf;
+    unsigned char *d = bd.view.buf;
+    const unsigned char *src = bs.view.buf;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < m; j++) {
+        uint64_t e = (uint64_t)pos[j] - (uint64_t)shift;
+        bad |= e >= (uint64_t)n;
+    }
+    if (!bad) {
+        switch (w) {
+        case 1: for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); d[e] = src[e]; } break;
+        case 2: { uint16_t *dd = (uint16_t *)d; const uint16_t *ss = (const uint16_t *)src;
+                  for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
+        case 4: { uint32_t *dd = (uint32_t *)d; const uint32_t *ss = (const uint32_t *)src;
+                  for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
+        default: { uint64_t *dd = (uint64_t *)d; const uint64_t *ss = (const uint64_t *)src;
+                   for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a position lies outside the views");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(&bd); release(&bs); release(&bp);
+    return result;
+}
+
 PyDoc_STRVAR(increasing_doc,
 "increasing(indices) -> bool\n\nWhether the int64 indices strictly increase.");
 
@@ -1538,6 +1590,7 @@ static PyMethodDef methods[] = {
     {"rmw_mapped", py_rmw_mapped, METH_VARARGS, rmw_mapped_doc},
     {"write_block", py_write_block, METH_VARARGS, write_block_doc},
     {"increasing", py_increasing, METH_O, increasing_doc},
+    {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},
     {NULL, NULL, 0, NULL},
 };
 

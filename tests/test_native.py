@@ -409,6 +409,30 @@ def test_increasing() -> None:
     assert not kernels.increasing(np.array([3, 2, 9], np.int64))
 
 
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("shift", [0, 7])
+def test_copy_at_copies_exactly_the_positions(word: Any, shift: int) -> None:
+    new, old = _pair(word, 1000, 0.1, seed=3)
+    positions = np.flatnonzero(new != old)[::2].astype(np.int64) + shift
+    want = old.copy()
+    want[positions - shift] = new[positions - shift]
+    got = old.copy()
+    kernels.copy_at(got, new, positions, shift)
+    assert np.array_equal(got, want)
+    assert not np.array_equal(got, new)  # only the listed positions moved
+
+
+def test_copy_at_refuses_positions_outside_the_views_before_writing() -> None:
+    new, old = _pair(np.uint16, 100, 0.5, seed=4)
+    for bad, shift in (([3, 100], 0), ([3, 4], 5), ([-1], 0)):
+        got = old.copy()
+        with pytest.raises(ValueError, match="outside"):
+            kernels.copy_at(got, new, np.array(bad, np.int64), shift)
+        assert np.array_equal(got, old)
+    with pytest.raises(ValueError, match="differ"):
+        kernels.copy_at(old.copy(), new[:50], np.array([1], np.int64), 0)
+
+
 def _streams_for(
     arrays: list[np.ndarray], ks: list[int], gaps: bool
 ) -> tuple[np.ndarray, list[Any], np.ndarray]:

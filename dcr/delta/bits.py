@@ -26,6 +26,7 @@ __all__ = [
     "changed_indices",
     "changed_values",
     "changed_words",
+    "copy_at",
     "dtype_name",
     "numpy_bits_dtype",
 ]
@@ -227,6 +228,23 @@ def changed_values(
     second = out2[:count].copy() if kind == "xor+new" else None
     pos = np.add(pos_buf[:count], np.int64(offset), dtype=np.int64)
     return pos, out[:count].copy(), second
+
+
+def copy_at(dst: UInt, src: UInt, positions: Index, shift: int = 0) -> None:
+    """``dst[p - shift] = src[p - shift]`` for every position: an owner's baseline update.
+
+    ``dst`` and ``src`` are 1-D bit views of one length.  In C when :mod:`dcr.native` has its
+    kernels (one pass, the GIL released), else by numpy fancy indexing; a position outside
+    the views raises ``ValueError`` before anything is written.
+    """
+    k = native.kernels
+    if k is not None:
+        k.copy_at(dst, src, positions, shift)
+        return
+    idx = positions - shift if shift else positions
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= dst.shape[0]):
+        raise ValueError("a position lies outside the views")
+    dst[idx] = src[idx]
 
 
 def changed_words(

@@ -311,12 +311,15 @@ def test_residual_parts_must_cover_the_tensor():
         LocalTrainingGroup(bad, state)
 
 
-def test_commit_is_repeatable_and_only_after_commit_baseline_moves():
+@pytest.mark.parametrize("rate", [0.002, 0.05])  # scattered writes; whole-tracker copies
+def test_commit_is_repeatable_and_only_after_commit_baseline_moves(
+    both_paths: str, rate: float
+) -> None:
     cfg = tiny_config("llama")
     w = random_state_dict(cfg, "llama", seed=8)
     plan = build_plan(catalog_of(w), TrainLayout(tp=2), family="llama", config=cfg)
     group = LocalTrainingGroup(plan, plan.slice(w))
-    new = perturb(w, rate=0.05, seed=9)
+    new = perturb(w, rate=rate, seed=9)
     first = run(group, plan.slice(new))
     # a retry before commit recomputes the same changed set from the unchanged baseline
     again = run(group, plan.slice(new))
