@@ -544,10 +544,12 @@ def _fleet(args: argparse.Namespace) -> int:
 def _role(args: argparse.Namespace) -> int:
     import anyio
 
+    from dcr.alloc import keep_freed_memory
     from dcr.fleet.config import load_fleet
     from dcr.fleet.runtime import die_with_parent, serve_until_signalled
 
     die_with_parent()
+    keep_freed_memory()
     cfg = load_fleet(args.fleet)
     if args.command == "coordinator":
         from dcr.fleet.coordinator import run_coordinator

@@ -30,6 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from dcr.alloc import keep_freed_memory
 from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
 from dcr.integrations.vllm import plain  # noqa: F401  (registers the load format here)
 from dcr.integrations.vllm.join import JoinSpec, error_to_wire
@@ -94,6 +95,7 @@ class DcrWorkerExtension:
         Returns ``{"name", "prewarm"}``, or ``{"error"}`` (a dcr error as data) when the
         model cannot take in-place refits or the fleet file does not fit the engine.
         """
+        keep_freed_memory()
         try:
             return self._dcr_join(JoinSpec.from_wire(spec))
         except DcrError as exc:
