@@ -281,7 +281,7 @@ TARGET_AVX2 static inline Py_ssize_t compact8_w2(__m128i v, unsigned m, uint32_t
                                                  uint32_t *pos, Py_ssize_t c) {
     __m128i sh = _mm_loadu_si128((const __m128i *)lane_shuffle16[m]);
     _mm_storeu_si128((__m128i *)(o + c), _mm_shuffle_epi8(v, sh));
-    __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lane_index[m]));
+    __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&lane_index[m]));
     _mm256_storeu_si256((__m256i *)(pos + c), _mm256_add_epi32(lanes, _mm256_set1_epi32((int)at)));
     return c + __builtin_popcount(m);
 }
@@ -341,7 +341,7 @@ TARGET_AVX2 static size_t scan_avx2_w2(const uint16_t *a, const uint16_t *b, siz
 /* AVX2, 4-byte words: 16 words per step, compacted by a lane permutation. */
 TARGET_AVX2 static inline Py_ssize_t compact8_w4(__m256i v, unsigned m, uint32_t at, uint32_t *o,
                                                  uint32_t *pos, Py_ssize_t c) {
-    __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lane_index[m]));
+    __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)&lane_index[m]));
     _mm256_storeu_si256((__m256i *)(o + c), _mm256_permutevar8x32_epi32(v, lanes));
     _mm256_storeu_si256((__m256i *)(pos + c), _mm256_add_epi32(lanes, _mm256_set1_epi32((int)at)));
     return c + __builtin_popcount(m);
