@@ -11,7 +11,9 @@ its peak heap (RSS does not shrink after a refit).
 
 dcr's role processes (``dcr owner``, ``dcr receiver``, ``dcr relay``, ``dcr coordinator``)
 and the receivers inside vLLM workers call it when they start.  ``DCR_MALLOC_TUNING=0`` in
-the environment leaves the allocator as it is; on other C libraries it does nothing.
+the environment leaves the allocator as it is, and so do glibc's own settings there
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or
+``glibc.malloc.*`` in ``GLIBC_TUNABLES``); on other C libraries it does nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ MMAP_THRESHOLD = 32 << 20
 """glibc's largest mmap threshold on 64-bit systems; larger blocks are always mapped."""
 TRIM_THRESHOLD = (1 << 31) - 1
 
+_MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
 _done: bool | None = None
 
 
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed blocks for reuse; returns whether it was applied.
 
-    Idempotent; a no-op (``False``) off glibc or with ``DCR_MALLOC_TUNING=0``.
+    Idempotent; a no-op (``False``) off glibc, with ``DCR_MALLOC_TUNING=0`` or where the
+    environment sets glibc's malloc parameters itself.
     """
     global _done
     if _done is None:
@@ -42,9 +47,19 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def _configured_by_environment() -> bool:
+    env = os.environ
+    return (
+        any(key in env for key in _MALLOC_VARIABLES)
+        or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+    )
+
+
 def _apply() -> bool:
     if os.environ.get("DCR_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
+    if _configured_by_environment():
+        return False  # the operator chose the allocator's settings: keep them
     try:
         libc = ctypes.CDLL(None)
         if not hasattr(libc, "gnu_get_libc_version"):

@@ -398,9 +398,8 @@ def _run_transport(
     steps = schedule(rates, repeats)
     with contextlib.ExitStack() as stack:
         extra = ""
-        # Buffers of 1 MiB and more get pages of their own, returned when freed (glibc's
-        # adaptive threshold otherwise serves them from a heap that fragmentation only grows).
-        env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        # The role processes set their own allocator parameters (dcr.alloc).
+        env: dict[str, str] = {}
         if kind == "s3":
             server = stack.enter_context(SeaweedServer())
             bucket = server.endpoint.create_bucket()
