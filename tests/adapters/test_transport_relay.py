@@ -432,6 +432,21 @@ async def _serve_in(
         await node.serve(task_status=task_status)
 
 
+async def _start_when_bindable(tg: anyio.abc.TaskGroup, make: Callable[[], RelayNode]) -> RelayNode:
+    """Start a node at an address a closed socket held: ZeroMQ releases the port from its I/O
+    thread after ``close()`` returns, so the first bind attempts may still find it in use."""
+    with anyio.fail_after(10):
+        while True:
+            node = make()
+            try:
+                await tg.start(node.serve)
+                return node
+            except TransportError as exc:
+                if exc.check != "bind":
+                    raise
+                await anyio.sleep(0.05)
+
+
 async def test_crashed_node_is_dropped_and_its_receiver_resubscribes_after_restart() -> None:
     """A leaf node dies while a send waits on its receiver: the root drops its subtree and the
     send completes for the others; restarted at the same address, the node rejoins and its
@@ -478,8 +493,9 @@ async def test_crashed_node_is_dropped_and_its_receiver_resubscribes_after_resta
         await _wait(lambda: len(done) == 1, 5, "the send after the crash")
         assert done[0] - crashed < 2.0
         assert root.receivers() == {"ra"}
-        restarted = RelayNode("n2", bind=n2.address, parent=root.address, config=CONFIG)
-        await tg.start(restarted.serve)
+        await _start_when_bindable(
+            tg, lambda: RelayNode("n2", bind=n2.address, parent=root.address, config=CONFIG)
+        )
         taking["rb"].set()
         await _wait(lambda: root.receivers() == {"ra", "rb"}, 5, "rb re-subscribed")
         with anyio.fail_after(5):
@@ -728,8 +744,7 @@ async def test_a_send_to_a_root_that_died_before_any_ping_fails_once_it_restarts
                 tg.start_soon(send)
                 await old_root()
             old.close(linger=0)
-            new = RelayNode("n0", bind=address, config=slow)
-            await tg.start(new.serve)
+            await _start_when_bindable(tg, lambda: RelayNode("n0", bind=address, config=slow))
             with anyio.fail_after(10):  # a couple of ping intervals, not the peer timeout
                 while not errors:
                     await anyio.sleep(0.02)
