@@ -57,7 +57,7 @@ def every_fault_once() -> None:
 
 @pytest.mark.heavy
 def test_refits_under_faults_stay_bit_exact_long():
-    run(examples=40, steps=10)
+    run(examples=20, steps=10)
     assert sum(STEPS) >= 100 and len(SEEN) >= 6
     SEEN.clear()
     every_fault_once()

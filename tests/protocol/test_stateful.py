@@ -39,7 +39,7 @@ def test_real_cores_keep_the_invariants_under_faults(
 def test_real_cores_keep_the_invariants_under_faults_long(
     record_property: Callable[[str, object], None],
 ) -> None:
-    steps = _run(examples=3_000, steps=100)
+    steps = _run(examples=1_500, steps=100)
     print(f"\nprotocol state machine (heavy): {steps} steps")
     record_property("hypothesis_steps_heavy", steps)
 
