@@ -122,7 +122,7 @@ class DistTrainingGroup(TrainingGroup):
 
     # ------------------------------------------------------------------ version state
 
-    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
+    def stage(self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
         """Stage this rank's candidate shards and run the residual steps (collective).
 
         Every rank calls it with its own candidate shards; it returns once the flags are
@@ -135,7 +135,7 @@ class DistTrainingGroup(TrainingGroup):
 
         def stage_held() -> dict[str, torch.Tensor]:
             held = self._held(candidate, "candidate")
-            owner.stage(held)
+            owner.stage(held, donate=donate)
             return held
 
         # Peers are entering the collectives: a rank that fails before them breaks the group.

@@ -85,10 +85,12 @@ class TrainingGroup(ABC):
         return owner
 
     @abstractmethod
-    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
+    def stage(self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
         """Hand the hosted owners their candidate shards of the next version.
 
-        ``candidate`` holds (at least) the shards this process holds.
+        ``candidate`` holds (at least) the shards this process holds.  ``donate=True``: the
+        owners keep the candidate's tensors as their baseline at commit instead of copying
+        them, and the caller must not write them again (:meth:`Owner.stage`).
         """
 
     @abstractmethod
@@ -225,7 +227,7 @@ class LocalTrainingGroup(TrainingGroup):
         """
         return {name: self._canonical(name, shards) for name in self.plan.catalog}
 
-    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
+    def stage(self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
         """Hand every owner its candidate shards; select the required residual tensors.
 
         The flag OR-reduce is cheap (only residual inputs are compared) and its result holds
@@ -233,7 +235,7 @@ class LocalTrainingGroup(TrainingGroup):
         """
         self.plan.check_shards(candidate)
         for owner in self.owners.values():
-            owner.stage(candidate)
+            owner.stage(candidate, donate=donate)
         self._candidate = candidate
         flagged = frozenset().union(*(o.flags() for o in self.owners.values()))
         jobs: dict[int, list[ResidualJob]] = {r: [] for r in self.owners}

@@ -441,6 +441,7 @@ class Owner:
         }
         self.residual_baseline: dict[str, torch.Tensor] = {}
         self._candidate: dict[str, torch.Tensor] | None = None
+        self._donated = False
         self._residual_candidate: dict[str, torch.Tensor] = {}
         # Changed indices per shard (one array per block) from the last *complete* build of the
         # staged candidate; lets commit update trackers at O(changed) instead of copying.
@@ -452,8 +453,15 @@ class Owner:
 
     # ------------------------------------------------------------------ version state
 
-    def stage(self, candidate: Mapping[str, torch.Tensor]) -> None:
-        """Hold the candidate shards of the next version (kept until commit)."""
+    def stage(self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False) -> None:
+        """Hold the candidate shards of the next version (kept until commit).
+
+        ``donate=True`` hands the tensors over: at commit the trackers become the candidate's
+        CPU tensors instead of copies of them (no copy of the shards per refit, and one copy
+        of them less in memory once the old trackers are freed).  The caller must not write
+        a donated tensor again -- it is the baseline the next delta is computed against; a
+        trainer that updates its weights in place steps on a clone.
+        """
         held = {}
         for s in self.shards:
             t = candidate.get(s.key)
@@ -468,6 +476,7 @@ class Owner:
                 )
             held[s.key] = t.detach() if t.is_contiguous() else t.detach().contiguous()
         self._candidate = held
+        self._donated = donate
         self._residual_candidate = {}
         self._changed = None
         self._committed = False
@@ -483,7 +492,8 @@ class Owner:
         the commit record again after a coordinator failover may call it again (App. B.2).
         After a complete build only the changed elements are written (a tracker with more
         than one change in :data:`_SPARSE_COPY_BELOW` elements is copied whole: the same
-        bits, fewer cache misses); otherwise every shard is copied.  ``residual`` are the
+        bits, fewer cache misses); otherwise every shard is copied.  A donated candidate's
+        CPU tensors become the trackers instead (:meth:`stage`).  ``residual`` are the
         transition's residual jobs of this owner: those no build has reached are converted
         here, so the residual baseline always moves with the trackers (App. A.1:
         ``R_u^g = W_u^{v+1}`` for every required tensor).
@@ -495,7 +505,10 @@ class Owner:
         if not self._committed:
             self._epoch += 1
         changed = self._changed
-        for key, tracker in self.trackers.items():
+        for key, tracker in list(self.trackers.items()):
+            if self._donated and cand[key].device.type == "cpu":
+                self.trackers[key] = cand[key]
+                continue
             dst, src = bits(tracker).reshape(-1), bits(cand[key]).reshape(-1)
             if changed is not None and key in changed:
                 blocks = changed[key]
@@ -515,6 +528,7 @@ class Owner:
     def discard(self) -> None:
         """Drop the staged candidate (transition aborted); the baseline is unchanged."""
         self._candidate = None
+        self._donated = False
         self._residual_candidate = {}
         self._changed = None
         self._committed = False

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Container, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 import torch
@@ -167,17 +168,22 @@ class OwnerService:
             waiting, self._waiting = self._waiting, None
             await self._local(waiting)
 
-    async def publish(self, candidate: Mapping[str, torch.Tensor]) -> CommitRecord:
+    async def publish(
+        self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False
+    ) -> CommitRecord:
         """Hand the next version to the owner after the optimizer step; the one call a
         trainer makes.
 
         Stages ``candidate`` (this rank's shards; a distributed group OR-reduces its residual
         flags here, so every rank of the trainer calls it at the same step), tells the
         coordinators, and returns the commit record once the transition committed it and
-        this owner's baseline moved to it.
+        this owner's baseline moved to it.  ``donate=True`` lets the owner keep the
+        candidate's tensors as its baseline instead of copying them at commit; the trainer
+        must not write them again (it steps on a clone, or exports fresh tensors each step).
         """
         base = self.core.baseline
-        await anyio.to_thread.run_sync(self.side.group.stage, candidate, limiter=self.limiter)
+        stage = partial(self.side.group.stage, candidate, donate=donate)
+        await anyio.to_thread.run_sync(stage, limiter=self.limiter)
         await self.staged(True)
         while self.core.baseline == base:
             await self._updated.wait()

@@ -110,9 +110,7 @@ class TrainerSection:
     lockstep: bool = False
     """Each rank publishes step ``k`` only once every rank computed it and the launcher
     checked version ``k - 1`` on every receiver (``<run_dir>/go.json``), so that no
-    optimizer step and no check runs beside a refit (benchmarks time refits this way).  The
-    trainer then steps its committed weights in place: a rank holds two copies of its shards
-    (its weights and the owner's tracker) instead of three."""
+    optimizer step and no check runs beside a refit (benchmarks time refits this way)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -170,23 +170,19 @@ async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
                  incarnation=service.incarnation)  # fmt: skip
         async with open_owner(service):
             # The trainer's weights; the group copied them into its trackers.  Each step
-            # works on a copy, so a staged (published) version is never written again --
-            # except in lockstep, where nothing runs beside the refit: once a version is
-            # committed the group drops its staged copy and the next step writes the
-            # weights in place (two copies of the shards per rank, not three).
+            # works on a copy, and the published copy is donated: at commit it becomes the
+            # owner's baseline instead of being copied into it, and it is never written
+            # again (two copies of the shards per rank: the baseline and the next step's).
             weights, shards = shards, {}
             for step in range(record.version + 1, cfg.model.refits + 1):
-                if cfg.trainer.lockstep:
-                    candidate = weights
-                else:
-                    candidate = {k: t.clone() for k, t in weights.items()}
+                candidate = {k: t.clone() for k, t in weights.items()}
                 await anyio.to_thread.run_sync(_optimizer_step, model, candidate, step)
                 traffic.update(payloads=0, bytes=0)
                 if cfg.trainer.lockstep:
                     log.emit("stepped", version=step)
                     await _go(cfg, step)
                 log.emit("publish", version=step)
-                committed = await service.publish(candidate)
+                committed = await service.publish(candidate, donate=True)
                 weights = candidate
                 if cfg.trainer.lockstep:
                     group.discard()

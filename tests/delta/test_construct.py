@@ -327,3 +327,52 @@ def test_commit_is_repeatable_and_only_after_commit_baseline_moves(
     group.commit()
     group.owners[0].commit()  # repeating the in-place update is harmless
     assert run(group, plan.slice(new)) == []
+
+
+def test_donated_candidates_become_the_baseline_without_a_copy(both_paths: str) -> None:
+    """``stage(..., donate=True)``: at commit the owners keep the candidate tensors themselves
+    as trackers; refits stay exact, and an abort leaves the old trackers in place."""
+    cfg = tiny_config("llama")
+    w = random_state_dict(cfg, "llama", seed=8)
+    plan = build_plan(catalog_of(w), TrainLayout(tp=2), family="llama", config=cfg)
+    group = LocalTrainingGroup(plan, plan.slice(w))
+    receiver = {n: t.clone() for n, t in w.items()}
+    version = w
+    for step in range(3):
+        new = perturb(version, rate=0.03, seed=20 + step)
+        shards = plan.slice(new)
+        # an aborted attempt with a donated candidate: the baseline neither moves nor aliases
+        group.stage(shards, donate=True)
+        group.discard()
+        for owner in group.owners.values():
+            for key, tracker in owner.trackers.items():
+                assert tracker.data_ptr() != shards[key].data_ptr()
+        group.stage(shards, donate=True)
+        items = []
+        for it, _stats in group.build(mode=Mode.MIXED, xor_allowed=set(group.catalog)).values():
+            for bucket in it:
+                items.extend(bucket.items)
+        apply_to_state_dict(receiver, items)
+        same_bits(receiver, new)
+        group.commit()
+        group.owners[0].commit()  # repeatable after a donation too
+        for owner in group.owners.values():
+            for key, tracker in owner.trackers.items():
+                assert tracker.data_ptr() == shards[key].data_ptr()
+        assert run(group, plan.slice(new)) == []
+        group.discard()
+        version = new
+
+
+def test_without_donation_the_baseline_is_a_copy_the_caller_may_overwrite() -> None:
+    cfg = tiny_config("llama")
+    w = random_state_dict(cfg, "llama", seed=8)
+    plan = build_plan(catalog_of(w), TrainLayout(tp=2), family="llama", config=cfg)
+    group = LocalTrainingGroup(plan, plan.slice(w))
+    new = perturb(w, rate=0.03, seed=9)
+    shards = {k: t.clone() for k, t in plan.slice(new).items()}
+    run(group, shards)
+    group.commit()
+    for t in shards.values():
+        bits(t).reshape(-1)[:] ^= 1  # the trainer steps its weights in place
+    assert merged(run(group, plan.slice(new))) == {}
