@@ -5,26 +5,51 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-dev
-PYTEST  ?= -q --durations=15
+# Tests run on JOBS pytest-xdist workers (most wait on processes or run single-threaded Python,
+# so two workers halve the wall time on a 2-core machine); JOBS=0 runs them in one process.
+JOBS    ?= 2
+PYTEST  ?= -q --durations=15 -n $(JOBS)
 
-.PHONY: help venv demo test test-main test-fast test-vllm test-megatron lint bench soak docs clean
+.PHONY: help venv venv-vllm venv-megatron envs demo test test-main test-fast test-vllm test-megatron lint bench soak docs clean
 
 help:
 	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
+	@echo "make envs       build .venv, .venv-vllm and .venv-megatron side by side"
+	@echo "                (tests run on JOBS=2 pytest-xdist workers; JOBS=0: one process)"
 	@echo "make bench      dcr bench codec, construct, apply, dense, proof, relay, refit, project (JSON to out/)"
 	@echo "make soak       a long fleet run: random SIGKILLs of every role, SOAK_REFITS refits"
 	@echo "make docs       regenerate generated docs (protocol state diagram)"
 
-# setup.py and the C source: a changed kernel is rebuilt by the editable install.
+# setup.py and the C source: a changed kernel is rebuilt by the editable install.  Editable
+# installs build the kernels into the source tree, so the three environments' installs of dcr
+# take turns (scripts/editable-install.sh).
 $(STAMP): pyproject.toml setup.py dcr/_kernels.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	scripts/editable-install.sh $(BIN)/python '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+KERNELS := pyproject.toml setup.py dcr/_kernels.c scripts/editable-install.sh
+VLLM_STAMP := .venv-vllm/.dcr-vllm-stamp
+MEGATRON_STAMP := .venv-megatron/.dcr-megatron-stamp
+
+$(VLLM_STAMP): scripts/vllm-venv.sh $(KERNELS)
+	scripts/vllm-venv.sh
+
+$(MEGATRON_STAMP): scripts/megatron-venv.sh $(KERNELS)
+	scripts/megatron-venv.sh
+
+venv-vllm: $(VLLM_STAMP)
+
+venv-megatron: $(MEGATRON_STAMP)
+
+# The three environments are built side by side (each install is mostly one busy core).
+envs:
+	$(MAKE) --no-print-directory -j3 --output-sync=target venv venv-vllm venv-megatron
 
 demo: $(STAMP)
 	$(BIN)/dcr demo $(ARGS)
@@ -40,15 +65,14 @@ test-main: lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST) -m "not heavy"
 
-test-vllm:
-	scripts/vllm-venv.sh
+test-vllm: venv-vllm
 	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm
 
-test-megatron:
-	scripts/megatron-venv.sh
+test-megatron: venv-megatron
 	.venv-megatron/bin/python -m pytest $(PYTEST) tests/megatron
 
-test: test-main test-vllm test-megatron
+test: envs
+	$(MAKE) --no-print-directory test-main test-vllm test-megatron
 
 bench: $(STAMP)
 	mkdir -p out

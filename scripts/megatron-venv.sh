@@ -24,7 +24,7 @@ STAMP="$VENV/.dcr-megatron-stamp"
 NODEPS=(megatron-core==0.19.2 megatron-bridge==0.6.2)
 DEPS=(torch==2.13.0 "transformers==5.12.1" triton einops omegaconf pyyaml tqdm rich regex six
       packaging typing_extensions safetensors numpy zstandard anyio transitions msgspec
-      pytest pytest-timeout pytest-asyncio hypothesis)
+      pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 SHIMS=2
 WANT="nodeps=${NODEPS[*]} deps=${DEPS[*]} shims=$SHIMS"
 
@@ -98,7 +98,7 @@ EOF
 fi
 
 # dcr itself: editable, without resolving its dependencies again (they are all above).
-pip_ install --no-deps -e .
+scripts/editable-install.sh "$VENV/bin/python" . --no-deps
 
 # Fail here, not in the tests, if the environment is not what they need.
 HF_HUB_OFFLINE=1 "$VENV/bin/python" -W ignore - <<'EOF'

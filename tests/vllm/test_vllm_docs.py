@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,11 +28,17 @@ def _engine_example() -> str:
 def test_the_engine_example_refits_a_serving_engine(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(_engine_example())
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
-        start_new_session=True,
-    )  # fmt: skip
+    # vLLM binds IPC sockets under TMPDIR, whose paths may not exceed 107 bytes: a short
+    # private directory, not the (deep) pytest one.
+    tmp = tempfile.mkdtemp(prefix="dcr-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
+            start_new_session=True,
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
     assert any(line.startswith("before: (0, g0)") for line in lines), done.stdout
