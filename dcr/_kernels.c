@@ -13,7 +13,7 @@
  *   split_ulp      Rice split of zigzagged ULP deltas, symbols as nibbles (payload format 2)
  *   value_k        the Rice parameter of ULP deltas (dcr.wire.split.value_k, from a sample)
  *   join_locations every item's positions from the location streams (decoding, format 2)
- *   join_values    every ULP item's zigzagged words from the value streams
+ *   join_values    every ULP item's words from the value streams (zigzagged, or at word width)
  *   rmw            read-modify-write of storage words at positions (XOR, ULP, overwrite)
  *   rmw_mapped     the same, positions mapped from canonical indices through a view geometry
  *   write_block    a block of a run of entries through a view geometry (memcpy when contiguous)
@@ -286,53 +286,85 @@ TARGET_AVX2 static inline Py_ssize_t compact8_w2(__m128i v, unsigned m, uint32_t
     return c + __builtin_popcount(m);
 }
 
-/* AVX2, 2-byte words: 32 words per step; values computed for every lane and the changed ones
- * compacted through the lane tables (no branch per change).  Outputs need 32 entries of
- * slack past the last change. */
+/* One AVX2 step of 2-byte words: the 32 words at a + i, b + i; their changed lanes' values
+ * (of `kind`) and positions appended at c through the lane tables (no branch per change).
+ * Returns the new count; *hit is whether any lane changed. */
+TARGET_AVX2 static inline Py_ssize_t step_avx2_w2(const uint16_t *a, const uint16_t *b, size_t i,
+                                                 int kind, int skip, uint32_t *pos, uint16_t *o1,
+                                                 uint16_t *o2, Py_ssize_t c, unsigned *hit) {
+    const __m256i sign = _mm256_set1_epi16((short)0x8000);
+    __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
+    __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
+    __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 16));
+    __m256i vb1 = _mm256_loadu_si256((const __m256i *)(b + i + 16));
+    /* packs interleaves 128-bit lanes: mask bytes are words 0-7, 16-23, 8-15, 24-31. */
+    __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(va0, vb0), _mm256_cmpeq_epi16(va1, vb1));
+    uint32_t m = ~(uint32_t)_mm256_movemask_epi8(eq);
+    *hit = m != 0;
+    if (skip && !m) return c;
+    __m256i v0, v1;
+    switch (kind) {
+    case K_XOR: v0 = _mm256_xor_si256(va0, vb0); v1 = _mm256_xor_si256(va1, vb1); break;
+    case K_ULP: {
+#define ORDERED16(x) _mm256_xor_si256((x), _mm256_or_si256(_mm256_srai_epi16((x), 15), sign))
+        v0 = _mm256_sub_epi16(ORDERED16(va0), ORDERED16(vb0));
+        v1 = _mm256_sub_epi16(ORDERED16(va1), ORDERED16(vb1));
+#undef ORDERED16
+        break;
+    }
+    case K_NEW: v0 = va0; v1 = va1; break;
+    default: {
+        v0 = _mm256_xor_si256(va0, vb0);
+        v1 = _mm256_xor_si256(va1, vb1);
+        Py_ssize_t d = c;
+        d = compact8_w2(_mm256_castsi256_si128(va0), m & 0xFF, (uint32_t)i, o2, pos, d);
+        d = compact8_w2(_mm256_extracti128_si256(va0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8, o2,
+                        pos, d);
+        d = compact8_w2(_mm256_castsi256_si128(va1), (m >> 8) & 0xFF, (uint32_t)i + 16, o2, pos,
+                        d);
+        compact8_w2(_mm256_extracti128_si256(va1, 1), m >> 24, (uint32_t)i + 24, o2, pos, d);
+        break;
+    }
+    }
+    c = compact8_w2(_mm256_castsi256_si128(v0), m & 0xFF, (uint32_t)i, o1, pos, c);
+    c = compact8_w2(_mm256_extracti128_si256(v0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8, o1, pos,
+                    c);
+    c = compact8_w2(_mm256_castsi256_si128(v1), (m >> 8) & 0xFF, (uint32_t)i + 16, o1, pos, c);
+    return compact8_w2(_mm256_extracti128_si256(v1, 1), m >> 24, (uint32_t)i + 24, o1, pos, c);
+}
+
+/* Steps of one window of the adaptive AVX2 scans, and the share of steps with a change (in
+ * percent) above which the next window compacts every step instead of skipping unchanged
+ * ones: near a 50% share the skip branch is mispredicted about every other step, which
+ * costs more than compacting an empty step (3% of 2-byte words changed: 62% of steps). */
+#define ADAPT_STEPS 256
+#define ADAPT_DENSE_PERCENT 30
+
+/* AVX2, 2-byte words: 32 words per step, windows of ADAPT_STEPS steps that either skip
+ * unchanged steps (sparse changes) or compact every step (denser ones), chosen from the
+ * previous window.  Outputs need 32 entries of slack past the last change. */
 TARGET_AVX2 static size_t scan_avx2_w2(const uint16_t *a, const uint16_t *b, size_t n, int kind,
                                        uint32_t *pos, uint16_t *o1, uint16_t *o2,
                                        Py_ssize_t *count) {
     Py_ssize_t c = *count;
     size_t i = 0;
-    const __m256i sign = _mm256_set1_epi16((short)0x8000);
-    for (; i + 32 <= n; i += 32) {
-        __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
-        __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
-        __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 16));
-        __m256i vb1 = _mm256_loadu_si256((const __m256i *)(b + i + 16));
-        /* packs interleaves 128-bit lanes: mask bytes are words 0-7, 16-23, 8-15, 24-31. */
-        __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(va0, vb0), _mm256_cmpeq_epi16(va1, vb1));
-        uint32_t m = ~(uint32_t)_mm256_movemask_epi8(eq);
-        if (!m) continue;
-        __m256i v0, v1;
-        switch (kind) {
-        case K_XOR: v0 = _mm256_xor_si256(va0, vb0); v1 = _mm256_xor_si256(va1, vb1); break;
-        case K_ULP: {
-#define ORDERED16(x) _mm256_xor_si256((x), _mm256_or_si256(_mm256_srai_epi16((x), 15), sign))
-            v0 = _mm256_sub_epi16(ORDERED16(va0), ORDERED16(vb0));
-            v1 = _mm256_sub_epi16(ORDERED16(va1), ORDERED16(vb1));
-#undef ORDERED16
-            break;
+    int dense = 0;
+    while (i + 32 <= n) {
+        size_t end = i + 32 * ADAPT_STEPS;
+        if (end > n) end = n;
+        unsigned hits = 0, hit;
+        if (dense) {
+            for (; i + 32 <= end; i += 32) {
+                c = step_avx2_w2(a, b, i, kind, 0, pos, o1, o2, c, &hit);
+                hits += hit;
+            }
+        } else {
+            for (; i + 32 <= end; i += 32) {
+                c = step_avx2_w2(a, b, i, kind, 1, pos, o1, o2, c, &hit);
+                hits += hit;
+            }
         }
-        case K_NEW: v0 = va0; v1 = va1; break;
-        default: {
-            v0 = _mm256_xor_si256(va0, vb0);
-            v1 = _mm256_xor_si256(va1, vb1);
-            Py_ssize_t d = c;
-            d = compact8_w2(_mm256_castsi256_si128(va0), m & 0xFF, (uint32_t)i, o2, pos, d);
-            d = compact8_w2(_mm256_extracti128_si256(va0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8,
-                            o2, pos, d);
-            d = compact8_w2(_mm256_castsi256_si128(va1), (m >> 8) & 0xFF, (uint32_t)i + 16, o2,
-                            pos, d);
-            compact8_w2(_mm256_extracti128_si256(va1, 1), m >> 24, (uint32_t)i + 24, o2, pos, d);
-            break;
-        }
-        }
-        c = compact8_w2(_mm256_castsi256_si128(v0), m & 0xFF, (uint32_t)i, o1, pos, c);
-        c = compact8_w2(_mm256_extracti128_si256(v0, 1), (m >> 16) & 0xFF, (uint32_t)i + 8, o1,
-                        pos, c);
-        c = compact8_w2(_mm256_castsi256_si128(v1), (m >> 8) & 0xFF, (uint32_t)i + 16, o1, pos, c);
-        c = compact8_w2(_mm256_extracti128_si256(v1, 1), m >> 24, (uint32_t)i + 24, o1, pos, c);
+        dense = hits * 100 > ADAPT_STEPS * ADAPT_DENSE_PERCENT;
     }
     *count = c;
     return i * 2;
@@ -991,6 +1023,76 @@ static int open_streams(PyObject *list, const size_t *words, Streams64 *st) {
 
 enum { J_OK = 0, J_EXCEEDS = 1, J_OUTSIDE = 2, J_SYMBOLS = 3 };
 
+/* The gaps of one Rice item with k < 8 (no byte planes): the common case, one function per k
+ * so that the remainder width is a constant, the remainders read through a bit accumulator
+ * refilled 32 bits at a time.  Writes n positions after `at` to out; returns a J_ status and
+ * advances *g and *e past the symbols and escapes it used.  Same results as the general loop
+ * of join_locations. */
+#define DEF_JOIN_SMALL(T)                                                                  \
+    static int join_k##T(const unsigned char *restrict sym, size_t *g_io,                   \
+                         const uint64_t *restrict esc, size_t n_esc, size_t *e_io,          \
+                         const unsigned char *restrict tail, size_t tail_len,               \
+                         uint64_t bitpos, int64_t n, uint64_t at, uint64_t limit,           \
+                         int64_t *restrict out) {                                           \
+        uint64_t gap_max = limit - 1, q_max = gap_max >> (T);                              \
+        size_t g = *g_io, e = *e_io, tb = (size_t)(bitpos >> 3);                           \
+        uint64_t acc = 0;                                                                  \
+        int nb = 0, status = J_OK;                                                         \
+        if ((T) > 0 && n > 0) {                                                            \
+            acc = (uint64_t)tail[tb++] >> (bitpos & 7);                                    \
+            nb = 8 - (int)(bitpos & 7);                                                    \
+        }                                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                  \
+            uint64_t q = sym[g++];                                                         \
+            if (q == 255) {                                                                \
+                if (e >= n_esc) { status = J_SYMBOLS; break; }                             \
+                q = esc[e++];                                                              \
+                if (q > q_max) { status = J_EXCEEDS; break; }                              \
+            }                                                                              \
+            uint64_t rem = 0;                                                              \
+            if ((T) > 0) {                                                                 \
+                if (nb < (T)) {                                                            \
+                    if (tb + 4 <= tail_len) {                                              \
+                        uint32_t v;                                                        \
+                        memcpy(&v, tail + tb, 4);                                          \
+                        acc |= (uint64_t)v << nb;                                          \
+                        nb += 32;                                                          \
+                        tb += 4;                                                           \
+                    } else {                                                               \
+                        acc |= (uint64_t)tail[tb++] << nb;                                 \
+                        nb += 8;                                                           \
+                    }                                                                      \
+                }                                                                          \
+                rem = acc & ((1u << (T)) - 1);                                             \
+                acc >>= (T);                                                               \
+                nb -= (T);                                                                 \
+            }                                                                              \
+            uint64_t gap = (q << (T)) | rem;                                               \
+            if (gap > gap_max) { status = J_EXCEEDS; break; }                              \
+            at += 1 + gap;                                                                 \
+            if (at >= limit) { status = J_OUTSIDE; break; }                                \
+            out[j] = (int64_t)at;                                                          \
+        }                                                                                  \
+        *g_io = g;                                                                         \
+        *e_io = e;                                                                         \
+        return status;                                                                     \
+    }
+
+DEF_JOIN_SMALL(0)
+DEF_JOIN_SMALL(1)
+DEF_JOIN_SMALL(2)
+DEF_JOIN_SMALL(3)
+DEF_JOIN_SMALL(4)
+DEF_JOIN_SMALL(5)
+DEF_JOIN_SMALL(6)
+DEF_JOIN_SMALL(7)
+
+typedef int (*JoinSmall)(const unsigned char *, size_t *, const uint64_t *, size_t, size_t *,
+                         const unsigned char *, size_t, uint64_t, int64_t, uint64_t, uint64_t,
+                         int64_t *);
+static const JoinSmall join_small[8] = {join_k0, join_k1, join_k2, join_k3,
+                                        join_k4, join_k5, join_k6, join_k7};
+
 PyDoc_STRVAR(join_locations_doc,
 "join_locations(symbols, streams, escapes, count, rice, k, start, numel, out)\n"
 "    -> (status, item)\n\n"
@@ -1067,6 +1169,19 @@ static PyObject *py_join_locations(PyObject *self, PyObject *args) {
         size_t j0 = k ? st.used[k] : 0;
         if (at >= limit) { status = J_OUTSIDE; bad_item = i; break; }
         out[o++] = (int64_t)at;
+        if (k < 8) {
+            const unsigned char *tail = k ? r->tail : NULL;
+            size_t tail_len = k ? (size_t)remainder_bytes((Py_ssize_t)r->stream_n, k) : 0;
+            status = join_small[k](sym, &g, esc, n_esc, &e, tail, tail_len,
+                                   (uint64_t)j0 * (uint64_t)k, c - 1, at, limit, out + o);
+            if (status != J_OK) {
+                if (status != J_SYMBOLS) bad_item = i;
+                break;
+            }
+            o += (size_t)c - 1;
+            if (k) st.used[k] += (size_t)c - 1;
+            continue;
+        }
         for (int64_t j = 1; j < c; j++) {
             uint64_t q = sym[g++];
             if (q == 255) {
@@ -1092,16 +1207,169 @@ done:
     return result;
 }
 
+/* Store one decoded ULP word: the zigzagged word itself (ow 0, u64 output), or the word
+ * unzigzagged at output width ow (1, 2, 4 or 8 bytes). */
+static inline void put_value(unsigned char *out, int ow, size_t g, uint64_t word) {
+    if (!ow) {
+        memcpy(out + 8 * g, &word, 8);
+        return;
+    }
+    uint64_t x = (word >> 1) ^ ((uint64_t)0 - (word & 1));
+    store_word(out + (size_t)ow * g, ow, x);
+}
+
+/* The words of one ULP item with k < 8, one function per k (the remainder width a constant,
+ * remainders read through a bit accumulator refilled 32 bits at a time).  Symbols are the
+ * nibbles from nibble *g_io on; n words go to out from index *g_io.  Same results as the
+ * general loop of join_values. */
+#define DEF_JOINV_SMALL(T)                                                                 \
+    static int joinv_k##T(const unsigned char *restrict sym, size_t *g_io,                  \
+                          const uint64_t *restrict esc, size_t n_esc, size_t *e_io,         \
+                          const unsigned char *restrict tail, size_t tail_len,              \
+                          uint64_t bitpos, int64_t n, uint64_t limit, unsigned char *out,   \
+                          int ow) {                                                         \
+        uint64_t q_max = limit >> (T);                                                     \
+        size_t g = *g_io, e = *e_io, tb = (size_t)(bitpos >> 3);                           \
+        uint64_t acc = 0;                                                                  \
+        int nb = 0, status = J_OK;                                                         \
+        if ((T) > 0 && n > 0) {                                                            \
+            acc = (uint64_t)tail[tb++] >> (bitpos & 7);                                    \
+            nb = 8 - (int)(bitpos & 7);                                                    \
+        }                                                                                  \
+        for (int64_t j = 0; j < n; j++, g++) {                                             \
+            uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;                              \
+            if (q == 15) {                                                                 \
+                if (e >= n_esc) { status = J_SYMBOLS; break; }                             \
+                q = esc[e++];                                                              \
+                if (q > q_max) { status = J_EXCEEDS; break; }                              \
+            }                                                                              \
+            uint64_t rem = 0;                                                              \
+            if ((T) > 0) {                                                                 \
+                if (nb < (T)) {                                                            \
+                    if (tb + 4 <= tail_len) {                                              \
+                        uint32_t v;                                                        \
+                        memcpy(&v, tail + tb, 4);                                          \
+                        acc |= (uint64_t)v << nb;                                          \
+                        nb += 32;                                                          \
+                        tb += 4;                                                           \
+                    } else {                                                               \
+                        acc |= (uint64_t)tail[tb++] << nb;                                 \
+                        nb += 8;                                                           \
+                    }                                                                      \
+                }                                                                          \
+                rem = acc & ((1u << (T)) - 1);                                             \
+                acc >>= (T);                                                               \
+                nb -= (T);                                                                 \
+            }                                                                              \
+            uint64_t word = (q << (T)) | rem;                                              \
+            if (word > limit) { status = J_EXCEEDS; break; }                               \
+            put_value(out, ow, g, word);                                                   \
+        }                                                                                  \
+        *g_io = g;                                                                         \
+        *e_io = e;                                                                         \
+        return status;                                                                     \
+    }
+
+DEF_JOINV_SMALL(0)
+DEF_JOINV_SMALL(1)
+DEF_JOINV_SMALL(2)
+DEF_JOINV_SMALL(3)
+DEF_JOINV_SMALL(4)
+DEF_JOINV_SMALL(5)
+DEF_JOINV_SMALL(6)
+DEF_JOINV_SMALL(7)
+
+/* One k = 0 ULP value at 2 bytes, unzigzagged (the scalar step of joinv_k0_w2). */
+#define JOINV_K0_STEP()                                                                    \
+    do {                                                                                   \
+        uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;                                  \
+        if (q == 15) {                                                                     \
+            if (e >= n_esc) { status = J_SYMBOLS; goto out; }                              \
+            q = esc[e++];                                                                  \
+        }                                                                                  \
+        if (q > limit) { status = J_EXCEEDS; goto out; }                                   \
+        out16[g] = (uint16_t)((q >> 1) ^ ((uint64_t)0 - (q & 1)));                         \
+        g++;                                                                               \
+        j++;                                                                               \
+    } while (0)
+
+#ifdef DCR_X86_DISPATCH
+/* k = 0 ULP values at 2 bytes, unzigzagged, 32 per step from 16 bytes of nibble symbols (no
+ * remainders: the value is the symbol), for up to `steps` steps; stops before the first step
+ * that holds an escape symbol.  Returns the values written (a multiple of 32). */
+TARGET_AVX2 static size_t joinv_k0_w2_avx2(const unsigned char *sym, size_t steps, uint16_t *out) {
+    const __m128i nibble = _mm_set1_epi8(0x0F), fifteen = _mm_set1_epi8(15);
+    const __m128i one = _mm_set1_epi8(1), seven_bits = _mm_set1_epi8(0x7F);
+    const __m128i zero = _mm_setzero_si128();
+    size_t b = 0;
+    for (; b < steps; b++) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(sym + 16 * b));
+        __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+        __m128i q0 = _mm_unpacklo_epi8(lo, hi), q1 = _mm_unpackhi_epi8(lo, hi);
+        if (_mm_movemask_epi8(_mm_or_si128(_mm_cmpeq_epi8(q0, fifteen), _mm_cmpeq_epi8(q1, fifteen))))
+            break;
+        /* (q >> 1) ^ -(q & 1) as a signed byte, sign-extended to 16 bits. */
+        __m128i z0 = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(q0, 1), seven_bits),
+                                   _mm_sub_epi8(zero, _mm_and_si128(q0, one)));
+        __m128i z1 = _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(q1, 1), seven_bits),
+                                   _mm_sub_epi8(zero, _mm_and_si128(q1, one)));
+        _mm256_storeu_si256((__m256i *)(out + 32 * b), _mm256_cvtepi8_epi16(z0));
+        _mm256_storeu_si256((__m256i *)(out + 32 * b + 16), _mm256_cvtepi8_epi16(z1));
+    }
+    return 32 * b;
+}
+#endif
+
+/* The words of one ULP item with k = 0 unzigzagged at 2 bytes (bf16 and fp16 deltas, the
+ * usual case): whole steps of 32 values in AVX2 where the machine has it and no escape
+ * intervenes, the rest one by one.  Same results as joinv_k0. */
+static int joinv_k0_w2(const unsigned char *restrict sym, size_t *g_io,
+                       const uint64_t *restrict esc, size_t n_esc, size_t *e_io, int64_t n,
+                       uint64_t limit, uint16_t *out16, int level) {
+    size_t g = *g_io, e = *e_io;
+    int64_t j = 0;
+    int status = J_OK;
+    (void)level;
+    while (j < n) {
+#ifdef DCR_X86_DISPATCH
+        if (level >= 1 && limit >= 14 && !(g & 1) && n - j >= 32) {
+            size_t done = joinv_k0_w2_avx2(sym + (g >> 1), (size_t)(n - j) / 32, out16 + g);
+            g += done;
+            j += (int64_t)done;
+            if (n - j < 32) continue;
+            for (int s = 0; s < 32; s++) JOINV_K0_STEP(); /* the step with an escape */
+            continue;
+        }
+#endif
+        JOINV_K0_STEP();
+    }
+out:
+    *g_io = g;
+    *e_io = e;
+    return status;
+}
+
+typedef int (*JoinvSmall)(const unsigned char *, size_t *, const uint64_t *, size_t, size_t *,
+                          const unsigned char *, size_t, uint64_t, int64_t, uint64_t,
+                          unsigned char *, int);
+static const JoinvSmall joinv_small[8] = {joinv_k0, joinv_k1, joinv_k2, joinv_k3,
+                                          joinv_k4, joinv_k5, joinv_k6, joinv_k7};
+
 PyDoc_STRVAR(join_values_doc,
-"join_values(symbols, streams, escapes, count, k, limit, out) -> (status, item)\n\n"
+"join_values(symbols, streams, escapes, count, k, limit, out, unzigzag=False)\n"
+"    -> (status, item)\n\n"
 "Zigzagged ULP words of every ULP item into out (u64, sum(count)): word = (q << k) |\n"
 "remainder, q the next nibble symbol of the packed symbols (cap 15: the next escape word).\n"
 "count and k are int64 per ULP item, limit u64 (the largest word the item's width holds).\n"
-"Status 0 ok; 1 a word above its limit; 3 the symbols or escapes do not match (item -1).");
+"With unzigzag, out holds the words unzigzagged at its own item size (1, 2, 4 or 8 bytes),\n"
+"and every limit must fit that size.  Status 0 ok; 1 a word above its limit; 3 the symbols\n"
+"or escapes do not match (item -1).");
 
 static PyObject *py_join_values(PyObject *self, PyObject *args) {
     PyObject *osym, *ostreams, *oesc, *ocount, *ok, *olimit, *oout;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &osym, &ostreams, &oesc, &ocount, &ok, &olimit, &oout))
+    int unzig = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOOO|p", &osym, &ostreams, &oesc, &ocount, &ok, &olimit,
+                          &oout, &unzig))
         return NULL;
     Buf bs = {0}, be = {0}, bc = {0}, bk = {0}, bl = {0}, bo = {0};
     Streams64 st;
@@ -1113,8 +1381,14 @@ static PyObject *py_join_values(PyObject *self, PyObject *args) {
         goto done;
     if (!need_itemsize(&bs, 1, "symbols") || !need_itemsize(&be, 8, "escapes") ||
         !need_itemsize(&bc, 8, "count") || !need_itemsize(&bk, 8, "k") ||
-        !need_itemsize(&bl, 8, "limit") || !need_itemsize(&bo, 8, "out"))
+        !need_itemsize(&bl, 8, "limit"))
         goto done;
+    Py_ssize_t ow = bo.view.itemsize;
+    if (unzig ? (ow != 1 && ow != 2 && ow != 4 && ow != 8) : ow != 8) {
+        PyErr_SetString(PyExc_ValueError, unzig ? "out must have item size 1, 2, 4 or 8"
+                                                : "out must have item size 8");
+        goto done;
+    }
     Py_ssize_t m = count_of(&bc);
     if (count_of(&bk) != m || count_of(&bl) != m) {
         PyErr_SetString(PyExc_ValueError, "per-item arrays differ in length");
@@ -1124,7 +1398,7 @@ static PyObject *py_join_values(PyObject *self, PyObject *args) {
     const uint64_t *lim = bl.view.buf;
     size_t words[64] = {0}, total = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (cnt[i] < 0 || ks[i] < 0 || ks[i] > 63) {
+        if (cnt[i] < 0 || ks[i] < 0 || ks[i] > 63 || (unzig && lim[i] > width_mask((int)ow))) {
             PyErr_SetString(PyExc_ValueError, "bad item record");
             goto done;
         }
@@ -1139,7 +1413,8 @@ static PyObject *py_join_values(PyObject *self, PyObject *args) {
     const unsigned char *sym = bs.view.buf;
     const uint64_t *esc = be.view.buf;
     size_t n_esc = (size_t)count_of(&be), e = 0, g = 0;
-    uint64_t *out = bo.view.buf;
+    unsigned char *out = bo.view.buf;
+    int put = unzig ? (int)ow : 0, level = isa_level;
     int status = J_OK;
     Py_ssize_t bad_item = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -1148,16 +1423,26 @@ static PyObject *py_join_values(PyObject *self, PyObject *args) {
         uint64_t limit = lim[i], q_max = limit >> k;
         const RemStream *r = k ? &st.rs[k] : NULL;
         size_t j0 = k ? st.used[k] : 0;
-        for (int64_t j = 0; j < cnt[i]; j++, g++) {
-            uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;
-            if (q == 15) {
-                if (e >= n_esc) { status = J_SYMBOLS; break; }
-                q = esc[e++];
+        if (k == 0 && put == 2) {
+            status = joinv_k0_w2(sym, &g, esc, n_esc, &e, cnt[i], limit, (uint16_t *)out, level);
+            if (status == J_EXCEEDS) bad_item = i;
+        } else if (k < 8) {
+            size_t tail_len = k ? (size_t)remainder_bytes((Py_ssize_t)r->stream_n, k) : 0;
+            status = joinv_small[k](sym, &g, esc, n_esc, &e, k ? r->tail : NULL, tail_len,
+                                    (uint64_t)j0 * (uint64_t)k, cnt[i], limit, out, put);
+            if (status == J_EXCEEDS) bad_item = i;
+        } else {
+            for (int64_t j = 0; j < cnt[i]; j++, g++) {
+                uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;
+                if (q == 15) {
+                    if (e >= n_esc) { status = J_SYMBOLS; break; }
+                    q = esc[e++];
+                }
+                if (q > q_max) { status = J_EXCEEDS; bad_item = i; break; }
+                uint64_t word = (q << k) | rem_at(r, j0 + (size_t)j);
+                if (word > limit) { status = J_EXCEEDS; bad_item = i; break; }
+                put_value(out, put, g, word);
             }
-            if (q > q_max) { status = J_EXCEEDS; bad_item = i; break; }
-            uint64_t word = (q << k) | (r ? rem_at(r, j0 + (size_t)j) : 0);
-            if (word > limit) { status = J_EXCEEDS; bad_item = i; break; }
-            out[g] = word;
         }
         if (k) st.used[k] += (size_t)cnt[i];
     }

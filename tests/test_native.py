@@ -95,6 +95,32 @@ def test_scan_equals_the_numpy_scan(level: int, word: Any, n: int, density: floa
                 assert second is None
 
 
+@pytest.mark.parametrize("word", WORDS)
+def test_scan_equals_numpy_across_windows_of_changing_density(level: int, word: Any) -> None:
+    """Long enough for the adaptive scans to switch between skipping unchanged steps and
+    compacting every step (windows of 8,192 words), both ways, with a seam inside a window."""
+    rng = np.random.default_rng(7)
+    densities = [0.03, 0.5, 0.001, 0.0, 1.0, 0.3, 0.0002, 0.05]
+    parts = [_pair(word, 8192 + 77 * j, d, seed=j) for j, d in enumerate(densities)]
+    new = np.concatenate([p[0] for p in parts])
+    old = np.concatenate([p[1] for p in parts])
+    new[rng.integers(0, new.shape[0], 50)] ^= word(1)
+    ref_pos, ref_xor, ref_new = changed_words(new, old, new_values=True)
+    assert ref_new is not None and ref_pos.shape[0] > 10_000
+    for kind, expect in (
+        ("xor", ref_xor),
+        ("ulp", ulp_delta(ref_new, ref_new ^ ref_xor)),
+        ("new", ref_new),
+        ("xor+new", ref_xor),
+    ):
+        pos, values, second = changed_values(new, old, kind, offset=5)
+        np.testing.assert_array_equal(pos, ref_pos + 5)
+        np.testing.assert_array_equal(values.view(np.uint8), expect.view(np.uint8))
+        if kind == "xor+new":
+            assert second is not None
+            np.testing.assert_array_equal(second, ref_new)
+
+
 def test_scan_refuses_what_it_could_overrun() -> None:
     a = np.zeros(100, np.uint16)
     pos = np.zeros(200, np.uint32)
@@ -479,6 +505,49 @@ def test_join_locations_inverts_split_gaps(k: int) -> None:
     assert status == 3
 
 
+@pytest.mark.parametrize("k", [0, 1, 3, 5, 7])
+def test_join_locations_with_escapes_and_long_items(k: int) -> None:
+    """The per-k decoding of small parameters: escaped quotients, items that share one
+    remainder stream at unaligned bit offsets, items long enough for every refill width."""
+    rng = np.random.default_rng(k)
+    items = []
+    for n in (3, 700, 1_001):
+        gaps = rng.geometric(1.0 / 2.0 ** (k + 1), n).astype(np.int64)
+        if n > 11:
+            gaps[rng.integers(11, n, n // 50)] += (300 << k) + rng.integers(0, 1 << 20)
+        gaps[min(10, n - 1)] += 1 << 22  # the middle item: small gaps, then an escaped one
+        items.append(np.cumsum(gaps))
+    ks = [k, k, k]
+    sym, streams, esc = _streams_for(items, ks, gaps=True)
+    assert esc.shape[0] >= 3
+    counts = np.array([a.shape[0] for a in items], np.int64)
+    starts = np.array([int(a[0]) for a in items], np.uint64)
+    numel = np.array([int(a[-1]) + 1 for a in items], np.int64)
+    args = (counts, np.ones(3, np.int64), np.array(ks, np.int64))
+    out = np.empty(int(counts.sum()), np.int64)
+    assert kernels.join_locations(sym, streams, esc, *args, starts, numel, out) == (0, -1)
+    np.testing.assert_array_equal(out, np.concatenate(items))
+    # The middle item's tensor ends right after its first ten positions: the escaped gap
+    # that follows is larger than the tensor.
+    short = numel.copy()
+    short[1] = int(items[1][9]) + 1
+    status, item = kernels.join_locations(sym, streams, esc, *args, starts, short, out)
+    assert status == 1 and item == 1
+    # Its tensor ends at its last position (every gap fits): a position outside the tensor.
+    short[1] = int(items[1][-1])
+    status, item = kernels.join_locations(sym, streams, esc, *args, starts, short, out)
+    assert status == 2 and item == 1
+    # One escape word missing, or one too many.
+    for bad in (esc[:-1], np.concatenate([esc, esc[-1:]])):
+        status, _ = kernels.join_locations(sym, streams, bad, *args, starts, numel, out)
+        assert status == 3
+    # An escaped quotient whose gap wraps around 64 bits (to a small, valid-looking gap).
+    wrap = esc.copy()
+    wrap[0] = np.uint64(1 << (64 - k)) if k else np.uint64(1 << 63)
+    status, item = kernels.join_locations(sym, streams, wrap, *args, starts, numel, out)
+    assert status == 1 and item == 0
+
+
 @pytest.mark.parametrize("k", [0, 1, 4, 9])
 def test_join_values_inverts_split_ulp(k: int) -> None:
     rng = np.random.default_rng(k + 200)
@@ -495,6 +564,47 @@ def test_join_values_inverts_split_ulp(k: int) -> None:
         sym, streams, esc, counts, np.full(3, k, np.int64), np.full(3, 3, np.uint64), out
     )
     assert status == 1
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("k", [0, 2, 5, 7, 9])
+def test_join_values_unzigzags_at_word_width(level: int, word: Any, k: int) -> None:
+    """``unzigzag=True`` writes the ULP deltas themselves at their width: escapes, items that
+    share one remainder stream at unaligned bit offsets, long items."""
+    rng = np.random.default_rng(k + 300)
+    bits = 8 * np.dtype(word).itemsize
+    signed = np.dtype(f"i{np.dtype(word).itemsize}")
+    spread = min(k + 2, bits - 1)  # quotients below the cap: escapes only where planted
+    arrays = []
+    for n in (5, 0, 900):
+        a = rng.integers(-(2**spread), 2**spread, n).astype(signed)
+        if n:
+            a[rng.integers(0, n, max(1, n // 40))] = np.iinfo(signed).min  # escaped quotients
+        arrays.append(a.view(word))
+    counts = np.array([a.shape[0] for a in arrays], np.int64)
+    ks = np.full(3, k, np.int64)
+    sym, streams, esc = _streams_for(arrays, [k] * 3, gaps=False)
+    limit = np.full(3, (1 << bits) - 1, np.uint64)
+    out = np.empty(int(counts.sum()), word)
+    assert kernels.join_values(sym, streams, esc, counts, ks, limit, out, True) == (0, -1)
+    np.testing.assert_array_equal(out, np.concatenate(arrays))
+    wide = np.empty(int(counts.sum()), np.uint64)
+    assert kernels.join_values(sym, streams, esc, counts, ks, limit, wide) == (0, -1)
+    np.testing.assert_array_equal(wide, np_zigzag(np.concatenate(arrays)).astype(np.uint64))
+    # A word above its item's limit, and a limit the output width cannot hold.
+    small = limit.copy()
+    small[2] = 3
+    status, item = kernels.join_values(sym, streams, esc, counts, ks, small, out, True)
+    assert status == 1 and item == 2
+    # An escaped quotient whose word wraps around 64 bits (to a small, valid-looking word).
+    if esc.shape[0] and k:
+        wrap = esc.copy()
+        wrap[0] = np.uint64(1 << (64 - k))
+        status, item = kernels.join_values(sym, streams, wrap, counts, ks, limit, out, True)
+        assert status == 1 and item in (0, 2)
+    if bits < 64:
+        with pytest.raises(ValueError, match="bad item record"):
+            kernels.join_values(sym, streams, esc, counts, ks, limit + np.uint64(1), out, True)
 
 
 @pytest.mark.parametrize("word", WORDS)

@@ -930,10 +930,15 @@ def _decode_v2(
         caps = int(np.count_nonzero((packed & 15) == VALUE_CAP))
         caps += int(np.count_nonzero((packed >> 4) == VALUE_CAP))
         _check_escapes(caps, val_escs, VALUE_CAP, reject)
-        zz = np.empty(n_ulp, dtype=_U64)
+        # One width for every ULP item (the usual case): the kernel writes the values
+        # unzigzagged at that width, no u64 words in between.
+        widths = np.unique(item_width[ulp])
+        narrow = widths.shape[0] == 1
+        zz = np.empty(n_ulp, dtype=np.dtype(f"u{int(widths[0])}") if narrow else _U64)
+        unzigzagged = zz if narrow else None
         status, _ = kernels.join_values(
             packed, streams, np.ascontiguousarray(val_escs, dtype=_U64), count[ulp],
-            vk[ulp], np.ascontiguousarray(value_max[ulp]).view(_U64), zz,
+            vk[ulp], np.ascontiguousarray(value_max[ulp]).view(_U64), zz, narrow,
         )  # fmt: skip
         if status:
             raise _join_failure(status, None, reject)
@@ -943,6 +948,7 @@ def _decode_v2(
         val_rems = _remainders(body, val_ks, attempt)
         val_escs = _class_words(body.read(sizes[6]), esc_val, layout)[8]
         zz = _join(val_sym, VALUE_CAP, val_escs, val_rems, ulp_n, vk, value_max, reject)
+        unzigzagged = None
     value_start = np.zeros(n_items, dtype=np.int64)
     values: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {}
     for w in WORD_WIDTHS:
@@ -958,12 +964,15 @@ def _decode_v2(
         if not ulp_w.any():
             out = words[w]
         else:
-            ulp_vals = (
-                zz
-                if bool(ulp_w.sum() == ulp.sum())
-                else zz[np.repeat(item_width[ulp], count[ulp]) == w]
-            )
-            decoded = unzigzag(ulp_vals.astype(np.dtype(f"u{w}")))
+            if unzigzagged is not None:
+                decoded = unzigzagged
+            else:
+                ulp_vals = (
+                    zz
+                    if bool(ulp_w.sum() == ulp.sum())
+                    else zz[np.repeat(item_width[ulp], count[ulp]) == w]
+                )
+                decoded = unzigzag(ulp_vals.astype(np.dtype(f"u{w}")))
             if not (word_items & of_width).any():
                 out = decoded
             else:
