@@ -126,6 +126,62 @@ def test_compare_and_set_has_one_winner_across_processes(
     assert anyio.run(check) == CommitRecord(version=1, candidate=f"g7-{winners[0]}")
 
 
+class _SlowObjects:
+    """One-key object store behind :class:`S3Backend`'s commit-store calls, with atomic
+    conditional writes that take a while; it records how many were in flight at once."""
+
+    def __init__(self) -> None:
+        self.data: bytes | None = None
+        self.etag = ""
+        self.writes = self.in_flight = self.peak = 0
+
+    async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
+        return None if self.data is None else (self.data, self.etag)
+
+    async def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await anyio.sleep(0.01)
+            if (etag is None) != (self.data is None) or (etag is not None and etag != self.etag):
+                return None
+            self.writes += 1
+            self.data, self.etag = data, f'"{self.writes}"'
+            return self.etag
+        finally:
+            self.in_flight -= 1
+
+    async def aclose(self) -> None:
+        pass
+
+
+def test_one_store_sends_one_conditional_write_at_a_time() -> None:
+    """Transactions started at once on one store object (a coordinator's lease renewal
+    beside its commit) run one at a time: SeaweedFS lets several conditional PUTs with one
+    ETag succeed when they arrive together (its If-Match check and write are not atomic),
+    so a store never sends it two at once.  Each transaction still lands exactly once."""
+    objects = _SlowObjects()
+    store = S3CommitStore(bucket="b", key="commit.json", endpoint_url="http://127.0.0.1:9")
+    store._backend = objects  # type: ignore[assignment]
+    rounds, racers = 5, 3
+
+    async def main() -> tuple[int, int]:
+        epoch = await store.claim()
+        before = (await store.read()).revision
+        for _ in range(rounds):
+            async with anyio.create_task_group() as tg:
+                for _ in range(racers):
+                    tg.start_soon(lambda: store.renew(epoch=epoch, lease_s=60.0))
+        return before, (await store.read()).revision
+
+    before, after = anyio.run(main)
+    assert objects.peak == 1
+    assert after - before == rounds * racers
+    # the lock belongs to the event loop it was made in: a later run makes its own
+    anyio.run(main)
+    assert objects.peak == 1
+
+
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
 def test_failed_conditions_are_lost_races(server: str, request: pytest.FixtureRequest) -> None:
     """If-Match on a missing object (404 on moto, 412 on SeaweedFS), a stale ETag and
