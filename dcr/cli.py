@@ -107,8 +107,11 @@ def _parser() -> argparse.ArgumentParser:
             "projection + overwrite only, F = full conversion + overwrite only. Reports "
             "construction seconds (median of --repeats), payload bytes, bytes per changed "
             "element, the order-0 entropy floor of gap-coded positions + XOR masks of the "
-            "changed elements (entropy_floor_bytes) and a memcpy bandwidth reference measured "
-            "in the same run."
+            "changed elements (entropy_floor_bytes) and vs_memcpy: the median over runs of "
+            "construction throughput divided by a single-thread memcpy rate measured just "
+            "before that run: the faster of a warm 256 MiB buffer copy "
+            "(buffer_copy_gb_per_s) and a copy of the bytes construction reads "
+            "(source_copy_gb_per_s); bandwidth_reference_gb_per_s is the median of the faster."
         ),
     )
     cons.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
@@ -256,6 +259,12 @@ def _parser() -> argparse.ArgumentParser:
     refit.add_argument("--dp", type=_positive, default=1, help="training data parallelism")
     refit.add_argument("--nodes", type=_positive, default=2, help="rollout nodes (default 2)")
     refit.add_argument("--serving-tp", type=_positive, default=2, help="serving TP (default 2)")
+    refit.add_argument(
+        "--build-threads",
+        type=_positive,
+        default=None,
+        help="construction threads per owner process (default: the CPUs each may use)",
+    )
     refit.add_argument("--dir", default="out/bench-refit", help="fleet files, logs, events")
     refit.add_argument("--plot", default=None, help="write a PNG of the results here")
     refit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -484,7 +493,13 @@ def _bench_refit(args: argparse.Namespace) -> int:
         transports=args.transports,
         repeats=args.repeats,
         link_gbps=args.link_gbps,
-        layout=BenchLayout(tp=args.tp, dp=args.dp, nodes=args.nodes, serving_tp=args.serving_tp),
+        layout=BenchLayout(
+            tp=args.tp,
+            dp=args.dp,
+            nodes=args.nodes,
+            serving_tp=args.serving_tp,
+            build_threads=args.build_threads or 0,
+        ),
         directory=Path(args.dir),
         log=_err,
     )

@@ -38,9 +38,18 @@ def test_bench_construct_json(capsys):
             "construct_seconds",
             "source_bytes",
             "bandwidth_reference_gb_per_s",
+            "buffer_copy_gb_per_s",
+            "source_copy_gb_per_s",
+            "vs_memcpy",
         ):
             assert key in r
         assert r["rate"] == 0.03
+        assert r["vs_memcpy"] > 0
+        # one run: its reference is the faster of the buffer copy and the copy of what
+        # construction reads
+        copies = (r["buffer_copy_gb_per_s"], r["source_copy_gb_per_s"])
+        assert min(copies) > 0
+        assert r["bandwidth_reference_gb_per_s"] == max(copies)
     # same changes found by every mode; XOR masks compress better than overwrite values
     assert rows["X"]["changed_elements"] == rows["P"]["changed_elements"] > 0
     assert rows["X"]["payload_bytes"] < rows["P"]["payload_bytes"]

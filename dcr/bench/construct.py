@@ -9,11 +9,18 @@ zstd) in parallel threads:
 - **P**: direct projection + overwrites only;
 - **F**: full conversion (assemble every canonical tensor, compare) + overwrites only.
 
-A memory-bandwidth reference (a warm ``memcpy`` of 256 MiB, best of several) is measured in the
-same run so construction throughput can be read as a ratio on a noisy machine.  Each row also
+A memory-bandwidth reference is measured right before every timed construction, and each row
+reports the median of those paired ratios (``vs_memcpy``): on a shared machine the copy rate
+swings by several times between minutes, and a reference taken next to each run sees the
+machine that run saw.  The reference is the faster of two single-thread copies (each best of
+three): a warm 256 MiB buffer, and the bytes construction reads (every candidate shard and
+tracker) copied through that buffer.  On a virtual machine the copy rate also depends on
+which physical pages a buffer landed on (3 to 15 GB/s on one 2-core cloud machine); the
+second copy reads the very pages construction reads, and taking the faster of the two keeps
+a buffer that landed on slow pages from flattering the ratio.  Each row also
 carries the order-0 entropy floor of gap-coded positions plus XOR masks of its changed
 elements (:func:`dcr.delta.entropy.gap_xor_floor_bytes`, computed after timing) and the
-CPU seconds of each construction stage (summed over threads).
+CPU seconds of each construction stage (summed over threads) in the run of median time.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from dcr.delta.bits import bits
@@ -72,17 +80,57 @@ def _checkpoint_bytes(cfg: dict[str, Any]) -> int:
     return sum(2 * int(np.prod(s)) for s in canonical_shapes(cfg, "llama").values())
 
 
+class _Copy:
+    """The buffers of the memcpy reference, kept (warm) for the whole benchmark."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # fault the pages in first
+
+    def rate(self, repeats: int) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.copyto(self.dst, self.src)
+            best = min(best, time.perf_counter() - t0)
+        return self.src.nbytes / best / 1e9
+
+    def rate_of(self, sources: Sequence[npt.NDArray[np.uint8]], repeats: int) -> float:
+        """GB/s of copying every byte of ``sources`` through the buffer (used as a ring)."""
+        ring = self.dst
+        size = ring.shape[0]
+        total = sum(int(s.shape[0]) for s in sources)
+        best = float("inf")
+        for _ in range(repeats):
+            at = 0
+            t0 = time.perf_counter()
+            for src in sources:
+                off, n = 0, int(src.shape[0])
+                while off < n:
+                    m = min(n - off, size - at)
+                    np.copyto(ring[at : at + m], src[off : off + m])
+                    off += m
+                    at = (at + m) % size
+            best = min(best, time.perf_counter() - t0)
+        return total / best / 1e9
+
+
+def _read_bytes(group: LocalTrainingGroup) -> list[npt.NDArray[np.uint8]]:
+    """Byte views of what a construction reads: the staged candidate shards and the
+    trackers they are compared with."""
+    staged = group.staged or {}
+    out = [bits(t).reshape(-1).view(np.uint8) for t in staged.values()]
+    for owner in group.owners.values():
+        out.extend(
+            bits(t).reshape(-1).view(np.uint8) for k, t in owner.trackers.items() if k in staged
+        )
+    return out
+
+
 def bandwidth_reference(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Single-thread memcpy rate in GB/s (bytes copied per second), best of ``repeats``."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    return _Copy(nbytes).rate(repeats)
 
 
 def _construct(
@@ -96,7 +144,7 @@ def _construct(
 
     The timed work is every owner's whole construction: detection, projection, packing and
     the encoding of every bucket.  ``keep`` collects the items (references only) for the
-    entropy floor, which is computed after the clock stops.
+    entropy floor; a run that keeps them is not one of the timed runs.
     """
     t0 = time.perf_counter()
     streams = group.build(
@@ -161,22 +209,34 @@ def run_construct_bench(
     )
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
     base_bits = {n: bits(t).reshape(-1) for n, t in base.items()}
-    bw = bandwidth_reference()
-    say(f"checkpoint {checkpoint_bytes / 1e9:.2f} GB, memcpy reference {bw:.1f} GB/s")
+    copy = _Copy(256 << 20)
+    say(f"checkpoint {checkpoint_bytes / 1e9:.2f} GB, memcpy reference {copy.rate(5):.1f} GB/s")
     xor_allowed = frozenset(catalog)
     results = []
     with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, tp)) as pool:
         for i, rate in enumerate(rates):
             new = perturb(base, rate=rate, seed=seed + 1 + i)
             group.stage(plan.slice(new))
+            sources = _read_bytes(group)
             for mode in modes:
-                items: list[Item] = []
-                runs = [
-                    _construct(group, mode, pool, xor_allowed, items if r == repeats - 1 else None)
-                    for r in range(repeats)
-                ]
+                runs, refs, buffer_refs, source_refs = [], [], [], []
+                for _ in range(repeats):
+                    buffer_refs.append(copy.rate(3))
+                    source_refs.append(copy.rate_of(sources, 3))
+                    refs.append(max(buffer_refs[-1], source_refs[-1]))
+                    runs.append(_construct(group, mode, pool, xor_allowed))
                 secs = statistics.median(r[0] for r in runs)
-                _, payload_bytes, num_payloads, st = runs[-1]
+                # Bytes and stage seconds of the run of median time (runs that keep their
+                # items alive cannot reuse freed memory and run slower).
+                _, payload_bytes, num_payloads, st = sorted(runs, key=lambda r: r[0])[
+                    (len(runs) - 1) // 2
+                ]
+                # The items for the entropy floor come from one more, untimed construction.
+                items: list[Item] = []
+                _construct(group, mode, pool, xor_allowed, items)
+                paired = [
+                    st.source_bytes / run[0] / 1e9 / bw for run, bw in zip(runs, refs, strict=True)
+                ]
                 changed = st.changed_elements + st.residual_changed
                 floor = floor_of_items(items, base_bits)
                 del items
@@ -191,7 +251,10 @@ def run_construct_bench(
                     "construct_seconds": secs,
                     "source_bytes": st.source_bytes,
                     "construct_gb_per_s": st.source_bytes / secs / 1e9,
-                    "bandwidth_reference_gb_per_s": bw,
+                    "bandwidth_reference_gb_per_s": statistics.median(refs),
+                    "buffer_copy_gb_per_s": statistics.median(buffer_refs),
+                    "source_copy_gb_per_s": statistics.median(source_refs),
+                    "vs_memcpy": statistics.median(paired),
                     "xor_entries": st.xor_entries,
                     "ulp_entries": st.ulp_entries,
                     "overwrite_entries": st.overwrite_entries,
@@ -202,13 +265,15 @@ def run_construct_bench(
                 }
                 results.append(row)
                 say(
-                    f"rate {rate:.0%} mode {mode}: {secs:.3f} s, {payload_bytes / 1e6:.1f} MB, "
+                    f"rate {rate:.0%} mode {mode}: {secs:.3f} s, {row['vs_memcpy']:.2f}x memcpy "
+                    f"(reference {min(refs):.1f}-{max(refs):.1f} GB/s), "
+                    f"{payload_bytes / 1e6:.1f} MB, "
                     f"{row['bytes_per_changed_element']:.3f} B/changed, floor "
                     f"{floor / changed if changed else 0.0:.3f} B/changed; CPU seconds "
                     + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
                 )
             group.discard()
-            del new
+            del new, sources
     return {
         "results": results,
         "model": {
@@ -230,7 +295,9 @@ def format_construct_table(result: dict[str, Any]) -> str:
     model = result["model"]
     lines = [
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, training TP="
-        f"{model['tp']}, median of {model['repeats']} runs, {model['threads']} threads",
+        f"{model['tp']}, median of {model['repeats']} runs, {model['threads']} threads; vs memcpy: "
+        "median of each run's rate over a memcpy reference measured just before it (the faster "
+        "of a 256 MiB buffer copy and a copy of the bytes construction reads)",
         f"{'rate':>5} {'mode':>4} {'changed':>12} {'payload MB':>11} {'B/changed':>10} "
         f"{'seconds':>8} {'GB/s':>6} {'vs memcpy':>9}",
     ]
@@ -239,6 +306,6 @@ def format_construct_table(result: dict[str, Any]) -> str:
             f"{r['rate']:>5.0%} {r['mode']:>4} {r['changed_elements']:>12,} "
             f"{r['payload_bytes'] / 1e6:>11.2f} {r['bytes_per_changed_element']:>10.3f} "
             f"{r['construct_seconds']:>8.2f} {r['construct_gb_per_s']:>6.2f} "
-            f"{r['construct_gb_per_s'] / r['bandwidth_reference_gb_per_s']:>9.2f}"
+            f"{r['vs_memcpy']:>9.2f}"
         )
     return "\n".join(lines)

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dcr.delta.parallel import default_threads
 from dcr.errors import ConfigError
 
 __all__ = [
@@ -87,6 +88,9 @@ class BenchLayout:
     bucket_mb: float = 32.0
     """Chunk and bucket targets (paper App. C); the 32 MB bucket gives each owner about as
     many payloads per refit as the paper's 512 MiB buckets give its owners at 120B."""
+    build_threads: int = 0
+    """Construction threads per owner process (``[trainer] build_threads``); 0: the CPUs
+    each owner process may run on (all of this machine's)."""
 
     def __post_init__(self) -> None:
         if min(self.tp, self.dp, self.nodes, self.serving_tp) < 1:
@@ -105,7 +109,8 @@ class BenchLayout:
             f"trainer TP={self.tp} x DP={self.dp} ({self.owners} owner processes, gloo); "
             f"{self.nodes} rollout nodes, one receiver process each (serving TP "
             f"{self.serving_tp}, {self.nodes // self.serving_tp} engine(s)); chunk "
-            f"{self.chunk_mb:g} MB, bucket {self.bucket_mb:g} MB"
+            f"{self.chunk_mb:g} MB, bucket {self.bucket_mb:g} MB, "
+            f"{self.build_threads or default_threads()} construction thread(s) per owner"
         )
 
 
@@ -168,6 +173,7 @@ tp = {layout.tp}
 dp = {layout.dp}
 chunk_mb = {layout.chunk_mb}
 bucket_mb = {layout.bucket_mb}
+build_threads = {layout.build_threads}
 sends_in_flight = 4
 timeout_s = 600
 lockstep = true
@@ -212,27 +218,46 @@ def _role(who: str, owners: Sequence[str]) -> str:
     return "relay" if who.startswith("relay-") else "receivers"
 
 
+_RELAY_TAIL_S = 0.5
+"""How long after the window a relay node's next report still closes its CPU bracket (two
+ticks of its reports)."""
+
+
 def cpu_by_role(
     events: Sequence[dict[str, Any]], t0: float, t1: float, owners: Sequence[str]
 ) -> dict[str, float]:
     """CPU seconds each role's processes used in ``[t0, t1]``, from the ``cpu`` clock every
-    event carries.  Owners: from their last event by ``t0`` (the publish) to their last by
-    ``t1`` (the baseline update).  Receivers: from their first event from ``t0`` on (a
-    payload fetched or applied) to their last by ``t1`` (the last applied).  The coordinator
-    and relay nodes: from their first event from ``t0`` on to their first from ``t1`` on
-    (the transition starts and ends; a relay node reports traffic and buffers as they
-    change).  Processes busy between refits too (polling storage, pinging peers) are thus
-    not charged for it; work no event brackets is not counted."""
+    event carries.  Owners: from their own publish (their last event by ``t0``, or their
+    first publish inside the window when it comes a little after ``t0``, the first owner's
+    publish) to their last event by ``t1`` (the baseline update).  Receivers: from their
+    first event from ``t0`` on (a payload fetched or applied) to their last by ``t1`` (the
+    last applied).  The coordinator (the transition starts and ends): from its first event
+    from ``t0`` on to its first from ``t1`` on.  Relay nodes: from their first event from
+    ``t0`` on to their first from ``t1`` on if it comes within ``_RELAY_TAIL_S`` (a node
+    reports traffic and buffers every tick while they change), else their last by ``t1`` (a
+    node idle since before ``t1`` reports nothing until the next refit).  Processes busy
+    between refits too (polling storage, pinging peers) are thus not charged for it; work
+    no event brackets is not counted."""
     clocks: dict[str, list[tuple[float, float]]] = {}
+    published: dict[str, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("cpu") is not None:
-            clocks.setdefault(e["who"], []).append((float(e["t"]), float(e["cpu"])))
+            clock = (float(e["t"]), float(e["cpu"]))
+            clocks.setdefault(e["who"], []).append(clock)
+            if e.get("event") == "publish" and t0 <= clock[0] <= t1:
+                published.setdefault(e["who"], []).append(clock)
     out: dict[str, float] = {}
     for who, seen in clocks.items():
         seen.sort()
         role = _role(who, owners)
         if role == "owners":
-            before = [c for t, c in seen if t <= t0][-1:] or [seen[0][1]]
+            # An owner whose publish comes after t0 did its training step before it (the
+            # step is not part of the refit): its window opens at that publish.
+            before = (
+                [min(published[who])[1]]
+                if who in published
+                else [c for t, c in seen if t <= t0][-1:] or [seen[0][1]]
+            )
             after = [c for t, c in seen if t <= t1][-1:] or before
         elif role == "receivers":
             before = [c for t, c in seen if t0 <= t <= t1][:1]
@@ -241,9 +266,12 @@ def cpu_by_role(
                 continue
         else:
             before = [c for t, c in seen if t0 <= t <= t1][:1]
-            after = [c for t, c in seen if t >= t1][:1] or [seen[-1][1]]
             if not before:
                 continue  # no event inside the window brackets its work
+            horizon = t1 + _RELAY_TAIL_S if role == "relay" else float("inf")
+            after = [c for t, c in seen if t1 <= t <= horizon][:1] or (
+                [c for t, c in seen if t <= t1][-1:] if role == "relay" else [seen[-1][1]]
+            )
         out[role] = out.get(role, 0.0) + max(0.0, after[0] - before[0])
     return out
 

@@ -104,6 +104,10 @@ class TrainerSection:
     dp: int = 2
     chunk_mb: float = 8.0
     bucket_mb: float = 16.0
+    build_threads: int = 0
+    """Worker threads each owner process compares blocks on; 0: the CPUs the process may
+    run on (its affinity mask).  With 1, an owner scans in its own thread and does not
+    overlap the scan of one bucket with the encoding of the one before."""
     sends_in_flight: int = 4
     timeout_s: float = 120.0
     """torch.distributed collective timeout of the trainer's process group."""
@@ -111,6 +115,11 @@ class TrainerSection:
     """Each rank publishes step ``k`` only once every rank computed it and the launcher
     checked version ``k - 1`` on every receiver (``<run_dir>/go.json``), so that no
     optimizer step and no check runs beside a refit (benchmarks time refits this way)."""
+
+    def __post_init__(self) -> None:
+        threads = self.build_threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"build_threads must be an integer >= 0, got {self.build_threads!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -171,7 +171,8 @@ class FleetModel:
     def build(self) -> BuildConfig:
         t = self.fleet.trainer
         return BuildConfig(chunk_bytes=int(t.chunk_mb * (1 << 20)),
-                           bucket_bytes=int(t.bucket_mb * (1 << 20)))  # fmt: skip
+                           bucket_bytes=int(t.bucket_mb * (1 << 20)),
+                           threads=t.build_threads or None)  # fmt: skip
 
     @property
     def checkpoint_bytes(self) -> int:

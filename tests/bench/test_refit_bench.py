@@ -115,12 +115,20 @@ def test_cpu_seconds_by_role_between_the_events_around_the_window() -> None:
         _event("coordinator", "ended", 12.3, cpu=1.3),  # the coordinator's end counts
         _event("relay-node0", "state", 8.0, cpu=0.1),
         _event("relay-node0", "traffic", 10.5, cpu=0.5),
-        _event("relay-node0", "state", 12.5, cpu=0.7),
+        _event("relay-node0", "state", 12.4, cpu=0.7),
+        # relay-node1 went idle before t1 and next reports in the following refit
+        _event("relay-node1", "traffic", 10.2, cpu=1.0),
+        _event("relay-node1", "state", 11.0, cpu=1.1),
+        _event("relay-node1", "traffic", 40.0, cpu=3.0),
         _event("r1", "started", 9.0),  # no clock: ignored
+        # o1 publishes after t0 (o0's publish): its training step before is not counted
+        _event("o1", "stepped", 4.0, cpu=1.0),
+        _event("o1", "publish", 10.1, cpu=3.0),
+        _event("o1", "baseline", 11.9, cpu=3.4),
     ]
-    cpu = cpu_by_role(events, 10.0, 12.0, ("o0",))
+    cpu = cpu_by_role(events, 10.0, 12.0, ("o0", "o1"))
     assert cpu == pytest.approx(
-        {"owners": 1.5, "receivers": 0.8, "coordinator": 0.3, "relay": 0.2}
+        {"owners": 1.9, "receivers": 0.8, "coordinator": 0.3, "relay": 0.3}
     )
 
 

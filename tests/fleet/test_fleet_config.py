@@ -45,6 +45,10 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
     each = load_fleet(write(tmp_path, MINIMAL + "[proof]\nfingerprint_each_commit = true\n"))
     assert each.proof == ProofConfig(fingerprint_each_commit=True)
     assert load_fleet(write(tmp_path, MINIMAL + "[proof]\nenabled = false\n")).proof is None
+    # Construction threads: the process's CPUs unless the file shares them out.
+    assert cfg.trainer.build_threads == 0 and FleetModel(cfg).build.threads is None
+    one = load_fleet(write(tmp_path, MINIMAL + "[trainer]\nbuild_threads = 1\n"))
+    assert FleetModel(one).build.worker_threads == 1
 
 
 @pytest.mark.parametrize(
@@ -62,6 +66,9 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + "[proof]\nsample = 4\n", "unknown keys ['sample']"),
         (MINIMAL + "[proof]\nsamples = -1\n", "samples must be >= 0"),
         (MINIMAL + '[proof]\nenabled = "no"\n', "enabled must be true or false"),
+        (MINIMAL + "[trainer]\nbuild_threads = -1\n", "build_threads must be an integer >= 0"),
+        (MINIMAL + "[trainer]\nbuild_threads = 1.5\n", "build_threads must be an integer >= 0"),
+        (MINIMAL + "[trainer]\nbuild_threads = true\n", "build_threads must be an integer >= 0"),
     ],
 )
 def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:
