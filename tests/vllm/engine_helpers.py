@@ -350,9 +350,12 @@ class Trainer:
         await anyio.to_thread.run_sync(self.group.stage, candidate)
         for owner in self.owners:
             await owner.staged(True)
-        with anyio.fail_after(300):
+        with anyio.move_on_after(300) as waited:
             while any(o.core.baseline.version < version for o in self.owners):
                 await anyio.sleep(0.05)
+        if waited.cancelled_caught:
+            baselines = {o.core.name: o.core.baseline for o in self.owners}
+            raise AssertionError(f"version {version} not committed in 300 s: {baselines}")
         for t in self.transports:
             t.arm(Faults(), FaultLog())
         record = self.owners[0].core.baseline
@@ -571,6 +574,33 @@ def same_floats(a: Sequence[float], b: Sequence[float]) -> bool:
     """Bit-for-bit equality of two float sequences (as float64 words)."""
     x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     return x.shape == y.shape and np.array_equal(x.view(np.int64), y.view(np.int64))
+
+
+def _tail(path: Path, lines: int, width: int = 300) -> list[str]:
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return [f"({exc})"]
+    return [line[:width] for line in text]
+
+
+def fleet_snapshot(cfg: FleetConfig, engines: Sequence[EngineServer]) -> str:
+    """What a failed end-to-end run was doing: the last events of every fleet process, the
+    role logs' and engine logs' tails and each live engine's state (printed on failure)."""
+    out = ["-- fleet snapshot --"]
+    for path in sorted(cfg.events_dir.glob("*.jsonl")):
+        out += [f"{path.name}:", *("  " + line for line in _tail(path, 6))]
+    for path in sorted((cfg.run_dir / "logs").glob("*.log")):
+        out += [f"{path.name}:", *("  " + line for line in _tail(path, 10))]
+    for engine in engines:
+        out += [f"{engine.log.name} (exit {engine.popen.poll()}):"]
+        out += ["  " + line for line in _tail(engine.log, 15)]
+        if engine.popen.poll() is None and engine.url:
+            try:
+                out.append(f"  state: {json.dumps(engine.state())[:1500]}")
+            except (OSError, ValueError) as exc:
+                out.append(f"  state: ({exc!r})")
+    return "\n".join(out)
 
 
 def coordinator_events(cfg: FleetConfig) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from engine_helpers import (
     group_members,
     open_trainer,
     same_floats,
+    fleet_snapshot,
     write_checkpoints,
     write_fleet,
 )
@@ -210,6 +211,9 @@ async def _scenario(
                         stream = Stream(engine, seed=10 * k)
                         await tg.start(stream.run)
             records = dict(trainer.records)
+    except BaseException:
+        print(fleet_snapshot(cfg, engines))
+        raise
     finally:
         references.stop()
         for engine in engines:
