@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,25 +27,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from dcr.fleet.config import free_ports
+
 __all__ = ["MotoServer", "S3Endpoint", "SeaweedServer", "free_ports", "s3_environ"]
 
 ACCESS_KEY = "dcr-test-access"
 SECRET_KEY = "dcr-test-secret"
 REGION = "us-east-1"
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports nothing listens on right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
@@ -27,18 +26,12 @@ from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import BuildStats
 from dcr.delta.records import Mode, TensorSpec
 from dcr.errors import DcrError
+from dcr.fleet.config import free_port
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader
 
 __all__ = ["apply_payloads", "build_payloads", "spawn"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _run(
@@ -89,7 +82,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 300
     with tempfile.TemporaryDirectory(prefix="dcr-trainer-") as out:
         start(  # type: ignore[no-untyped-call]
             _run,
-            args=(world, _free_port(), out, fn, args, timeout_s),
+            args=(world, free_port(), out, fn, args, timeout_s),
             nprocs=world,
             join=True,
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from dcr.errors import ConfigError
-from dcr.fleet.config import load_fleet
+from dcr.fleet import config as fleet_config
+from dcr.fleet.config import free_ports, load_fleet
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_transport
 from dcr.protocol.proof import ProofConfig
@@ -96,3 +98,30 @@ def test_mixed_mode_xors_what_every_serving_layout_preserves(tmp_path: Path) -> 
     # The reference ranks keep the final norm in float32 (a cast): never XOR-encoded.
     assert "model.norm.weight" not in xor
     assert "model.layers.0.self_attn.q_proj.weight" in xor and len(xor) > 10
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_free_ports_lie_outside_the_ports_the_os_hands_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A port the OS hands out for outgoing connections or port-0 binds could be taken by
+    # any process before the relay node binds it (or rebinds it after a restart).
+    lo, _ = fleet_config._ephemeral_range()
+    ports = free_ports(12)
+    assert len(set(ports)) == 12 and all(_bindable(p) for p in ports)
+    if lo - 10000 >= 1000:
+        assert all(10000 <= p < lo for p in ports)
+    # An OS whose ephemeral range leaves no room: any free ports, still distinct.
+    monkeypatch.setattr(fleet_config, "_ephemeral_range", lambda: (1024, 65535))
+    anywhere = free_ports(5)
+    assert len(set(anywhere)) == 5 and all(0 < p < 65536 for p in anywhere)
+    monkeypatch.setattr(fleet_config, "_ephemeral_range", lambda: (1024, 60000))
+    assert all(p > 60000 for p in free_ports(3))

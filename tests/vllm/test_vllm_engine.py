@@ -34,10 +34,10 @@ from engine_helpers import (
     bit_mismatches,
     coordinator_events,
     fixed_prompts,
+    fleet_snapshot,
     group_members,
     open_trainer,
     same_floats,
-    fleet_snapshot,
     write_checkpoints,
     write_fleet,
 )
