@@ -421,9 +421,14 @@ class FleetCoordinator:
             await anyio.sleep(lease / 4)
             if self._service is not None:
                 continue  # the run renews it (and learns of a replacement)
+            epoch = self._current_epoch()
             try:
-                await self.store.renew(epoch=self._current_epoch(), lease_s=lease)
+                await self.store.renew(epoch=epoch, lease_s=lease)
             except CommitConflict:
+                if self._service is not None or self._current_epoch() != epoch:
+                    # A run of this process claimed the newer epoch while the renewal was
+                    # in flight: not a replacement (the run renews its own lease).
+                    continue
                 self.log.emit("replaced")
                 raise SystemExit(3) from None
             except CommitStoreError:
