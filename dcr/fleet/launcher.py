@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,6 +127,18 @@ class _Proc:
     """Runs in a process group of its own (an engine and its children), signalled as one."""
     env: dict[str, str] = field(default_factory=dict)
     stop_s: float = 10.0
+
+
+def _last_line(log: Path) -> str:
+    """``": <the last line of log>"`` (what a crashed process said last), or ``""``."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [x.strip() for x in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    lines = [x for x in lines if x]
+    return f": {lines[-1][:300]}" if lines else ""
 
 
 _GROUP_GONE_S = 60.0
@@ -295,8 +308,11 @@ class Launcher:
         tmp.write_text(json.dumps(planned))
         tmp.replace(self.cfg.run_dir / "faults.json")
 
+    def _log_of(self, proc: _Proc) -> Path:
+        return self.cfg.run_dir / "logs" / f"{proc.name}.log"
+
     def _spawn(self, proc: _Proc) -> None:
-        log = (self.cfg.run_dir / "logs" / f"{proc.name}.log").open("ab")
+        log = self._log_of(proc).open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **proc.env)
         proc.popen = subprocess.Popen(
             proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -387,7 +403,8 @@ class Launcher:
             if proc.role == "owner":
                 trainer_down = True
                 continue
-            self.say(f"{proc.name} exited ({code}); restarting it")
+            why = "" if code in (0, -signal.SIGKILL) else _last_line(self._log_of(proc))
+            self.say(f"{proc.name} exited ({code}){why}; restarting it")
             if proc.group:
                 _kill(proc)  # what its leader left behind
             self._spawn(proc)

@@ -1,7 +1,9 @@
-"""The fleet coordinator's lease: renewals between transitions."""
+"""The fleet coordinator's lease between transitions, and the launcher's restarts."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +16,7 @@ from dcr.errors import CommitConflict
 from dcr.fleet.config import load_fleet
 from dcr.fleet.coordinator import FleetCoordinator
 from dcr.fleet.events import EventLog
+from dcr.fleet.launcher import Launcher, _Proc
 
 FLEET = """
 [model]
@@ -105,3 +108,33 @@ def test_a_transition_claiming_its_epoch_during_a_renewal_is_not_a_replacement(
     assert kinds[0] == kinds[-1] == "conflict" and set(kinds[1:-1]) == {"renewed"}
     events = [line for line in log.path.read_text().splitlines() if '"replaced"' in line]
     assert len(events) == 1
+
+
+def test_the_launcher_says_what_a_process_said_last_when_it_restarts_it(tmp_path: Path) -> None:
+    """A role that crashed is restarted, and the operator reads why (its log's last line)
+    without opening the log; a planned SIGKILL says nothing more."""
+    (tmp_path / "fleet.toml").write_text(FLEET)
+    cfg = load_fleet(tmp_path / "fleet.toml")
+    (cfg.run_dir / "logs").mkdir(parents=True)
+    lines: list[str] = []
+    launcher = Launcher(cfg, say=lines.append)
+    crash = "import sys; print('Traceback ...'); print('CommitStoreError: bad record'); sys.exit(1)"
+    proc = _Proc(name="coordinator", role="coordinator", argv=[sys.executable, "-c", crash])
+    launcher.procs[proc.name] = proc
+    try:
+        launcher._spawn(proc)
+        assert proc.popen is not None
+        proc.popen.wait(60)
+        launcher._supervise()
+        assert lines == ["coordinator exited (1): CommitStoreError: bad record; restarting it"]
+        assert proc.starts == 2 and proc.popen.wait(60) == 1  # the restart crashes again
+        proc.argv = [sys.executable, "-c", "import time; print('serving'); time.sleep(60)"]
+        launcher._spawn(proc)
+        proc.popen.kill()
+        proc.popen.wait(60)
+        launcher._supervise()
+        assert lines[-1] == f"coordinator exited ({-signal.SIGKILL}); restarting it"
+    finally:
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(60)
