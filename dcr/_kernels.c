@@ -1023,9 +1023,45 @@ static int open_streams(PyObject *list, const size_t *words, Streams64 *st) {
 
 enum { J_OK = 0, J_EXCEEDS = 1, J_OUTSIDE = 2, J_SYMBOLS = 3 };
 
+/* Remainders of k < 8 bits, read LSB first from the remainder bytes of a stream through a
+ * 64-bit accumulator refilled 32 bits at a time (8 near the end). */
+typedef struct {
+    const unsigned char *tail;
+    size_t len, at;
+    uint64_t acc;
+    int nb;
+} Bits;
+
+static inline void bits_open(Bits *b, const unsigned char *tail, size_t len, uint64_t bitpos) {
+    b->tail = tail;
+    b->len = len;
+    b->at = (size_t)(bitpos >> 3);
+    b->acc = (uint64_t)tail[b->at++] >> (bitpos & 7);
+    b->nb = 8 - (int)(bitpos & 7);
+}
+
+static inline uint64_t bits_take(Bits *b, int k) {
+    if (b->nb < k) {
+        if (b->at + 4 <= b->len) {
+            uint32_t v;
+            memcpy(&v, b->tail + b->at, 4);
+            b->acc |= (uint64_t)v << b->nb;
+            b->nb += 32;
+            b->at += 4;
+        } else {
+            b->acc |= (uint64_t)b->tail[b->at++] << b->nb;
+            b->nb += 8;
+        }
+    }
+    uint64_t r = b->acc & ((1u << k) - 1);
+    b->acc >>= k;
+    b->nb -= k;
+    return r;
+}
+
 /* The gaps of one Rice item with k < 8 (no byte planes): the common case, one function per k
- * so that the remainder width is a constant, the remainders read through a bit accumulator
- * refilled 32 bits at a time.  Writes n positions after `at` to out; returns a J_ status and
+ * so that the remainder width is a constant, the remainders read through Bits.  Writes n
+ * positions after `at` to out; returns a J_ status and
  * advances *g and *e past the symbols and escapes it used.  Same results as the general loop
  * of join_locations. */
 #define DEF_JOIN_SMALL(T)                                                                  \
@@ -1035,13 +1071,10 @@ enum { J_OK = 0, J_EXCEEDS = 1, J_OUTSIDE = 2, J_SYMBOLS = 3 };
                          uint64_t bitpos, int64_t n, uint64_t at, uint64_t limit,           \
                          int64_t *restrict out) {                                           \
         uint64_t gap_max = limit - 1, q_max = gap_max >> (T);                              \
-        size_t g = *g_io, e = *e_io, tb = (size_t)(bitpos >> 3);                           \
-        uint64_t acc = 0;                                                                  \
-        int nb = 0, status = J_OK;                                                         \
-        if ((T) > 0 && n > 0) {                                                            \
-            acc = (uint64_t)tail[tb++] >> (bitpos & 7);                                    \
-            nb = 8 - (int)(bitpos & 7);                                                    \
-        }                                                                                  \
+        size_t g = *g_io, e = *e_io;                                                       \
+        int status = J_OK;                                                                 \
+        Bits rb = {0};                                                                     \
+        if ((T) > 0 && n > 0) bits_open(&rb, tail, tail_len, bitpos);                      \
         for (int64_t j = 0; j < n; j++) {                                                  \
             uint64_t q = sym[g++];                                                         \
             if (q == 255) {                                                                \
@@ -1049,24 +1082,7 @@ enum { J_OK = 0, J_EXCEEDS = 1, J_OUTSIDE = 2, J_SYMBOLS = 3 };
                 q = esc[e++];                                                              \
                 if (q > q_max) { status = J_EXCEEDS; break; }                              \
             }                                                                              \
-            uint64_t rem = 0;                                                              \
-            if ((T) > 0) {                                                                 \
-                if (nb < (T)) {                                                            \
-                    if (tb + 4 <= tail_len) {                                              \
-                        uint32_t v;                                                        \
-                        memcpy(&v, tail + tb, 4);                                          \
-                        acc |= (uint64_t)v << nb;                                          \
-                        nb += 32;                                                          \
-                        tb += 4;                                                           \
-                    } else {                                                               \
-                        acc |= (uint64_t)tail[tb++] << nb;                                 \
-                        nb += 8;                                                           \
-                    }                                                                      \
-                }                                                                          \
-                rem = acc & ((1u << (T)) - 1);                                             \
-                acc >>= (T);                                                               \
-                nb -= (T);                                                                 \
-            }                                                                              \
+            uint64_t rem = (T) > 0 ? bits_take(&rb, (T)) : 0;                              \
             uint64_t gap = (q << (T)) | rem;                                               \
             if (gap > gap_max) { status = J_EXCEEDS; break; }                              \
             at += 1 + gap;                                                                 \
@@ -1219,7 +1235,7 @@ static inline void put_value(unsigned char *out, int ow, size_t g, uint64_t word
 }
 
 /* The words of one ULP item with k < 8, one function per k (the remainder width a constant,
- * remainders read through a bit accumulator refilled 32 bits at a time).  Symbols are the
+ * remainders read through Bits).  Symbols are the
  * nibbles from nibble *g_io on; n words go to out from index *g_io.  Same results as the
  * general loop of join_values. */
 #define DEF_JOINV_SMALL(T)                                                                 \
@@ -1229,13 +1245,10 @@ static inline void put_value(unsigned char *out, int ow, size_t g, uint64_t word
                           uint64_t bitpos, int64_t n, uint64_t limit, unsigned char *out,   \
                           int ow) {                                                         \
         uint64_t q_max = limit >> (T);                                                     \
-        size_t g = *g_io, e = *e_io, tb = (size_t)(bitpos >> 3);                           \
-        uint64_t acc = 0;                                                                  \
-        int nb = 0, status = J_OK;                                                         \
-        if ((T) > 0 && n > 0) {                                                            \
-            acc = (uint64_t)tail[tb++] >> (bitpos & 7);                                    \
-            nb = 8 - (int)(bitpos & 7);                                                    \
-        }                                                                                  \
+        size_t g = *g_io, e = *e_io;                                                       \
+        int status = J_OK;                                                                 \
+        Bits rb = {0};                                                                     \
+        if ((T) > 0 && n > 0) bits_open(&rb, tail, tail_len, bitpos);                      \
         for (int64_t j = 0; j < n; j++, g++) {                                             \
             uint64_t q = (sym[g >> 1] >> (4 * (g & 1))) & 15;                              \
             if (q == 15) {                                                                 \
@@ -1243,24 +1256,7 @@ static inline void put_value(unsigned char *out, int ow, size_t g, uint64_t word
                 q = esc[e++];                                                              \
                 if (q > q_max) { status = J_EXCEEDS; break; }                              \
             }                                                                              \
-            uint64_t rem = 0;                                                              \
-            if ((T) > 0) {                                                                 \
-                if (nb < (T)) {                                                            \
-                    if (tb + 4 <= tail_len) {                                              \
-                        uint32_t v;                                                        \
-                        memcpy(&v, tail + tb, 4);                                          \
-                        acc |= (uint64_t)v << nb;                                          \
-                        nb += 32;                                                          \
-                        tb += 4;                                                           \
-                    } else {                                                               \
-                        acc |= (uint64_t)tail[tb++] << nb;                                 \
-                        nb += 8;                                                           \
-                    }                                                                      \
-                }                                                                          \
-                rem = acc & ((1u << (T)) - 1);                                             \
-                acc >>= (T);                                                               \
-                nb -= (T);                                                                 \
-            }                                                                              \
+            uint64_t rem = (T) > 0 ? bits_take(&rb, (T)) : 0;                              \
             uint64_t word = (q << (T)) | rem;                                              \
             if (word > limit) { status = J_EXCEEDS; break; }                               \
             put_value(out, ow, g, word);                                                   \
