@@ -204,15 +204,19 @@ class OwnerCore:
                 message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name, proof=proof)
             )
         )
+        # Construction starts now, while the coordinator collects the other acceptances and
+        # judges the proofs; nothing is sent before StartStreaming.
+        self._pump(out)
 
     def _pump(self, out: list[cmd.OwnerCommand]) -> None:
-        """Send built payloads and build the next bucket while the pipeline has room."""
+        """Send built payloads (once streaming) and build the next bucket while the pipeline
+        has room (from the acceptance of the prepare on: admission overlaps construction)."""
         s = self._stream
         assert s is not None
-        if self.phase is not _O.SENDING or s.stopping:
+        if self.phase not in (_O.PREPARED, _O.SENDING) or s.stopping:
             return
         tau = s.info.attempt
-        while s.built and len(s.sending) < self._sends_in_flight:
+        while self.phase is _O.SENDING and s.built and len(s.sending) < self._sends_in_flight:
             pid = s.built.pop(0)
             s.sending.add(pid)
             out.append(cmd.SendPayload(attempt=tau, payload_id=pid, final=pid == s.final))
@@ -232,8 +236,9 @@ class OwnerCore:
         s.building = None
         if event.failure is not None:
             self._report_failure("encode", event.failure, out)
-        elif self.phase is _O.SENDING and not s.stopping:
-            self._m.fire(_X.SEND)
+        elif self.phase in (_O.PREPARED, _O.SENDING) and not s.stopping:
+            if self.phase is _O.SENDING:
+                self._m.fire(_X.SEND)
             s.built.append(event.payload_id)
             if event.final:
                 s.final = event.payload_id

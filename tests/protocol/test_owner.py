@@ -39,9 +39,11 @@ def notified(commands: Sequence[object], kind: type) -> list:  # type: ignore[ty
 
 
 def streaming(tau: int = 1, mode: Mode = Mode.MIXED) -> tuple[OwnerCore, list[object]]:
+    """An owner that accepted ``tau`` and was started; the commands of both steps."""
     o = OwnerCore("o", baseline=K0)
-    assert notified(o.handle(msg.Prepare(info=info(tau, mode=mode))), msg.PrepareAccepted)
-    return o, list(o.handle(msg.StartStreaming(attempt=tau)))
+    prepared = o.handle(msg.Prepare(info=info(tau, mode=mode)))
+    assert notified(prepared, msg.PrepareAccepted)
+    return o, [*prepared, *o.handle(msg.StartStreaming(attempt=tau))]
 
 
 def test_owner_builds_the_next_bucket_while_one_is_sent_and_declares_its_sent_list() -> None:
@@ -61,6 +63,39 @@ def test_owner_builds_the_next_bucket_while_one_is_sent_and_declares_its_sent_li
     assert done.payload_count == 2 and o.sent == {0, 1}
     o.handle(msg.Flush(attempt=1, expected=()))
     assert o.phase is OwnerPhase.SENT
+
+
+def test_construction_overlaps_admission_but_nothing_is_sent_before_start_streaming() -> None:
+    o = OwnerCore("o", baseline=K0, sends_in_flight=2)
+    out = o.handle(msg.Prepare(info=info()))
+    assert notified(out, msg.PrepareAccepted)
+    assert [c.payload_id for c in of(out, cmd.BuildBucket)] == [0]  # before admission
+    out = o.handle(ev.BucketBuilt(attempt=1, payload_id=0, final=False))
+    assert not of(out, cmd.SendPayload) and o.phase is OwnerPhase.PREPARED
+    assert [c.payload_id for c in of(out, cmd.BuildBucket)] == [1]  # bounded like streaming
+    out = o.handle(ev.BucketBuilt(attempt=1, payload_id=1, final=False))
+    assert [c.payload_id for c in of(out, cmd.BuildBucket)] == [2]
+    out = o.handle(ev.BucketBuilt(attempt=1, payload_id=2, final=True))
+    assert not of(out, cmd.SendPayload) and not of(out, cmd.BuildBucket)  # pipeline full
+    out = o.handle(msg.StartStreaming(attempt=1))
+    assert [c.payload_id for c in of(out, cmd.SendPayload)] == [0, 1]  # sends_in_flight
+    assert o.phase is OwnerPhase.SENDING and not of(out, cmd.BuildBucket)
+    out = o.handle(ev.PayloadSent(attempt=1, payload_id=0))
+    [send] = of(out, cmd.SendPayload)
+    assert (send.payload_id, send.final) == (2, True)
+
+
+def test_an_attempt_stopped_during_admission_waits_for_its_build_and_sends_nothing() -> None:
+    o = OwnerCore("o", baseline=K0)
+    assert of(o.handle(msg.Prepare(info=info())), cmd.BuildBucket)
+    out = o.handle(msg.StopAndWait(attempt=1, epoch=1))
+    assert of(out, cmd.StopStreaming) and not notified(out, msg.Stopped)
+    out = o.handle(ev.BucketBuilt(attempt=1, payload_id=0, final=False))
+    assert notified(out, msg.Stopped) and not of(out, cmd.SendPayload)
+    assert not of(out, cmd.BuildBucket)
+    assert not of(o.handle(msg.StartStreaming(attempt=1)), cmd.SendPayload)  # a late start
+    assert of(o.handle(msg.Cleanup(attempt=1)), cmd.Release)
+    assert o.phase is OwnerPhase.IDLE and o.baseline == K0
 
 
 def test_an_encode_failure_fails_the_attempt_and_stops_streaming() -> None:
