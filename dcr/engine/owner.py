@@ -8,6 +8,7 @@ threads too.  The core decides what happens; this module only does it and report
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -86,6 +87,18 @@ class TrainingSide:
     def release(self, attempt: int) -> None:
         with self._lock:
             self._streams.pop(attempt, None)
+
+    def close(self, attempt: int, rank: int) -> None:
+        """End owner ``rank``'s bucket iterator of ``attempt`` where it stands (a stopped or
+        rejected attempt): it lets go of the candidate, the blocks compared ahead and the
+        bucket it was filling.  Its stats stay readable.  No-op for an iterator that ran to
+        its end or is running in another thread."""
+        with self._lock:
+            entry = self._streams.get(attempt, {}).get(rank)
+        close = getattr(entry[0], "close", None) if entry is not None else None
+        if close is not None:
+            with contextlib.suppress(ValueError):  # executing: its builder is still inside it
+                close()
 
     def commit(self, rank: int) -> None:
         """Owner ``rank`` writes its staged candidate into its trackers (idempotent)."""
@@ -262,6 +275,7 @@ class OwnerService:
                 tg.start_soon(self._send_dense, job, to)
             case cmd.Release(attempt=tau):
                 self._stop_sends(tau)
+                self.side.close(tau, self.rank)
                 for key in [k for k in self._payloads if k[0] == tau]:
                     del self._payloads[key]
 
