@@ -41,7 +41,9 @@ from dcr.protocol.types import PayloadKey
 __all__ = ["ReferenceResult", "main", "run_reference", "split"]
 
 REFERENCE_ATTEMPT = 10**18
-"""Attempt id of the reference's payloads (far above any attempt of the fleet run)."""
+"""Lowest attempt id of the reference's payloads (far above any attempt of the fleet run).
+Each transfer takes an id of its own above it: object storage refuses payloads of an attempt
+that was cleaned up, as each transfer's is at its end."""
 DRAIN_S = 60.0
 """Relay tree: how long the nodes may still take once every owner's sends returned."""
 
@@ -74,7 +76,15 @@ def _await_go(deadline_s: float) -> None:
         raise SystemExit("no GO from the benchmark")
 
 
-async def _send(cfg: FleetConfig, owner: str, sizes: list[int], deadline_s: float) -> None:
+def _reference_attempt() -> int:
+    """A fresh attempt id for one transfer (milliseconds since the epoch above the base: a
+    later transfer, or a later run over the same storage, never reuses a cleaned one)."""
+    return REFERENCE_ATTEMPT + time.time_ns() // 1_000_000
+
+
+async def _send(
+    cfg: FleetConfig, owner: str, sizes: list[int], deadline_s: float, attempt: int
+) -> None:
     from dcr.fleet.runtime import make_transport
 
     transport = make_transport(cfg)
@@ -88,7 +98,7 @@ async def _send(cfg: FleetConfig, owner: str, sizes: list[int], deadline_s: floa
         async def one(pid: int, size: int) -> None:
             async with limiter:
                 body = data if size == len(data) else data[:size]
-                await transport.send(PayloadKey(attempt=REFERENCE_ATTEMPT, owner=owner,
+                await transport.send(PayloadKey(attempt=attempt, owner=owner,
                                                 payload_id=pid), body)  # fmt: skip
 
         with anyio.fail_after(deadline_s):
@@ -103,7 +113,9 @@ async def _send(cfg: FleetConfig, owner: str, sizes: list[int], deadline_s: floa
             await transport.aclose()
 
 
-async def _fetch(cfg: FleetConfig, node: str, payloads: int, deadline_s: float) -> None:
+async def _fetch(
+    cfg: FleetConfig, node: str, payloads: int, deadline_s: float, attempt: int
+) -> None:
     from dcr.fleet.runtime import make_transport
 
     transport = make_transport(cfg, node=node)
@@ -116,7 +128,7 @@ async def _fetch(cfg: FleetConfig, node: str, payloads: int, deadline_s: float) 
         with anyio.fail_after(deadline_s):
             async for d in transport.subscribe(name):
                 await transport.taken(name, d.key)
-                if d.key.attempt == REFERENCE_ATTEMPT:
+                if d.key.attempt == attempt:
                     got += len(d.data)
                     count += 1
                     if count == payloads:
@@ -142,14 +154,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--node", help="fetch: the rollout node this process receives for")
     p.add_argument("--payloads", type=int, default=0, help="fetch: payloads to wait for")
     p.add_argument("--deadline-s", type=float, default=1800.0)
+    p.add_argument("--attempt", type=int, default=REFERENCE_ATTEMPT, help="the transfer's id")
     args = p.parse_args(argv)
     die_with_parent()
     cfg = load_fleet(args.fleet)
     if args.role == "send":
         sizes = [int(s) for s in args.sizes.split(",") if s]
-        anyio.run(_send, cfg, args.owner, sizes, args.deadline_s, backend="asyncio")
+        anyio.run(_send, cfg, args.owner, sizes, args.deadline_s, args.attempt,
+                  backend="asyncio")  # fmt: skip
     else:
-        anyio.run(_fetch, cfg, args.node, args.payloads, args.deadline_s, backend="asyncio")
+        anyio.run(_fetch, cfg, args.node, args.payloads, args.deadline_s, args.attempt,
+                  backend="asyncio")  # fmt: skip
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -279,8 +294,9 @@ def _transfer(
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     shares = split(checkpoint_bytes, len(cfg.owners), object_bytes)
+    attempt = _reference_attempt()
     me = [sys.executable, "-m", "dcr.bench.reference"]
-    fleet = ["--fleet", str(cfg.path), "--deadline-s", str(deadline_s)]
+    fleet = ["--fleet", str(cfg.path), "--deadline-s", str(deadline_s), "--attempt", str(attempt)]
     relay = cfg.transport.get("kind") == "relay"
     procs: list[_Proc] = []
 
@@ -347,7 +363,7 @@ def _transfer(
             async def clean() -> None:
                 transport = make_transport(cfg)
                 try:
-                    await transport.cleanup(REFERENCE_ATTEMPT)
+                    await transport.cleanup(attempt)
                 finally:
                     await transport.aclose()
 
