@@ -275,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Projects refit latency and speedup for the checkpoints of the paper's Table C.1 "
             "(30B-1T) on its testbed (8 training and 8 rollout nodes, 5 Gbit/s per node across "
-            "clusters) at 3%% and 5%%, from what `dcr bench refit --json` measured on this "
+            "clusters) at 3% and 5%, from what `dcr bench refit --json` measured on this "
             "machine (--from FILE, or a small run made here), and prints them beside the "
             "paper's reported figures (Table 4, Fig. 10) with every assumption."
         ),

@@ -63,6 +63,26 @@ def test_bad_arguments_exit_with_usage(capsys):
     assert "modes are X, P and F" in capsys.readouterr().err
 
 
+def test_every_help_text_renders_its_percent_signs_once():
+    """Descriptions are not %-formatted by argparse (only argument help is): a doubled
+    percent sign there reaches the user as written."""
+    import argparse
+
+    def parsers(p: argparse.ArgumentParser):
+        yield p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    seen = 0
+    for p in parsers(cli._parser()):
+        text = p.format_help()
+        assert "%%" not in text, p.prog
+        seen += 1
+    assert seen > 10
+
+
 def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
     out = run_json(
         capsys, "demo", "--size-mb", "0", "--refits", "2", "--rate", "0.05", "--dir",
