@@ -6,6 +6,11 @@ Results come back in submission order (records stay sorted per destination) and 
 ``window`` blocks are in flight, so the extra memory is bounded by a few blocks per thread
 whatever the size of the model.  One process-wide pool serves every owner; it is recreated
 in a forked child, where the parent's worker threads do not exist.
+
+Owners hosted in one process often build at the same time, each from its own thread (one
+per owner).  The maps running at once share the threads they ask for: a map whose share is
+a single thread runs its tasks in the thread that consumes it, so two owners on two cores
+use the two cores without handing every block to a pool thread and back.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
 _pool_size = 0
+_running = 0
+"""Ordered maps of this process between their first task and their end (under ``_lock``)."""
 
 
 def default_threads() -> int:
@@ -51,22 +58,32 @@ def _executor(threads: int) -> ThreadPoolExecutor:
 def ordered_map(
     fn: Callable[[_T], _R], tasks: Iterable[_T], *, threads: int, window: int | None = None
 ) -> Iterator[_R]:
-    """``fn`` over ``tasks`` on ``threads`` worker threads, results in task order.
+    """``fn`` over ``tasks`` on up to ``threads`` worker threads, results in task order.
 
     At most ``window`` (default ``2 * threads``) tasks are submitted ahead of the one being
-    consumed.  With ``threads <= 1`` everything runs in the calling thread.  Closing the
-    iterator early cancels the tasks not yet started.  An exception raised by ``fn``
-    propagates when its result is reached.
+    consumed.  With ``threads <= 1`` everything runs in the calling thread, and so does each
+    task for which the maps running in this process at the time leave this one a share of
+    ``threads`` below two (``threads // maps``): the consuming thread is a CPU's worth of
+    work already.  Closing the iterator early cancels the tasks not yet started.  An
+    exception raised by ``fn`` propagates when its result is reached.
     """
     if threads <= 1:
         for task in tasks:
             yield fn(task)
         return
-    pool = _executor(threads)
-    ahead = max(1, window if window is not None else 2 * threads)
+    global _running
+    with _lock:
+        _running += 1
     pending: deque[Future[_R]] = deque()
     try:
+        pool = _executor(threads)
+        ahead = max(1, window if window is not None else 2 * threads)
         for task in tasks:
+            if threads // _running < 2:
+                while pending:
+                    yield pending.popleft().result()
+                yield fn(task)
+                continue
             pending.append(pool.submit(fn, task))
             if len(pending) >= ahead:
                 yield pending.popleft().result()
@@ -75,3 +92,5 @@ def ordered_map(
     finally:
         for f in pending:
             f.cancel()
+        with _lock:
+            _running -= 1

@@ -3,7 +3,9 @@ the ULP construction option."""
 
 from __future__ import annotations
 
+import gc
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcr.delta.owner as owner_module
+from dcr.delta import parallel
 from dcr.delta.bits import bits, changed_words
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
@@ -114,6 +117,40 @@ def test_ordered_map_keeps_order_bounds_the_window_and_propagates_errors():
         for v in ordered_map(fail, range(20), threads=2):
             got.append(v)
     assert got == list(range(7))
+
+
+def test_maps_running_at_once_share_the_threads_and_run_inline_below_two_each():
+    """Two maps of two threads each, at once: each one's share is one thread, so each runs
+    its tasks in the thread that consumes it; once one ends, the other uses the pool."""
+    me = threading.get_ident()
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+
+    def work(tag: str) -> Callable[[int], int]:
+        def run(i: int) -> int:
+            seen[tag].append(threading.get_ident())
+            return i
+
+        return run
+
+    gc.collect()  # maps another test left unfinished end here
+    assert parallel._running == 0
+    a = ordered_map(work("a"), range(40), threads=2, window=2)
+    b = ordered_map(work("b"), range(40), threads=2, window=2)
+    assert next(a) == 0  # a alone: its first tasks go to the pool
+    assert set(seen["a"]) and me not in seen["a"]
+    assert parallel._running == 1
+    assert list(b) == list(range(40))  # a is still running: b's share is one thread
+    assert set(seen["b"]) == {me}
+    assert parallel._running == 1
+    done = len(seen["a"])
+    assert list(a) == list(range(1, 40))  # alone again: back on the pool
+    assert me not in seen["a"][done:]
+    assert parallel._running == 0
+    c = ordered_map(work("a"), range(40), threads=2)
+    next(c)
+    assert parallel._running == 1
+    c.close()  # an abandoned map no longer counts
+    assert parallel._running == 0
 
 
 # ---------------------------------------------------------------------- segments
