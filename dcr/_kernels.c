@@ -1839,6 +1839,55 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(spread_rows_doc,
+"spread_rows(local, period, gap, offset, out) -> None\n\n"
+"out[i] = j + (j // period) * gap + offset for every int64 j = local[i] >= 0 (period >= 1):\n"
+"rows of period consecutive elements spread period + gap apart.  The row is recomputed only\n"
+"when j leaves the previous one (one division per row for sorted input; any order is\n"
+"exact).  out holds at least len(local) int64 items.");
+
+static PyObject *py_spread_rows(PyObject *self, PyObject *args) {
+    PyObject *olocal, *oout;
+    long long period, gap, offset;
+    if (!PyArg_ParseTuple(args, "OLLLO", &olocal, &period, &gap, &offset, &oout)) return NULL;
+    if (period < 1 || gap < 0) return PyErr_Format(PyExc_ValueError, "period must be >= 1 and gap >= 0");
+    Buf bl = {0}, bo = {0};
+    PyObject *result = NULL;
+    if (!get_buf(olocal, &bl, 0, "local") || !need_itemsize(&bl, 8, "local") ||
+        !get_buf(oout, &bo, 1, "out") || !need_itemsize(&bo, 8, "out"))
+        goto done;
+    Py_ssize_t n = count_of(&bl);
+    if (count_of(&bo) < n) {
+        PyErr_SetString(PyExc_ValueError, "out is too short");
+        goto done;
+    }
+    const int64_t *loc = bl.view.buf;
+    int64_t *out = bo.view.buf;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t lo = 0, hi = 0, add = 0; /* the current row is [lo, hi); its elements move by add */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t j = loc[i];
+        if (j < lo || j >= hi) {
+            if (j < 0) { bad = 1; break; }
+            int64_t row = j / period;
+            lo = row * period;
+            hi = lo + period;
+            add = row * gap + offset;
+        }
+        out[i] = j + add;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "a local index is negative");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(&bl); release(&bo);
+    return result;
+}
+
 PyDoc_STRVAR(increasing_doc,
 "increasing(indices) -> bool\n\nWhether the int64 indices strictly increase.");
 
@@ -1872,6 +1921,7 @@ static PyMethodDef methods[] = {
     {"write_block", py_write_block, METH_VARARGS, write_block_doc},
     {"increasing", py_increasing, METH_O, increasing_doc},
     {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},
+    {"spread_rows", py_spread_rows, METH_VARARGS, spread_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

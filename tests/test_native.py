@@ -459,6 +459,36 @@ def test_copy_at_refuses_positions_outside_the_views_before_writing() -> None:
         kernels.copy_at(old.copy(), new[:50], np.array([1], np.int64), 0)
 
 
+@pytest.mark.parametrize("period,gap", [(1, 0), (1, 3), (7, 0), (96, 160), (4096, 1)])
+def test_spread_rows_equals_numpy_in_any_order(period: int, gap: int) -> None:
+    rng = np.random.default_rng(period + gap)
+    n = 50_000
+    for local in (
+        np.sort(rng.choice(10 * n, n, replace=False)),  # a scan's sorted positions
+        rng.integers(0, 10 * n, 2_000),  # any order, repeats, rows revisited
+        np.array([0, period - 1, period, 2 * period - 1, 0], np.int64),  # row edges
+        np.empty(0, np.int64),
+    ):
+        local = local.astype(np.int64)
+        want = local + (local // period) * gap + 11
+        got = np.full(local.shape[0] + 1, -7, np.int64)
+        kernels.spread_rows(local, period, gap, 11, got)
+        assert np.array_equal(got[:-1], want)
+        assert got[-1] == -7  # nothing written past the input's length
+
+
+def test_spread_rows_refuses_bad_arguments() -> None:
+    local = np.arange(10, dtype=np.int64)
+    with pytest.raises(ValueError, match="too short"):
+        kernels.spread_rows(local, 4, 1, 0, np.empty(9, np.int64))
+    with pytest.raises(ValueError, match="period"):
+        kernels.spread_rows(local, 0, 1, 0, np.empty(10, np.int64))
+    with pytest.raises(ValueError, match="negative"):
+        kernels.spread_rows(np.array([3, -1], np.int64), 4, 1, 0, np.empty(2, np.int64))
+    with pytest.raises(ValueError):
+        kernels.spread_rows(local.astype(np.int32), 4, 1, 0, np.empty(10, np.int64))
+
+
 def _streams_for(
     arrays: list[np.ndarray], ks: list[int], gaps: bool
 ) -> tuple[np.ndarray, list[Any], np.ndarray]:

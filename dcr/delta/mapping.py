@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr import native
 from dcr.errors import LayoutError
 
 __all__ = [
@@ -81,9 +82,15 @@ class Segment:
     gap: int = 0
 
     def canonical(self, local: Index) -> Index:
-        """Canonical flat indices of local flat indices in this segment (a new array)."""
+        """Canonical flat indices of local flat indices in this segment (a new array; one
+        pass in C when :mod:`dcr.native` has its kernels)."""
         if not self.period:
             return local + self.offset
+        k = native.kernels
+        if k is not None and local.dtype == np.int64 and local.flags.c_contiguous:
+            spread = np.empty(local.shape[0], dtype=np.int64)
+            k.spread_rows(local, self.period, self.gap, self.offset, spread)
+            return spread
         out = local // self.period
         out *= self.gap
         out += local
