@@ -61,7 +61,9 @@ class BuildConfig:
     tree).  ``bucket_bytes``: input bytes of record-emitting chunks packed into one payload.
     Tensors and chunks are never split, so either can exceed its target.  ``threads``: worker
     threads one owner compares blocks on (``None``: the CPUs this process may use; 1: the
-    calling thread).
+    calling thread).  Owners building at the same time in one process share them (one
+    process-wide pool): while ``n`` owners build, one whose share ``threads // n`` is below
+    two compares in the thread that drives its build (:func:`~dcr.delta.parallel.ordered_map`).
     ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
     :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.delta.ordered.ULP_DTYPES`; other
     dtypes keep XOR), the default, or :attr:`Encoding.XOR` masks everywhere (the paper's
