@@ -33,6 +33,8 @@ _pool_pid = 0
 _pool_size = 0
 _running = 0
 """Ordered maps of this process between their first task and their end (under ``_lock``)."""
+_running_pid = 0
+"""The process ``_running`` counts in (a forked child starts from none)."""
 
 
 def default_threads() -> int:
@@ -71,8 +73,11 @@ def ordered_map(
         for task in tasks:
             yield fn(task)
         return
-    global _running
+    global _running, _running_pid
+    pid = os.getpid()
     with _lock:
+        if _running_pid != pid:
+            _running, _running_pid = 0, pid
         _running += 1
     pending: deque[Future[_R]] = deque()
     try:
@@ -93,4 +98,5 @@ def ordered_map(
         for f in pending:
             f.cancel()
         with _lock:
-            _running -= 1
+            if _running_pid == pid:  # a map a forked child inherited counts in the parent
+                _running -= 1
