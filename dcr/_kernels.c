@@ -61,13 +61,15 @@ static inline uint64_t width_mask(int w) { return w == 8 ? ~(uint64_t)0 : (((uin
 /* Order-preserving pattern of a w-byte word (dcr.delta.ordered.ordered): non-negative
  * patterns get the sign bit set, negative ones are inverted. */
 static inline uint64_t ordered_word(uint64_t x, int w) {
-    uint64_t sign = (uint64_t)1 << (8 * w - 1);
-    return (x & sign) ? (~x & width_mask(w)) : (x | sign);
+    const uint64_t sign = (uint64_t)1 << (8 * w - 1);
+    const uint64_t neg = (x >> (8 * w - 1)) & 1;  /* branch-free: weight signs are random */
+    return x ^ ((sign | ((uint64_t)0 - neg)) & width_mask(w));
 }
 
 static inline uint64_t unordered_word(uint64_t y, int w) {
-    uint64_t sign = (uint64_t)1 << (8 * w - 1);
-    return (y & sign) ? (y & ~sign) : (~y & width_mask(w));
+    const uint64_t sign = (uint64_t)1 << (8 * w - 1);
+    const uint64_t pos = ((y >> (8 * w - 1)) & 1) ^ 1;
+    return y ^ ((sign | ((uint64_t)0 - pos)) & width_mask(w));
 }
 
 static inline uint64_t zigzag_word(uint64_t x, int w) {
@@ -1471,9 +1473,8 @@ static inline int check_one(int enc, int w, uint64_t before, uint64_t now, uint6
     }
 }
 
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 32
-#endif
+/* Entries per block of rmw_core: its positions, read words and landing lines stay in cache. */
+#define RMW_BLOCK 1024
 
 /* Where entry i of a chunk lands: an explicit position array, or a canonical index mapped
  * through a nested view geometry (see rmw_mapped); -1 when the index lies outside the view. */
@@ -1501,42 +1502,127 @@ static inline int64_t where_of(const Where *m, Py_ssize_t i) {
     return r == 0 ? at : -1;
 }
 
-/* Entries lo..hi: every landing word is read, combined with its value and written, with the
- * next ones prefetched.  With `before` (check mode) the read words are kept and a second
+/* The landing positions of one block: shift + x[j] * stride for every entry j, x an entry's
+ * position (rmw) or canonical index (a linear view of rmw_mapped whose block lies inside the
+ * view); or, for other views, at[j], with nothing read or written where at[j] < 0.
+ * `rising`: the positions strictly increase, so no two entries of the block share a word. */
+typedef struct {
+    const int64_t *x;
+    int64_t shift, stride;
+    const int64_t *at;
+    int rising;
+} Block;
+
+static inline __attribute__((always_inline)) int64_t landing(const Block *bl, Py_ssize_t j) {
+    return bl->x ? bl->shift + bl->x[j] * bl->stride : bl->at[j];
+}
+
+/* One block.  When its positions rise, every landing word is read first (a loop of a few
+ * instructions per word, so the core keeps as many cache misses in flight as it can), then
+ * combined with its value and written, the lines in cache by then.  Otherwise entry by
+ * entry, so that an entry reads what an earlier entry of the block wrote, as it would in any
+ * order of blocks.  Inlined once per width and encoding (block_of); returns the words
+ * written. */
+static inline __attribute__((always_inline)) Py_ssize_t
+block_rmw(unsigned char *flat, int w, const unsigned char *v, const Block *bl, uint64_t *old,
+          Py_ssize_t k, int enc, uint64_t *before) {
+    Py_ssize_t n = 0;
+    if (bl->rising && bl->x) {
+        for (Py_ssize_t j = 0; j < k; j++) old[j] = load_word(flat + (size_t)landing(bl, j) * w, w);
+        for (Py_ssize_t j = 0; j < k; j++)
+            store_word(flat + (size_t)landing(bl, j) * w, w,
+                       apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
+        n = k;
+    } else if (bl->rising) {
+        for (Py_ssize_t j = 0; j < k; j++)
+            old[j] = bl->at[j] < 0 ? 0 : load_word(flat + (size_t)bl->at[j] * w, w);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (bl->at[j] < 0) continue;
+            store_word(flat + (size_t)bl->at[j] * w, w,
+                       apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
+            n++;
+        }
+    } else {
+        for (Py_ssize_t j = 0; j < k; j++) {
+            const int64_t a = landing(bl, j);
+            if (a < 0) continue;
+            unsigned char *p = flat + (size_t)a * w;
+            old[j] = load_word(p, w);
+            store_word(p, w, apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
+            n++;
+        }
+    }
+    if (before) memcpy(before, old, (size_t)k * sizeof(uint64_t));
+    return n;
+}
+
+/* Whether x[0..k) strictly increases (entries < 0, outside the view, are passed over). */
+static int rises(const int64_t *x, Py_ssize_t k) {
+    int64_t last = -1;
+    int ok = 1;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        ok &= x[j] < 0 || x[j] > last;
+        last = x[j] < 0 ? last : x[j];
+    }
+    return ok;
+}
+
+static Py_ssize_t block_of(unsigned char *flat, int w, const unsigned char *v, const Block *bl,
+                           uint64_t *old, Py_ssize_t k, int enc, uint64_t *before) {
+#define BLOCK_W(E)                                                                         \
+    switch (w) {                                                                           \
+    case 1: return block_rmw(flat, 1, v, bl, old, k, (E), before);                         \
+    case 2: return block_rmw(flat, 2, v, bl, old, k, (E), before);                         \
+    case 4: return block_rmw(flat, 4, v, bl, old, k, (E), before);                         \
+    default: return block_rmw(flat, 8, v, bl, old, k, (E), before);                        \
+    }
+    switch (enc) {
+    case E_XOR: BLOCK_W(E_XOR)
+    case E_ULP: BLOCK_W(E_ULP)
+    default: BLOCK_W(E_OVERWRITE)
+    }
+#undef BLOCK_W
+}
+
+/* Entries lo..hi, RMW_BLOCK at a time (block_rmw).  Explicit positions, and blocks of a linear
+ * view whose indices all lie inside it, go straight to the words; other blocks compute their
+ * landing positions first.  With `before` (check mode) the read words are kept and a second
  * pass re-reads every written word: an entry whose word does not hold what it asked for --
  * because another entry of the chunk wrote it too, say -- counts as wrong. */
 static void rmw_core(unsigned char *flat, int w, const unsigned char *vals, const Where *m,
                      Py_ssize_t lo, Py_ssize_t hi, int enc, uint64_t *before,
                      Py_ssize_t *written, Py_ssize_t *wrong) {
     Py_ssize_t n_written = 0, n_wrong = 0;
-    /* Each landing position is computed once, PREFETCH_AHEAD entries early: prefetched then,
-     * kept in a ring until its entry comes. */
-    int64_t ring[PREFETCH_AHEAD];
-    for (Py_ssize_t j = lo; j < hi && j < lo + PREFETCH_AHEAD; j++) {
-        int64_t a = where_of(m, j);
-        ring[(j - lo) % PREFETCH_AHEAD] = a;
-        if (a >= 0) __builtin_prefetch(flat + (size_t)a * w, 1);
-    }
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        const Py_ssize_t slot = (i - lo) % PREFETCH_AHEAD;
-        int64_t at = ring[slot];
-        if (i + PREFETCH_AHEAD < hi) {
-            int64_t a = where_of(m, i + PREFETCH_AHEAD);
-            ring[slot] = a;
-            if (a >= 0) __builtin_prefetch(flat + (size_t)a * w, 1);
+    const int linear = !m->pos && m->nd == 1 && m->dims[0] == 1;
+    int64_t at[RMW_BLOCK];
+    uint64_t old[RMW_BLOCK];
+    for (Py_ssize_t b = lo; b < hi; b += RMW_BLOCK) {
+        const Py_ssize_t k = hi - b < RMW_BLOCK ? hi - b : RMW_BLOCK;
+        Block bl = {0};
+        if (m->pos) {
+            bl = (Block){.x = m->pos + b, .shift = 0, .stride = 1, .rising = rises(m->pos + b, k)};
+        } else if (linear) {
+            /* Rising indices whose first and last lie inside the view all do: no checks per
+             * entry.  A stride of 0 maps every index to one word: never rising. */
+            const int64_t *x = m->idx + b;
+            if (m->dims[2] > 0 && m->src_off >= 0 && x[0] >= m->src_off &&
+                x[k - 1] - m->src_off < m->dims[1] && rises(x, k))
+                bl = (Block){.x = x, .shift = m->dst_off - m->src_off * m->dims[2],
+                             .stride = m->dims[2], .rising = 1};
         }
-        if (at < 0) continue;
-        unsigned char *p = flat + (size_t)at * w;
-        uint64_t b = load_word(p, w);
-        store_word(p, w, apply_one(enc, w, b, load_word(vals + (size_t)i * w, w)));
-        if (before) before[i - lo] = b;
-        n_written++;
+        if (!bl.x) {
+            for (Py_ssize_t j = 0; j < k; j++) at[j] = where_of(m, b + j);
+            bl.at = at;
+            bl.rising = rises(at, k);
+        }
+        n_written += block_of(flat, w, vals + (size_t)b * w, &bl, old, k, enc,
+                              before ? before + (b - lo) : NULL);
     }
     if (before) {
         for (Py_ssize_t i = lo; i < hi; i++) {
-            int64_t at = where_of(m, i);
-            if (at < 0) continue;
-            uint64_t now = load_word(flat + (size_t)at * w, w);
+            int64_t a = where_of(m, i);
+            if (a < 0) continue;
+            uint64_t now = load_word(flat + (size_t)a * w, w);
             if (!check_one(enc, w, before[i - lo], now, load_word(vals + (size_t)i * w, w)))
                 n_wrong++;
         }

@@ -320,7 +320,7 @@ def test_rmw_mapped_equals_the_index_map(
     values = rng.integers(0, 65535, 120, dtype=np.uint16, endpoint=True)
     flat = rng.integers(0, 65535, 400, dtype=np.uint16, endpoint=True)
     ref = flat.copy()
-    # Chunks of one item, shorter and longer than the kernel's prefetch distance (32).
+    # Chunks of one item, of one entry up to several dozen.
     for lo, hi in ((0, 5), (5, 37), (37, 38), (38, 38), (38, 120)):
         sel, where = imap.select(indices[lo:hi])
         _np_apply(ref, where, values[lo:hi][sel], enc)
@@ -331,6 +331,58 @@ def test_rmw_mapped_equals_the_index_map(
         assert wrong == 0
         assert written == len(where)
     np.testing.assert_array_equal(flat, ref)
+
+
+def _one_by_one(flat: np.ndarray, pos: np.ndarray, values: np.ndarray, enc: Encoding) -> None:
+    """Entries in order, each reading what the ones before it wrote."""
+    for p, v in zip(pos.tolist(), values, strict=True):
+        _np_apply(flat, np.array([p], np.int64), values=np.array([v]), enc=enc)
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("enc", list(Encoding))
+def test_rmw_over_many_blocks_equals_entry_by_entry_writes(word: Any, enc: Encoding) -> None:
+    """Chunks of thousands of entries: blocks whose positions rise (read first, then write),
+    blocks with a repeated position or positions out of order (entry by entry), blocks of a
+    linear view partly outside it, a nested view and a view with stride 0."""
+    rng = np.random.default_rng(np.dtype(word).itemsize * 7 + int(enc))
+    top = np.iinfo(word).max
+    n = 5000
+    flat = rng.integers(0, top, 20_000, dtype=word, endpoint=True)
+    values = rng.integers(0, top, n, dtype=word, endpoint=True)
+    rising = np.sort(rng.choice(20_000, n, replace=False)).astype(np.int64)
+    jumbled = rising.copy()
+    jumbled[2100:2300] = rng.permutation(jumbled[2100:2300])
+    jumbled[3000] = jumbled[3001]  # two entries on one word
+    for pos in (rising, jumbled):
+        ref = flat.copy()
+        _one_by_one(ref, pos, values, enc)
+        kernels.rmw(flat, pos, values, int(enc), False)
+        np.testing.assert_array_equal(flat, ref)
+    views = (
+        ([(1, 15_000, 1)], 2_000, 100),  # linear: the first and last entries fall outside
+        ([(1, 9_000, 2)], 0, 1),  # linear, every other word
+        ([(100, 90, 200), (1, 80, 1)], 3, 11),  # rows of 80 of a 100-wide source
+        ([(1, 20_000, 0)], 0, 7),  # every index onto one word
+    )
+    for dims, src, dst in views:
+        from dcr.apply.geometry import IndexMap
+
+        imap = IndexMap(src_offset=src, src_span=sum((s - 1) * t for t, s, _ in dims),
+                        dst_offset=dst, dims=tuple(dims))  # fmt: skip
+        d = np.array(dims, dtype=np.int64).reshape(-1)
+        ref = flat.copy()
+        expected = 0
+        for lo, hi in ((0, 1500), (1500, 4999), (4999, 5000)):
+            sel, where = imap.select(rising[lo:hi])
+            _one_by_one(ref, np.asarray(where, np.int64), values[lo:hi][sel], enc)
+            written, _ = kernels.rmw_mapped(
+                flat, rising, values, lo, hi, src, dst, d, int(enc), False
+            )
+            assert written == len(where)
+            expected += len(where)
+        assert expected
+        np.testing.assert_array_equal(flat, ref)
 
 
 def test_rmw_mapped_refuses_a_view_outside_the_storage() -> None:
