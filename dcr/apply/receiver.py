@@ -353,7 +353,14 @@ class Receiver:
                 fail=self._violation(attempt, None),
                 threads=self._config.threads,
             )
-        guard.check(self._violation(attempt, None), full=True)
+        # A loader call may have replaced a parameter: re-enumerate them all.  Without one,
+        # only the storages written here must still be the resident ones.
+        if batched or any(plan.calls for plan in planned):
+            guard.check(self._violation(attempt, None), full=True)
+        else:
+            guard.check(
+                self._violation(attempt, None), {p.label for plan in planned for p in plan.writes}
+            )
         check = self._config.post_apply_checks
         reports = [
             ItemReport(

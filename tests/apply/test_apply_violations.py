@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -161,6 +162,27 @@ def test_replacing_parameter_storage() -> None:
     loader = Switchable(replace)
     ptr = loader.module.w.data_ptr()
     _violates(loader, "storage-replaced")
+    assert loader.module.w.data_ptr() == ptr
+
+
+def test_storage_replaced_between_payloads_of_an_attempt_is_detected() -> None:
+    """A later payload of an attempt reuses the loader's witness (no loader call); the storage
+    it wrote must still be the parameter's, or the apply fails and the storage is put back."""
+    loader = Switchable(_copy)
+    receiver = _ready(loader)
+    w = _item("w")
+    half = len(w.indices) // 2
+    first, second = (
+        dataclasses.replace(w, listed=w.indices[part], values=w.values[part])
+        for part in (slice(0, half), slice(half, None))
+    )
+    report = receiver.apply_items([first], attempt=3)
+    assert report.loader_calls == 1
+    ptr = loader.module.w.data_ptr()
+    loader.module.w.data = torch.zeros_like(loader.module.w)
+    with pytest.raises(LoaderConditionViolated) as err:
+        receiver.apply_items([second], attempt=3)
+    assert err.value.check == "storage-replaced"
     assert loader.module.w.data_ptr() == ptr
 
 
