@@ -16,6 +16,7 @@
  *   join_values    every ULP item's words from the value streams (zigzagged, or at word width)
  *   rmw            read-modify-write of storage words at positions (XOR, ULP, overwrite)
  *   rmw_mapped     the same, positions mapped from canonical indices through a view geometry
+ *   rmw_tasks      chunks of rmw / rmw_mapped from a shared task list, on every calling thread
  *   write_block    a block of a run of entries through a view geometry (memcpy when contiguous)
  *   increasing     whether int64 indices are strictly increasing
  *   copy_at        dst[p] = src[p] at positions (an owner's baseline update at commit)
@@ -1701,6 +1702,26 @@ done:
 
 #define MAX_DIMS 16
 
+/* Whether every position a nested view (rmw_mapped's dims) can reach lies in a storage of len
+ * words, from the geometry alone; ValueError if not. */
+static int view_inside(const int64_t *dims, Py_ssize_t nd, long long dst_off, Py_ssize_t len) {
+    long long top = dst_off;
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        long long reach;
+        if (dims[3 * d] <= 0 || dims[3 * d + 1] <= 0 || dims[3 * d + 2] < 0 ||
+            __builtin_mul_overflow((long long)dims[3 * d + 1] - 1, (long long)dims[3 * d + 2], &reach) ||
+            __builtin_add_overflow(top, reach, &top)) {
+            PyErr_SetString(PyExc_ValueError, "bad dims");
+            return 0;
+        }
+    }
+    if (dst_off < 0 || top >= len) {
+        PyErr_SetString(PyExc_ValueError, "the view lies outside the storage");
+        return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(rmw_mapped_doc,
 "rmw_mapped(flat, indices, values, lo, hi, src_offset, dst_offset, dims, encoding, check)\n"
 "    -> (written, wrong)\n\n"
@@ -1732,21 +1753,7 @@ static PyObject *py_rmw_mapped(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *dims = bd.view.buf;
-    /* The largest position any in-view entry can reach, from the geometry alone. */
-    long long top = dst_off;
-    for (Py_ssize_t d = 0; d < nd; d++) {
-        long long reach;
-        if (dims[3 * d] <= 0 || dims[3 * d + 1] <= 0 || dims[3 * d + 2] < 0 ||
-            __builtin_mul_overflow((long long)dims[3 * d + 1] - 1, (long long)dims[3 * d + 2], &reach) ||
-            __builtin_add_overflow(top, reach, &top)) {
-            PyErr_SetString(PyExc_ValueError, "bad dims");
-            goto done;
-        }
-    }
-    if (dst_off < 0 || top >= len) {
-        PyErr_SetString(PyExc_ValueError, "the view lies outside the storage");
-        goto done;
-    }
+    if (!view_inside(dims, nd, dst_off, len)) goto done;
     Where m = {0};
     m.idx = bi.view.buf;
     m.src_off = src_off;
@@ -1760,6 +1767,151 @@ static PyObject *py_rmw_mapped(PyObject *self, PyObject *args) {
     result = Py_BuildValue("nn", written, wrong);
 done:
     release(&bf); release(&bi); release(&bv); release(&bd);
+    return result;
+}
+
+PyDoc_STRVAR(rmw_tasks_doc,
+"rmw_tasks(plans, tasks, state, check) -> None\n\n"
+"Chunks of rmw / rmw_mapped taken from a shared task list until none is left, all without\n"
+"the GIL: threads that call it with the same arguments share the work.  plans is a sequence\n"
+"of (flat, indices, values, src_offset, dst_offset, dims), dims an int64 buffer of\n"
+"rmw_mapped triples, or None when indices are storage positions (rmw).  tasks is int64 with\n"
+"4 values per task: plan, lo, hi, encoding.  state is int64 [2 + 2 * len(plans)], shared by\n"
+"the callers: the next task, a stop flag, then per plan the words written and the post-apply\n"
+"check failures (atomic sums).  Every plan and task is validated before anything is written\n"
+"(ValueError); a position outside the storage is found per task, before the task's first\n"
+"write: it sets the stop flag, so no caller takes another task, and raises ValueError.");
+
+typedef struct {
+    Buf flat, idx, vals, dims;
+    long long src_off, dst_off;
+    Py_ssize_t n, len, nd;
+    int mapped;
+} TaskPlan;
+
+static PyObject *py_rmw_tasks(PyObject *self, PyObject *args) {
+    PyObject *oplans, *otasks, *ostate;
+    int check;
+    if (!PyArg_ParseTuple(args, "OOOp", &oplans, &otasks, &ostate, &check)) return NULL;
+    PyObject *seq = PySequence_Fast(oplans, "plans must be a sequence");
+    if (!seq) return NULL;
+    const Py_ssize_t n_plans = PySequence_Fast_GET_SIZE(seq);
+    TaskPlan *plans = PyMem_Calloc(n_plans ? (size_t)n_plans : 1, sizeof(TaskPlan));
+    Buf bt = {0}, bs = {0};
+    PyObject *result = NULL;
+    uint64_t *before = NULL;
+    if (!plans) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n_plans; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *of, *oi, *ov, *od;
+        TaskPlan *p = &plans[i];
+        if (!PyTuple_Check(item) ||
+            !PyArg_ParseTuple(item, "OOOLLO", &of, &oi, &ov, &p->src_off, &p->dst_off, &od)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "a plan is a 6-tuple");
+            goto done;
+        }
+        if (!get_buf(of, &p->flat, 1, "flat") || !get_buf(oi, &p->idx, 0, "indices") ||
+            !get_buf(ov, &p->vals, 0, "values") || !need_itemsize(&p->idx, 8, "indices") ||
+            !need_itemsize(&p->vals, p->flat.view.itemsize, "values"))
+            goto done;
+        const Py_ssize_t w = p->flat.view.itemsize;
+        p->n = count_of(&p->idx);
+        p->len = count_of(&p->flat);
+        if ((w != 1 && w != 2 && w != 4 && w != 8) || count_of(&p->vals) != p->n) {
+            PyErr_SetString(PyExc_ValueError, "bad word size, or indices and values differ in length");
+            goto done;
+        }
+        p->mapped = od != Py_None;
+        if (p->mapped) {
+            if (!get_buf(od, &p->dims, 0, "dims") || !need_itemsize(&p->dims, 8, "dims")) goto done;
+            p->nd = count_of(&p->dims) / 3;
+            if (count_of(&p->dims) % 3 || p->nd > MAX_DIMS) {
+                PyErr_SetString(PyExc_ValueError, "bad dims");
+                goto done;
+            }
+            if (!view_inside(p->dims.view.buf, p->nd, p->dst_off, p->len)) goto done;
+        }
+    }
+    if (!get_buf(otasks, &bt, 0, "tasks") || !need_itemsize(&bt, 8, "tasks") ||
+        !get_buf(ostate, &bs, 1, "state") || !need_itemsize(&bs, 8, "state"))
+        goto done;
+    if (count_of(&bt) % 4 || count_of(&bs) != 2 + 2 * n_plans) {
+        PyErr_SetString(PyExc_ValueError, "tasks must hold 4 values per task, state 2 + 2 per plan");
+        goto done;
+    }
+    const int64_t *tasks = bt.view.buf;
+    const Py_ssize_t n_tasks = count_of(&bt) / 4;
+    Py_ssize_t longest = 0;
+    for (Py_ssize_t t = 0; t < n_tasks; t++) {
+        const int64_t *task = tasks + 4 * t;
+        if (task[0] < 0 || task[0] >= n_plans || task[1] < 0 || task[2] < task[1] ||
+            task[2] > plans[task[0]].n) {
+            PyErr_SetString(PyExc_ValueError, "bad task: plan or entry range");
+            goto done;
+        }
+        if (!check_encoding((int)task[3])) goto done;
+        if (task[2] - task[1] > longest) longest = task[2] - task[1];
+    }
+    if (check && longest) {
+        before = PyMem_RawMalloc((size_t)longest * sizeof(uint64_t));
+        if (!before) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int64_t *state = bs.view.buf;
+    int outside = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (!__atomic_load_n(&state[1], __ATOMIC_RELAXED)) {
+        const int64_t t = __atomic_fetch_add(&state[0], 1, __ATOMIC_RELAXED);
+        if (t >= n_tasks) break;
+        const int64_t *task = tasks + 4 * t;
+        const TaskPlan *p = &plans[task[0]];
+        const Py_ssize_t lo = task[1], hi = task[2];
+        Where m = {0};
+        if (p->mapped) {
+            m.idx = p->idx.view.buf;
+            m.src_off = p->src_off;
+            m.dst_off = p->dst_off;
+            m.dims = p->dims.view.buf;
+            m.nd = p->nd;
+        } else {
+            const int64_t *pos = p->idx.view.buf;
+            for (Py_ssize_t i = lo; i < hi; i++)
+                if (pos[i] < 0 || pos[i] >= p->len) { outside = 1; break; }
+            if (outside) {
+                __atomic_store_n(&state[1], 1, __ATOMIC_RELAXED);
+                break;
+            }
+            /* rmw_core indexes pos by entry number from lo. */
+            m.pos = pos;
+        }
+        Py_ssize_t written, wrong;
+        rmw_core(p->flat.view.buf, (int)p->flat.view.itemsize, p->vals.view.buf, &m, lo, hi,
+                 (int)task[3], before, &written, &wrong);
+        __atomic_fetch_add(&state[2 + task[0]], (int64_t)written, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&state[2 + n_plans + task[0]], (int64_t)wrong, __ATOMIC_RELAXED);
+    }
+    Py_END_ALLOW_THREADS
+    if (outside) {
+        PyErr_SetString(PyExc_ValueError, "a position lies outside the storage");
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_RawFree(before);
+    if (plans) {
+        for (Py_ssize_t i = 0; i < n_plans; i++) {
+            release(&plans[i].flat); release(&plans[i].idx); release(&plans[i].vals);
+            release(&plans[i].dims);
+        }
+        PyMem_Free(plans);
+    }
+    release(&bt); release(&bs);
+    Py_DECREF(seq);
     return result;
 }
 
@@ -2004,6 +2156,7 @@ static PyMethodDef methods[] = {
     {"join_values", py_join_values, METH_VARARGS, join_values_doc},
     {"rmw", py_rmw, METH_VARARGS, rmw_doc},
     {"rmw_mapped", py_rmw_mapped, METH_VARARGS, rmw_mapped_doc},
+    {"rmw_tasks", py_rmw_tasks, METH_VARARGS, rmw_tasks_doc},
     {"write_block", py_write_block, METH_VARARGS, write_block_doc},
     {"increasing", py_increasing, METH_O, increasing_doc},
     {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},

@@ -25,6 +25,9 @@ def rmw_mapped(
     flat: NDArray[Any], indices: NDArray[Any], values: NDArray[Any], lo: int, hi: int,
     src_offset: int, dst_offset: int, dims: NDArray[Any], encoding: int, check: bool,
 ) -> tuple[int, int]: ...
+def rmw_tasks(
+    plans: list[tuple[Any, ...]], tasks: NDArray[Any], state: NDArray[Any], check: bool
+) -> None: ...
 def write_block(
     flat: NDArray[Any], dst_offset: int, values: NDArray[Any], src_offset: int,
     dims: NDArray[Any], encoding: int, check: bool,

@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         help="in-place apply of one refit against a dense native load",
         description=(
             "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
-            "encoded and decoded) are applied with Receiver.apply_items on every rank of each "
+            "encoded and decoded) are applied with Receiver.apply_payloads on every rank of each "
             "receiver (torch: a TorchModuleLoader module; reference-tp2: the sharded reference "
             "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
             "installed) and timed against a dense native load through the same loader in the "

@@ -500,8 +500,10 @@ class DataPlane(_Base):
             ]
             decoded.sort(key=lambda p: p.header.order)
             t1 = time.perf_counter()
-            for p in decoded:
-                r.apply_items(p.items, attempt=p.header.attempt)
+            for attempt in sorted({p.header.attempt for p in decoded}):
+                r.apply_payloads(
+                    (p.items for p in decoded if p.header.attempt == attempt), attempt=attempt
+                )
             seconds["decode"] += t1 - t0
             seconds["apply"] += time.perf_counter() - t1
             if progress is not None:

@@ -385,6 +385,103 @@ def test_rmw_over_many_blocks_equals_entry_by_entry_writes(word: Any, enc: Encod
         np.testing.assert_array_equal(flat, ref)
 
 
+def _task_world(word: Any, enc: Encoding) -> tuple[np.ndarray, list[tuple[Any, ...]], np.ndarray]:
+    """A storage, two mapped plans and one of explicit positions, and their chunks."""
+    rng = np.random.default_rng(np.dtype(word).itemsize + 3 * int(enc))
+    top = np.iinfo(word).max
+    flat = rng.integers(0, top, 30_000, dtype=word, endpoint=True)
+    a = np.sort(rng.choice(12_000, 4000, replace=False)).astype(np.int64)
+    b = np.sort(rng.choice(9_000, 2500, replace=False)).astype(np.int64)
+    pos = np.sort(rng.choice(np.arange(25_000, 30_000), 1200, replace=False)).astype(np.int64)
+    plans = [
+        (flat, a, rng.integers(0, top, a.size, dtype=word, endpoint=True), 0, 0,
+         np.array([1, 12_000, 1], np.int64)),
+        # rows of 30 of a 100-wide source into a 130-wide storage
+        (flat, b, rng.integers(0, top, b.size, dtype=word, endpoint=True), 100, 12_000,
+         np.array([100, 90, 130, 1, 30, 1], np.int64)),
+        (flat, pos, rng.integers(0, top, pos.size, dtype=word, endpoint=True), 0, 0, None),
+    ]  # fmt: skip
+    rows = [
+        (p, lo, min(lo + 700, plans[p][1].size), int(enc))
+        for p in range(3)
+        for lo in range(0, plans[p][1].size, 700)
+    ]
+    return flat, plans, np.array(rows, np.int64)
+
+
+def _tasks_reference(flat: np.ndarray, plans: list[tuple[Any, ...]], enc: Encoding) -> np.ndarray:
+    from dcr.apply.geometry import IndexMap
+
+    ref = flat.copy()
+    for _, idx, values, src, dst, dims in plans:
+        if dims is None:
+            _np_apply(ref, idx, values, enc)
+            continue
+        triples = tuple(tuple(int(x) for x in t) for t in dims.reshape(-1, 3))
+        imap = IndexMap(src_offset=src, src_span=sum((n - 1) * t for t, n, _ in triples),
+                        dst_offset=dst, dims=triples)  # fmt: skip
+        sel, where = imap.select(idx)
+        _np_apply(ref, np.asarray(where, np.int64), values[sel], enc)
+    return ref
+
+
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("enc", list(Encoding))
+def test_rmw_tasks_shared_by_threads_equal_the_writes_one_by_one(word: Any, enc: Encoding) -> None:
+    """Three threads draw chunks of three plans from one task list: every chunk is written
+    exactly once, the per-plan sums are right and the storage ends as the numpy writes."""
+    import threading
+
+    flat, plans, rows = _task_world(word, enc)
+    ref = _tasks_reference(flat, plans, enc)
+    state = np.zeros(2 + 2 * len(plans), np.int64)
+    threads = [
+        threading.Thread(target=kernels.rmw_tasks, args=(plans, rows, state, True))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(flat, ref)
+    assert state[1] == 0
+    assert state[5:].tolist() == [0, 0, 0]  # no post-apply check failure
+    assert state[2] == plans[0][1].size and state[4] == plans[2][1].size
+    assert 0 < state[3] < plans[1][1].size  # some indices lie outside the nested view
+
+
+def test_rmw_tasks_validate_before_writing_and_stop_at_a_bad_position() -> None:
+    flat, plans, rows = _task_world(np.uint16, Encoding.XOR)
+    before = flat.copy()
+    state = np.zeros(2 + 2 * len(plans), np.int64)
+    for bad_rows, match in (
+        (np.array([[3, 0, 1, 0]], np.int64), "bad task"),
+        (np.array([[0, 0, 4001, 0]], np.int64), "bad task"),
+        (np.array([[0, 0, 1, 7]], np.int64), "bad encoding"),
+        (rows[:1, :3].copy(), "4 values per task"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            kernels.rmw_tasks(plans, bad_rows, state, False)
+    outside = (*plans[0][:5], np.array([1, 40_000, 1], np.int64))
+    with pytest.raises(ValueError, match="outside the storage"):
+        kernels.rmw_tasks([outside], rows[:1], state[:4].copy(), False)
+    with pytest.raises(ValueError, match="2 \\+ 2 per plan"):
+        kernels.rmw_tasks(plans, rows, state[:3].copy(), False)
+    np.testing.assert_array_equal(flat, before)
+    # A position outside the storage in the second of three chunks: the first lands, the bad
+    # one writes nothing and no caller takes another chunk.
+    pos = np.arange(0, 3000, dtype=np.int64)
+    pos[1500] = 30_000
+    plan = (flat, pos, np.ones(3000, np.uint16), 0, 0, None)
+    three = np.array([[0, 0, 1000, 0], [0, 1000, 2000, 0], [0, 2000, 3000, 0]], np.int64)
+    state = np.zeros(4, np.int64)
+    with pytest.raises(ValueError, match="outside the storage"):
+        kernels.rmw_tasks([plan], three, state, False)
+    assert state[1] == 1 and state[2] == 1000
+    np.testing.assert_array_equal(flat[:1000], before[:1000] ^ 1)
+    np.testing.assert_array_equal(flat[1000:], before[1000:])
+
+
 def test_rmw_mapped_refuses_a_view_outside_the_storage() -> None:
     flat = np.zeros(10, np.uint16)
     d = np.array([1, 11, 1], np.int64)

@@ -48,8 +48,8 @@ class ViewGeometry:
         return cls(
             storage=storage,
             offset=int(t.storage_offset()),
-            shape=tuple(int(s) for s in t.shape),
-            stride=tuple(int(s) for s in t.stride()),
+            shape=tuple(t.shape),
+            stride=t.stride(),
             dtype=t.dtype,
         )
 

@@ -49,13 +49,13 @@ from dcr.apply.scratch import Scratch, torch_bits
 from dcr.apply.storage import StorageGuard
 from dcr.apply.writes import (
     Entries,
+    Execution,
     FlatViews,
     Stage,
     WritePlan,
     active_mask,
     copies_overlap,
     entries_of,
-    execute,
     irregular,
     plan_block,
     plan_enumerated,
@@ -334,33 +334,95 @@ class Receiver:
 
         The report has one :class:`ItemReport` per group, in order of first appearance.
         """
-        start = time.perf_counter()
+        return self.apply_payloads([items], attempt=attempt)[0]
+
+    def apply_payloads(
+        self,
+        payloads: Iterable[Iterable[Item]],
+        *,
+        attempt: int | None = None,
+        on_applied: Callable[[int], None] | None = None,
+    ) -> list[ApplyReport]:
+        """Apply payloads in order, each all or nothing (:meth:`apply_items`); one report each.
+
+        The result is that of one :meth:`apply_items` call per payload, in order, but the
+        payloads overlap: while a payload's writes run on pool threads, the next one is
+        admitted and planned (it writes nothing until the previous one has landed).  When a
+        payload fails, every payload before it has been applied and none after it;
+        ``on_applied(i)`` is called once payload ``i`` has landed.
+        """
+        reports: list[ApplyReport] = []
+        running: _Running | None = None
+        landed: tuple[_Running, dict[WritePlan, int], float] | None = None
+
+        def report() -> None:
+            nonlocal landed
+            if landed is not None:
+                reports.append(self._apply_report(*landed))
+                landed = None
+                if on_applied is not None:
+                    on_applied(len(reports) - 1)
+
+        try:
+            for items in payloads:
+                start = time.perf_counter()
+                prepared = self._prepare(list(items), attempt)
+                if running is not None:
+                    done, running = running, None
+                    landed = (done, self._land(done, attempt), time.perf_counter())
+                running = _Running(
+                    prepared=prepared,
+                    execution=Execution(
+                        self._stages(prepared.groups, prepared.planned),
+                        check=self._config.post_apply_checks,
+                        fail=self._violation(attempt, None),
+                        threads=self._config.threads,
+                    ),
+                    start=start,
+                )
+                report()  # the previous payload's, while this one is written
+            if running is not None:
+                done, running = running, None
+                landed = (done, self._land(done, attempt), time.perf_counter())
+        finally:
+            if running is not None:  # a later payload failed: this one still lands
+                landed = (running, self._land(running, attempt), time.perf_counter())
+            report()
+        return reports
+
+    def _prepare(self, items: list[Item], attempt: int | None) -> _Prepared:
+        """Admit and plan one payload: every check that can refuse it, and no write."""
         guard = self._require_prewarm()[0]
-        groups = self._admit_all(list(items), attempt)
+        groups = self._admit_all(items, attempt)
         with torch.no_grad(), _restoring(guard, self._violation(attempt, None)):
             t0 = time.perf_counter()
             batched = self._witness_together(groups, attempt)
             together = time.perf_counter() - t0
             planned = [self._plan(group, attempt) for group in groups]
-            if batched and planned:  # the shared call counts with the first group
-                first = planned[0]
-                planned[0] = dataclasses.replace(
-                    first, calls=first.calls + batched, seconds=first.seconds + together
+            # Before any write: a loader call may have replaced a parameter, so re-enumerate
+            # them all; without one, the storages to be written must still be resident.
+            if batched or any(p.calls for p in planned):
+                guard.check(self._violation(attempt, None), full=True)
+            else:
+                guard.check(
+                    self._violation(attempt, None),
+                    {p.label for plan in planned for p in plan.writes},
                 )
-            written = execute(
-                self._stages(groups, planned),
-                check=self._config.post_apply_checks,
-                fail=self._violation(attempt, None),
-                threads=self._config.threads,
+        if batched and planned:  # the shared call counts with the first group
+            first = planned[0]
+            planned[0] = dataclasses.replace(
+                first, calls=first.calls + batched, seconds=first.seconds + together
             )
-        # A loader call may have replaced a parameter: re-enumerate them all.  Without one,
-        # only the storages written here must still be the resident ones.
-        if batched or any(plan.calls for plan in planned):
-            guard.check(self._violation(attempt, None), full=True)
-        else:
-            guard.check(
-                self._violation(attempt, None), {p.label for plan in planned for p in plan.writes}
-            )
+        return _Prepared(groups=groups, planned=planned)
+
+    def _land(self, running: _Running, attempt: int | None) -> dict[WritePlan, int]:
+        """Wait until a payload's writes have landed; the positions written per plan."""
+        with _restoring(self._require_prewarm()[0], self._violation(attempt, None)):
+            return running.execution.finish()
+
+    def _apply_report(
+        self, running: _Running, written: dict[WritePlan, int], landed: float
+    ) -> ApplyReport:
         check = self._config.post_apply_checks
         reports = [
             ItemReport(
@@ -377,9 +439,9 @@ class Receiver:
                 checked=sum(written[p] for p in plan.writes) if check else 0,
                 seconds=plan.seconds,
             )
-            for g, plan in zip(groups, planned, strict=True)
+            for g, plan in zip(running.prepared.groups, running.prepared.planned, strict=True)
         ]
-        return ApplyReport.of(reports, time.perf_counter() - start)
+        return ApplyReport.of(reports, landed - running.start)
 
     def dense_load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Restore resident weights by a dense refit through the native loader (no hook).
@@ -693,7 +755,7 @@ class Receiver:
             if call.reported != g.path.reported or not _repeats(g.path, call):
                 continue
             try:
-                self._witness(g, call, self._violation(attempt, g.spec.name))
+                self._witness(g, call, self._violation(attempt, g.spec.name), repeats=True)
             except DcrError:
                 continue  # the name's own call decides
             witnessed[key] = call
@@ -736,8 +798,11 @@ class Receiver:
         plans = self._write_plans(group, call, in_place)
         return plans, in_place, calls
 
-    def _witness(self, group: _Group, call: LoaderCall, fail: Fail) -> LoaderCall:
-        """Check that a loader call made the writes the group's encoding may go through."""
+    def _witness(
+        self, group: _Group, call: LoaderCall, fail: Fail, *, repeats: bool = False
+    ) -> LoaderCall:
+        """Check that a loader call made the writes the group's encoding may go through
+        (``repeats``: the caller found that it repeats the prewarm record)."""
         path = group.path
         if group.encoding.relative:
             what = group.encoding.name
@@ -755,7 +820,7 @@ class Receiver:
                         f"on an {what} path",
                         "xor-source",
                     )
-        if not _repeats(path, call):
+        if not repeats and not _repeats(path, call):
             if group.encoding.relative and copies_overlap(call.copies):
                 raise fail(
                     f"two {group.encoding.name} writes of the item share destination bytes",
@@ -903,6 +968,23 @@ class _Planned:
     calls: int
     dense: bool
     seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Prepared:
+    """A payload admitted and planned: its groups and their checked writes."""
+
+    groups: list[_Group]
+    planned: list[_Planned]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Running:
+    """A prepared payload whose writes are under way."""
+
+    prepared: _Prepared
+    execution: Execution
+    start: float
 
 
 def xor_allowed_across(receivers: Iterable[Receiver]) -> frozenset[str]:

@@ -51,7 +51,6 @@ class StorageGuard:
                 _Entry(name=name, tensor=t, alias=t.detach(), ptr=ptr, nbytes=nbytes, label=label)
             )
         self._protected = protected
-        self._names = [(e.name, e.ptr) for e in self._entries]
         self._by_label: dict[str, list[_Entry]] = {}
         for e in self._entries:
             self._by_label.setdefault(e.label, []).append(e)
@@ -81,7 +80,7 @@ class StorageGuard:
         """
         entries = (
             self._entries
-            if labels is None
+            if labels is None or full
             else [e for label in labels for e in self._by_label.get(label, ())]
         )
         moved = [
@@ -103,8 +102,12 @@ class StorageGuard:
                 "storage-replaced",
             )
         if full:
-            now = [(name, storage_ptr(t)) for name, t in self._loader.storage_tensors()]
-            if now != self._names:
+            # The same tensor objects under the same names: their storages were checked above.
+            now = list(self._loader.storage_tensors())
+            if len(now) != len(self._entries) or any(
+                name != e.name or t is not e.tensor
+                for (name, t), e in zip(now, self._entries, strict=False)
+            ):
                 raise fail(
                     "the loader's parameters or buffers changed identity since prewarm; "
                     "a dense refit and a new prewarm are required",

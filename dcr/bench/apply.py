@@ -5,8 +5,10 @@ TP=2 training layout, chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``)
 receiver kind and each element change rate, one refit's payloads are constructed in mixed mode
 (XOR where the receivers allow it), encoded and decoded as a receiver decodes them; then
 
-- **apply**: ``Receiver.apply_items`` of every payload, in declared order, on every rank of the
-  receiver (median of ``repeats``; the base is restored by a dense load between repeats);
+- **apply**: ``Receiver.apply_payloads`` of every payload, in declared order, on every rank
+  of the receiver, as the receiver engine applies a group of payloads (each all or nothing;
+  the next one is checked and planned while the previous one is written); median of
+  ``repeats``, the base restored by a dense load between repeats;
 - **dense load**: the same model loaded densely through the same native loader, in the same
   run (the restores and a final load of the new version; median).
 
@@ -121,8 +123,7 @@ def _apply(
     written = calls = 0
     plan = 0.0
     for r in receivers:
-        for p in payloads:
-            report = r.apply_items(p.items, attempt=attempt)
+        for report in r.apply_payloads((p.items for p in payloads), attempt=attempt):
             written += report.written
             calls += report.loader_calls
             plan += sum(item.seconds for item in report.items)

@@ -346,17 +346,22 @@ class ReceiverService:
         await self._local(ev.PayloadDecoded(key=key, failure=failure))
 
     def _apply_group(self, attempt: int, keys: tuple[PayloadKey, ...]) -> None:
-        for key in keys:
-            payload = self._decoded.pop(key)
-            t0 = time.perf_counter()
-            try:
-                self.receiver.apply_items(payload.items, attempt=attempt)
-            finally:
-                self.apply_seconds += time.perf_counter() - t0
-            self._bytes.pop(key, None)
+        """Apply a group in order; each payload is checked and planned while the one before
+        it is written (:meth:`Receiver.apply_payloads`)."""
+
+        def applied(i: int) -> None:
+            self._bytes.pop(keys[i], None)
             self.applied_payloads += 1
             if self.on_applied is not None:
-                self.on_applied(key)
+                self.on_applied(keys[i])
+
+        t0 = time.perf_counter()
+        try:
+            self.receiver.apply_payloads(
+                (self._decoded.pop(key).items for key in keys), attempt=attempt, on_applied=applied
+            )
+        finally:
+            self.apply_seconds += time.perf_counter() - t0
 
     async def _apply(self, attempt: int, keys: tuple[PayloadKey, ...]) -> None:
         failure = None

@@ -121,5 +121,5 @@ def apply_payloads(
         attempts = {p.header.attempt for p in decoded}
         if len(attempts) > 1:
             raise DcrError(f"payloads of several attempts: {sorted(attempts)}", check="attempt")
-        for p in decoded:
-            r.apply_items(p.items, attempt=p.header.attempt)
+        if decoded:
+            r.apply_payloads((p.items for p in decoded), attempt=decoded[0].header.attempt)
