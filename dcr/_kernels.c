@@ -1474,7 +1474,7 @@ static inline int check_one(int enc, int w, uint64_t before, uint64_t now, uint6
     }
 }
 
-/* Entries per block of rmw_core: its positions, read words and landing lines stay in cache. */
+/* Entries per block of rmw_core: one check of a linear view, or one array of positions. */
 #define RMW_BLOCK 1024
 
 /* Where entry i of a chunk lands: an explicit position array, or a canonical index mapped
@@ -1503,79 +1503,74 @@ static inline int64_t where_of(const Where *m, Py_ssize_t i) {
     return r == 0 ? at : -1;
 }
 
-/* The landing positions of one block: shift + x[j] * stride for every entry j, x an entry's
- * position (rmw) or canonical index (a linear view of rmw_mapped whose block lies inside the
- * view); or, for other views, at[j], with nothing read or written where at[j] < 0.
- * `rising`: the positions strictly increase, so no two entries of the block share a word. */
-typedef struct {
-    const int64_t *x;
-    int64_t shift, stride;
-    const int64_t *at;
-    int rising;
-} Block;
+/* How far ahead rmw_core prefetches: RMW_FAR entries ahead into L2 (outside the core's few
+ * L1 miss buffers, so many more lines are in flight), RMW_NEAR entries ahead into L1. */
+#define RMW_FAR 256
+#define RMW_NEAR 32
 
-static inline __attribute__((always_inline)) int64_t landing(const Block *bl, Py_ssize_t j) {
-    return bl->x ? bl->shift + bl->x[j] * bl->stride : bl->at[j];
+/* The address of word `at` of `flat` computed without overflow, for prefetches: a prefetch of
+ * an entry that lies outside the view (or of garbage) reads nothing and cannot fault. */
+static inline const void *word_at(const unsigned char *flat, int w, uint64_t at) {
+    return (const void *)((uintptr_t)flat + (uintptr_t)(at * (uint64_t)w));
 }
 
-/* One block.  When its positions rise, every landing word is read first (a loop of a few
- * instructions per word, so the core keeps as many cache misses in flight as it can), then
- * combined with its value and written, the lines in cache by then.  Otherwise entry by
- * entry, so that an entry reads what an earlier entry of the block wrote, as it would in any
- * order of blocks.  Inlined once per width and encoding (block_of); returns the words
- * written. */
+/* Entries 0..k of a block whose positions are shift + x[j] * stride, every one inside the
+ * storage: read, combine, write, in entry order (an entry reads what an earlier one wrote);
+ * x holds `avail` >= k entries, the later ones only prefetched.  Inlined once per width and
+ * encoding (block_of); returns the words written. */
 static inline __attribute__((always_inline)) Py_ssize_t
-block_rmw(unsigned char *flat, int w, const unsigned char *v, const Block *bl, uint64_t *old,
-          Py_ssize_t k, int enc, uint64_t *before) {
-    Py_ssize_t n = 0;
-    if (bl->rising && bl->x) {
-        for (Py_ssize_t j = 0; j < k; j++) old[j] = load_word(flat + (size_t)landing(bl, j) * w, w);
-        for (Py_ssize_t j = 0; j < k; j++)
-            store_word(flat + (size_t)landing(bl, j) * w, w,
-                       apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
-        n = k;
-    } else if (bl->rising) {
-        for (Py_ssize_t j = 0; j < k; j++)
-            old[j] = bl->at[j] < 0 ? 0 : load_word(flat + (size_t)bl->at[j] * w, w);
-        for (Py_ssize_t j = 0; j < k; j++) {
-            if (bl->at[j] < 0) continue;
-            store_word(flat + (size_t)bl->at[j] * w, w,
-                       apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
-            n++;
-        }
-    } else {
-        for (Py_ssize_t j = 0; j < k; j++) {
-            const int64_t a = landing(bl, j);
-            if (a < 0) continue;
-            unsigned char *p = flat + (size_t)a * w;
-            old[j] = load_word(p, w);
-            store_word(p, w, apply_one(enc, w, old[j], load_word(v + (size_t)j * w, w)));
-            n++;
-        }
+rmw_direct(unsigned char *flat, int w, const unsigned char *v, const int64_t *x, Py_ssize_t avail,
+           int64_t shift, int64_t stride, Py_ssize_t k, int enc, uint64_t *before) {
+    const uint64_t s = (uint64_t)shift, t = (uint64_t)stride;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (j + RMW_FAR < avail)
+            __builtin_prefetch(word_at(flat, w, s + (uint64_t)x[j + RMW_FAR] * t), 1, 1);
+        if (j + RMW_NEAR < avail)
+            __builtin_prefetch(word_at(flat, w, s + (uint64_t)x[j + RMW_NEAR] * t), 1, 3);
+        unsigned char *p = flat + (size_t)(shift + x[j] * stride) * w;
+        const uint64_t old = load_word(p, w);
+        store_word(p, w, apply_one(enc, w, old, load_word(v + (size_t)j * w, w)));
+        if (before) before[j] = old;
     }
-    if (before) memcpy(before, old, (size_t)k * sizeof(uint64_t));
+    return k;
+}
+
+/* The same through computed positions at[0..k] (entries with at[j] < 0 lie outside the view:
+ * nothing read, nothing written); the block's first RMW_FAR lines are requested up front. */
+static inline __attribute__((always_inline)) Py_ssize_t
+rmw_at(unsigned char *flat, int w, const unsigned char *v, const int64_t *at, Py_ssize_t k,
+       int enc, uint64_t *before) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t j = 0; j < k && j < RMW_FAR; j++)
+        if (at[j] >= 0) __builtin_prefetch(word_at(flat, w, (uint64_t)at[j]), 1, 1);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (j + RMW_FAR < k && at[j + RMW_FAR] >= 0)
+            __builtin_prefetch(word_at(flat, w, (uint64_t)at[j + RMW_FAR]), 1, 1);
+        if (j + RMW_NEAR < k && at[j + RMW_NEAR] >= 0)
+            __builtin_prefetch(word_at(flat, w, (uint64_t)at[j + RMW_NEAR]), 1, 3);
+        if (at[j] < 0) continue;
+        unsigned char *p = flat + (size_t)at[j] * w;
+        const uint64_t old = load_word(p, w);
+        store_word(p, w, apply_one(enc, w, old, load_word(v + (size_t)j * w, w)));
+        if (before) before[j] = old;
+        n++;
+    }
     return n;
 }
 
-/* Whether x[0..k) strictly increases (entries < 0, outside the view, are passed over). */
-static int rises(const int64_t *x, Py_ssize_t k) {
-    int64_t last = -1;
-    int ok = 1;
-    for (Py_ssize_t j = 0; j < k; j++) {
-        ok &= x[j] < 0 || x[j] > last;
-        last = x[j] < 0 ? last : x[j];
-    }
-    return ok;
-}
-
-static Py_ssize_t block_of(unsigned char *flat, int w, const unsigned char *v, const Block *bl,
-                           uint64_t *old, Py_ssize_t k, int enc, uint64_t *before) {
+/* One block, direct (x != NULL) or through at[]: a specialization per width and encoding. */
+static Py_ssize_t block_of(unsigned char *flat, int w, const unsigned char *v, const int64_t *x,
+                           Py_ssize_t avail, int64_t shift, int64_t stride, const int64_t *at,
+                           Py_ssize_t k, int enc, uint64_t *before) {
+#define BLOCK_AS(W, E)                                                                     \
+    return x ? rmw_direct(flat, W, v, x, avail, shift, stride, k, (E), before)             \
+             : rmw_at(flat, W, v, at, k, (E), before);
 #define BLOCK_W(E)                                                                         \
     switch (w) {                                                                           \
-    case 1: return block_rmw(flat, 1, v, bl, old, k, (E), before);                         \
-    case 2: return block_rmw(flat, 2, v, bl, old, k, (E), before);                         \
-    case 4: return block_rmw(flat, 4, v, bl, old, k, (E), before);                         \
-    default: return block_rmw(flat, 8, v, bl, old, k, (E), before);                        \
+    case 1: BLOCK_AS(1, E)                                                                 \
+    case 2: BLOCK_AS(2, E)                                                                 \
+    case 4: BLOCK_AS(4, E)                                                                 \
+    default: BLOCK_AS(8, E)                                                                \
     }
     switch (enc) {
     case E_XOR: BLOCK_W(E_XOR)
@@ -1583,41 +1578,47 @@ static Py_ssize_t block_of(unsigned char *flat, int w, const unsigned char *v, c
     default: BLOCK_W(E_OVERWRITE)
     }
 #undef BLOCK_W
+#undef BLOCK_AS
 }
 
-/* Entries lo..hi, RMW_BLOCK at a time (block_rmw).  Explicit positions, and blocks of a linear
- * view whose indices all lie inside it, go straight to the words; other blocks compute their
- * landing positions first.  With `before` (check mode) the read words are kept and a second
- * pass re-reads every written word: an entry whose word does not hold what it asked for --
- * because another entry of the chunk wrote it too, say -- counts as wrong. */
+/* Entries lo..hi, RMW_BLOCK at a time, in entry order.  Explicit positions, and blocks of a
+ * linear view whose indices all lie inside it, go straight to the words (rmw_direct); other
+ * blocks compute their landing positions first (rmw_at).  With `before` (check mode) the read
+ * words are kept and a second pass re-reads every written word: an entry whose word does not
+ * hold what it asked for -- because a later entry of the chunk wrote it too, say -- counts as
+ * wrong. */
 static void rmw_core(unsigned char *flat, int w, const unsigned char *vals, const Where *m,
                      Py_ssize_t lo, Py_ssize_t hi, int enc, uint64_t *before,
                      Py_ssize_t *written, Py_ssize_t *wrong) {
     Py_ssize_t n_written = 0, n_wrong = 0;
-    const int linear = !m->pos && m->nd == 1 && m->dims[0] == 1;
+    const int linear = !m->pos && m->nd == 1 && m->dims[0] == 1 && m->dims[2] > 0 &&
+                       m->src_off >= 0;
     int64_t at[RMW_BLOCK];
-    uint64_t old[RMW_BLOCK];
     for (Py_ssize_t b = lo; b < hi; b += RMW_BLOCK) {
         const Py_ssize_t k = hi - b < RMW_BLOCK ? hi - b : RMW_BLOCK;
-        Block bl = {0};
+        const unsigned char *v = vals + (size_t)b * w;
+        uint64_t *keep = before ? before + (b - lo) : NULL;
         if (m->pos) {
-            bl = (Block){.x = m->pos + b, .shift = 0, .stride = 1, .rising = rises(m->pos + b, k)};
-        } else if (linear) {
-            /* Rising indices whose first and last lie inside the view all do: no checks per
-             * entry.  A stride of 0 maps every index to one word: never rising. */
+            n_written += block_of(flat, w, v, m->pos + b, hi - b, 0, 1, NULL, k, enc, keep);
+            continue;
+        }
+        if (linear) {
+            /* Indices whose least and greatest lie inside the view all do: no check per entry. */
             const int64_t *x = m->idx + b;
-            if (m->dims[2] > 0 && m->src_off >= 0 && x[0] >= m->src_off &&
-                x[k - 1] - m->src_off < m->dims[1] && rises(x, k))
-                bl = (Block){.x = x, .shift = m->dst_off - m->src_off * m->dims[2],
-                             .stride = m->dims[2], .rising = 1};
+            int64_t least = x[0], most = x[0];
+            for (Py_ssize_t j = 1; j < k; j++) {
+                least = x[j] < least ? x[j] : least;
+                most = x[j] > most ? x[j] : most;
+            }
+            if (least >= m->src_off && most - m->src_off < m->dims[1]) {
+                n_written += block_of(flat, w, v, x, hi - b,
+                                      m->dst_off - m->src_off * m->dims[2], m->dims[2], NULL, k,
+                                      enc, keep);
+                continue;
+            }
         }
-        if (!bl.x) {
-            for (Py_ssize_t j = 0; j < k; j++) at[j] = where_of(m, b + j);
-            bl.at = at;
-            bl.rising = rises(at, k);
-        }
-        n_written += block_of(flat, w, vals + (size_t)b * w, &bl, old, k, enc,
-                              before ? before + (b - lo) : NULL);
+        for (Py_ssize_t j = 0; j < k; j++) at[j] = where_of(m, b + j);
+        n_written += block_of(flat, w, v, NULL, 0, 0, 0, at, k, enc, keep);
     }
     if (before) {
         for (Py_ssize_t i = lo; i < hi; i++) {

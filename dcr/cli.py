@@ -148,8 +148,9 @@ def _parser() -> argparse.ArgumentParser:
             "receiver (torch: a TorchModuleLoader module; reference-tp2: the sharded reference "
             "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
             "installed) and timed against a dense native load through the same loader in the "
-            "same run (medians of --repeats). The applied bits are checked against the dense "
-            "load of the new version; a mismatch fails the run."
+            "same run (medians of --repeats), and against a read of every resident byte (the "
+            "memory-bound floor of a pass over the weights). The applied bits are checked "
+            "against the dense load of the new version; a mismatch fails the run."
         ),
     )
     app.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")

@@ -112,7 +112,7 @@ def test_bench_apply_json(capsys):
     ]  # fmt: skip
     for r in rows:
         assert {"rate", "loader", "apply_seconds", "dense_load_seconds", "entries"} <= set(r)
-        assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0
+        assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0 and r["read_seconds"] > 0
         assert r["bit_exact"] is True
     # Every entry lands once on the single torch rank; the sharded ranks write no fewer.
     assert rows[0]["written"] == rows[0]["entries"] > 0

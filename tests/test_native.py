@@ -342,9 +342,9 @@ def _one_by_one(flat: np.ndarray, pos: np.ndarray, values: np.ndarray, enc: Enco
 @pytest.mark.parametrize("word", WORDS)
 @pytest.mark.parametrize("enc", list(Encoding))
 def test_rmw_over_many_blocks_equals_entry_by_entry_writes(word: Any, enc: Encoding) -> None:
-    """Chunks of thousands of entries: blocks whose positions rise (read first, then write),
-    blocks with a repeated position or positions out of order (entry by entry), blocks of a
-    linear view partly outside it, a nested view and a view with stride 0."""
+    """Chunks of thousands of entries, written in entry order whatever the path: explicit
+    positions (rising, or with a repeated position and a run out of order), blocks of a linear
+    view inside it and partly outside it, a nested view and a view with stride 0."""
     rng = np.random.default_rng(np.dtype(word).itemsize * 7 + int(enc))
     top = np.iinfo(word).max
     n = 5000

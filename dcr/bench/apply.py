@@ -10,7 +10,11 @@ receiver kind and each element change rate, one refit's payloads are constructed
   the next one is checked and planned while the previous one is written); median of
   ``repeats``, the base restored by a dense load between repeats;
 - **dense load**: the same model loaded densely through the same native loader, in the same
-  run (the restores and a final load of the new version; median).
+  run (the restores and a final load of the new version; median);
+- **read**: every resident byte read once (``read_seconds``, a reduction over integer views
+  on every core, after each restore; median): the memory-bound floor of a pass over the
+  weights.  At 1% a quarter of the 64-byte lines hold a change, and the CPU's prefetchers
+  fetch most of the lines between them, so an apply costs about one such read.
 
 After the last apply every rank's stored bits are compared (integer views) with a dense load of
 the new version; a mismatch raises :class:`NotBitExact`.
@@ -110,6 +114,22 @@ def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]
     t0 = time.perf_counter()
     for r in receivers:
         r.dense_load(state_dict)
+    return time.perf_counter() - t0
+
+
+def _read(receivers: Sequence[Receiver]) -> float:
+    """Seconds to read every resident byte once (a reduction over integer views, on every
+    core): what a memory-bound pass over the weights costs on this machine."""
+    from dcr.delta.bits import bits_dtype
+
+    t0 = time.perf_counter()
+    for r in receivers:
+        for _, t in r.loader.storage_tensors():
+            flat = t.detach().reshape(-1)
+            if not flat.numel():
+                continue
+            wide = flat.numel() * flat.element_size() % 8 == 0 and flat.data_ptr() % 8 == 0
+            torch.amax(flat.view(torch.int64 if wide else bits_dtype(flat.dtype)))
     return time.perf_counter() - t0
 
 
@@ -215,10 +235,11 @@ def run_apply_bench(
                 payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
                 group.discard()
                 entries = sum(item.count for p in payloads for item in p.items)
-                applies, denses, plans = [], [], []
+                applies, denses, plans, reads = [], [], [], []
                 written = calls = 0
                 for repeat in range(repeats):
                     denses.append(_dense(receivers, base))
+                    reads.append(_read(receivers))
                     gc.collect()
                     attempt = (i + 1) * 1000 + repeat
                     seconds, written, calls, plan_s = _apply(receivers, payloads, attempt)
@@ -235,6 +256,7 @@ def run_apply_bench(
                     "apply_seconds": apply_s,
                     "dense_load_seconds": dense_s,
                     "ratio": apply_s / dense_s,
+                    "read_seconds": statistics.median(reads),
                     "entries": entries,
                     "written": written,
                     "ns_per_entry": apply_s / entries * 1e9 if entries else 0.0,
@@ -271,13 +293,13 @@ def format_apply_table(result: dict[str, Any]) -> str:
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, median of "
         f"{model['repeats']} runs, {model['threads']} apply threads",
         f"{'rate':>5} {'loader':>14} {'entries':>12} {'apply s':>9} {'dense s':>9} "
-        f"{'ratio':>6} {'ns/entry':>9} {'plan s':>8}",
+        f"{'ratio':>6} {'read s':>8} {'ns/entry':>9} {'plan s':>8}",
     ]
     for r in result["results"]:
         lines.append(
             f"{r['rate']:>5.0%} {r['loader']:>14} {r['entries']:>12,} {r['apply_seconds']:>9.4f} "
-            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['ns_per_entry']:>9.1f} "
-            f"{r['plan_seconds']:>8.4f}"
+            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['read_seconds']:>8.4f} "
+            f"{r['ns_per_entry']:>9.1f} {r['plan_seconds']:>8.4f}"
         )
     lines.extend(result.get("notes", []))
     return "\n".join(lines)
