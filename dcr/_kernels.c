@@ -2057,15 +2057,30 @@ static PyObject *py_copy_at(PyObject *self, PyObject *args) {
         bad |= e >= (uint64_t)n;
     }
     if (!bad) {
+        /* Both words of every position are requested RMW_FAR entries ahead into L2 (see
+         * rmw_core): scattered positions are bound by the cache misses in flight. */
+#define COPY_AT(T)                                                                         \
+    {                                                                                      \
+        T *dd = (T *)d;                                                                    \
+        const T *ss = (const T *)src;                                                      \
+        for (Py_ssize_t j = 0; j < m; j++) {                                               \
+            if (j + RMW_FAR < m) {                                                         \
+                const uint64_t f = (uint64_t)pos[j + RMW_FAR] - (uint64_t)shift;           \
+                __builtin_prefetch(word_at(src, sizeof(T), f), 0, 1);                      \
+                __builtin_prefetch(word_at(d, sizeof(T), f), 1, 1);                        \
+            }                                                                              \
+            const size_t e = (size_t)(pos[j] - shift);                                     \
+            dd[e] = ss[e];                                                                 \
+        }                                                                                  \
+    }                                                                                      \
+    break;
         switch (w) {
-        case 1: for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); d[e] = src[e]; } break;
-        case 2: { uint16_t *dd = (uint16_t *)d; const uint16_t *ss = (const uint16_t *)src;
-                  for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
-        case 4: { uint32_t *dd = (uint32_t *)d; const uint32_t *ss = (const uint32_t *)src;
-                  for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
-        default: { uint64_t *dd = (uint64_t *)d; const uint64_t *ss = (const uint64_t *)src;
-                   for (Py_ssize_t j = 0; j < m; j++) { size_t e = (size_t)(pos[j] - shift); dd[e] = ss[e]; } break; }
+        case 1: COPY_AT(uint8_t)
+        case 2: COPY_AT(uint16_t)
+        case 4: COPY_AT(uint32_t)
+        default: COPY_AT(uint64_t)
         }
+#undef COPY_AT
     }
     Py_END_ALLOW_THREADS
     if (bad) {
