@@ -13,8 +13,8 @@ receiver kind and each element change rate, one refit's payloads are constructed
   run (the restores and a final load of the new version; median);
 - **read**: every resident byte read once (``read_seconds``, a reduction over integer views
   on every core, after each restore; median): the memory-bound floor of a pass over the
-  weights.  At 1% a quarter of the 64-byte lines hold a change, and the CPU's prefetchers
-  fetch most of the lines between them, so an apply costs about one such read.
+  weights.  At 1% a quarter of the 64-byte lines hold a change, and a scattered line costs a
+  core several times a streamed one, so an apply costs about one such read.
 
 After the last apply every rank's stored bits are compared (integer views) with a dense load of
 the new version; a mismatch raises :class:`NotBitExact`.
