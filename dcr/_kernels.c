@@ -140,6 +140,17 @@ static int isa_max = 0;
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt")))
 #endif
 
+/* The vector scans request both inputs SCAN_AHEAD bytes ahead of the line they compare: the
+ * hardware's stream prefetch alone keeps too few lines in flight for one core to read at the
+ * memory's rate (on a 2-core Xeon a scan read 12.5 GB/s without and 15.5 GB/s with it, two
+ * threads 24.5 and 30 GB/s).  A request past the end of a buffer is harmless. */
+#define SCAN_AHEAD 2048
+#define SCAN_PREFETCH(A, B)                                                                \
+    do {                                                                                   \
+        __builtin_prefetch((const char *)(A) + SCAN_AHEAD, 0, 3);                          \
+        __builtin_prefetch((const char *)(B) + SCAN_AHEAD, 0, 3);                          \
+    } while (0)
+
 /* Bit j of the result is set when byte j of the 64 bytes at a and b differ. */
 static inline uint64_t byte_diff_mask(const unsigned char *a, const unsigned char *b) {
 #ifdef DCR_SSE2
@@ -207,6 +218,7 @@ static inline void emit(int kind, int w, uint64_t nv, uint64_t ov, unsigned char
 #define SCAN_LOOP(W, MASKFN)                                                               \
     do {                                                                                   \
         for (; i + 64 <= nbytes; i += 64) {                                                \
+            SCAN_PREFETCH(a + i, b + i);                                                   \
             uint64_t m = MASKFN(a + i, b + i);                                             \
             if (!m) continue;                                                              \
             EMIT_BITS(W, element_mask(m, W));                                              \
@@ -296,6 +308,7 @@ TARGET_AVX2 static inline Py_ssize_t step_avx2_w2(const uint16_t *a, const uint1
                                                  int kind, int skip, uint32_t *pos, uint16_t *o1,
                                                  uint16_t *o2, Py_ssize_t c, unsigned *hit) {
     const __m256i sign = _mm256_set1_epi16((short)0x8000);
+    SCAN_PREFETCH(a + i, b + i);
     __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
     __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
     __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 16));
@@ -389,6 +402,7 @@ TARGET_AVX2 static size_t scan_avx2_w4(const uint32_t *a, const uint32_t *b, siz
     size_t i = 0;
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     for (; i + 16 <= n; i += 16) {
+        SCAN_PREFETCH(a + i, b + i);
         __m256i va0 = _mm256_loadu_si256((const __m256i *)(a + i));
         __m256i vb0 = _mm256_loadu_si256((const __m256i *)(b + i));
         __m256i va1 = _mm256_loadu_si256((const __m256i *)(a + i + 8));
@@ -435,6 +449,8 @@ TARGET_AVX512 static size_t scan_avx512_w2(const uint16_t *a, const uint16_t *b,
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i sixteen = _mm512_set1_epi32(16);
     for (; i + 64 <= n; i += 64) {
+        SCAN_PREFETCH(a + i, b + i);
+        SCAN_PREFETCH(a + i + 32, b + i + 32);
         __m512i va0 = _mm512_loadu_si512(a + i), vb0 = _mm512_loadu_si512(b + i);
         __m512i va1 = _mm512_loadu_si512(a + i + 32), vb1 = _mm512_loadu_si512(b + i + 32);
         __mmask32 k0 = _mm512_cmpneq_epi16_mask(va0, vb0), k1 = _mm512_cmpneq_epi16_mask(va1, vb1);
@@ -480,6 +496,8 @@ TARGET_AVX512 static size_t scan_avx512_w4(const uint32_t *a, const uint32_t *b,
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (; i + 32 <= n; i += 32) {
+        SCAN_PREFETCH(a + i, b + i);
+        SCAN_PREFETCH(a + i + 16, b + i + 16);
         __m512i va0 = _mm512_loadu_si512(a + i), vb0 = _mm512_loadu_si512(b + i);
         __m512i va1 = _mm512_loadu_si512(a + i + 16), vb1 = _mm512_loadu_si512(b + i + 16);
         __mmask16 k0 = _mm512_cmpneq_epi32_mask(va0, vb0), k1 = _mm512_cmpneq_epi32_mask(va1, vb1);
