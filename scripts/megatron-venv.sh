@@ -23,7 +23,7 @@ VENV="${VENV_MEGATRON:-.venv-megatron}"
 STAMP="$VENV/.dcr-megatron-stamp"
 NODEPS=(megatron-core==0.19.2 megatron-bridge==0.6.2)
 DEPS=(torch==2.13.0 "transformers==5.12.1" triton einops omegaconf pyyaml tqdm rich regex six
-      packaging typing_extensions safetensors numpy zstandard anyio transitions msgspec
+      packaging typing_extensions safetensors numpy zstandard anyio transitions msgspec blake3
       pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 SHIMS=2
 WANT="nodeps=${NODEPS[*]} deps=${DEPS[*]} shims=$SHIMS"

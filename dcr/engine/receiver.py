@@ -226,7 +226,7 @@ class ReceiverService:
         final = False
         try:
             payload = await anyio.to_thread.run_sync(self._decode, d.data, limiter=self.limiter)
-            # The payload's own BLAKE2b-128 of every other byte, verified by the decoder: it
+            # The payload's own 128-bit digest of every other byte, verified by the decoder: it
             # tells a duplicate with other bytes apart without hashing the payload again.
             digest = bytes(memoryview(d.data)[DIGEST_OFFSET:HEADER_SIZE])
             h = payload.header

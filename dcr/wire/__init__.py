@@ -1,4 +1,4 @@
-"""Payload bytes: format, location coding, zstd, BLAKE2b-128 digest, strict decoding."""
+"""Payload bytes: format, location coding, zstd, BLAKE3 (or BLAKE2b) digest, strict decoding."""
 
 from dcr.wire.decode import decode_payload as decode_payload
 from dcr.wire.decode import read_header as read_header

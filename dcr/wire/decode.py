@@ -37,7 +37,9 @@ from dcr.wire.format import (
     BODY_PREAMBLE,
     CODEC_ZSTD,
     DIGEST_OFFSET,
+    FLAG_BLAKE3,
     FLAG_FINAL,
+    FLAGS_KNOWN,
     HEADER_FIELDS,
     HEADER_SIZE,
     ITEM_ENTRY,
@@ -147,9 +149,10 @@ def _read_header(view: memoryview, limits: DecodeLimits) -> tuple[PayloadHeader,
         raise reject(f"{size - HEADER_SIZE - compressed_bytes} bytes after the body", "schema")
     digest = bytes(view[DIGEST_OFFSET:HEADER_SIZE])
     if not hmac.compare_digest(digest, payload_digest(view[:DIGEST_OFFSET], view[HEADER_SIZE:])):
-        raise reject("BLAKE2b-128 digest mismatch", "digest")
+        name = "BLAKE3" if flags & FLAG_BLAKE3 else "BLAKE2b-128"
+        raise reject(f"{name} digest mismatch", "digest")
     # The digest holds, so what follows was produced by the sender, not damaged in transit.
-    if flags & ~FLAG_FINAL:
+    if flags & ~FLAGS_KNOWN:
         raise reject(f"unknown flags {flags:#06x}", "schema")
     if codec != CODEC_ZSTD:
         raise reject(f"unknown codec {codec}", "schema")

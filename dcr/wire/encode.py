@@ -4,7 +4,7 @@ Items are validated before anything is produced.  Version 2 (the default) writes
 fixed-size item records, gaps Rice-split into byte symbols and remainders, ULP deltas zigzagged
 and split into nibble symbols, and XOR / overwrite values as width classes; version 1 run- or
 gap-codes locations and groups location and value words into width classes.  Word classes are
-byte planes by default; the body is compressed with zstd and sealed with the BLAKE2b-128 digest
+byte planes by default; the body is compressed with zstd and sealed with a 128-bit BLAKE3 digest
 (:mod:`dcr.wire.format`).
 """
 
@@ -30,6 +30,7 @@ from dcr.wire.format import (
     CODEC_ZSTD,
     DEFAULT_LAYOUT,
     DEFAULT_LEVEL,
+    FLAG_BLAKE3,
     FLAG_FINAL,
     FORMAT_VERSION,
     HEADER_FIELDS,
@@ -191,13 +192,15 @@ def encode_payload(
     level: int = DEFAULT_LEVEL,
     layout: ValueLayout = DEFAULT_LAYOUT,
     version: int = FORMAT_VERSION,
+    digest: str = "blake3",
 ) -> bytes:
     """Encode ``items`` (in order) under ``header``'s identity into payload bytes.
 
     Each item is checked with ``Item.validate``; a bad item raises :class:`ConfigError` and
     nothing is produced.  The fields of ``header`` after ``final`` are ignored.  ``version``
     selects the format (:data:`~dcr.wire.format.FORMAT_VERSION` by default; version 1 cannot
-    carry ULP items).
+    carry ULP items).  ``digest`` is ``"blake3"`` (the default, :data:`FLAG_BLAKE3`) or
+    ``"blake2b"`` (what decoders of earlier releases verify).
     """
     attempt = header.attempt
     _check_level(level)
@@ -207,6 +210,8 @@ def encode_payload(
         raise ConfigError(f"unknown value layout {layout!r}", attempt=attempt) from exc
     if version not in SUPPORTED_VERSIONS:
         raise ConfigError(f"unknown format version {version!r}", attempt=attempt)
+    if digest not in ("blake3", "blake2b"):
+        raise ConfigError(f"unknown digest {digest!r} (blake3 or blake2b)", attempt=attempt)
     if len(items) > U32:
         raise ConfigError(f"{len(items)} items do not fit in one payload", attempt=attempt)
     if version == V1:
@@ -223,7 +228,7 @@ def encode_payload(
     fixed = HEADER_FIELDS.pack(
         MAGIC,
         version,
-        FLAG_FINAL if header.final else 0,
+        (FLAG_FINAL if header.final else 0) | (FLAG_BLAKE3 if digest == "blake3" else 0),
         header.attempt,
         header.owner,
         header.payload_id,

@@ -3,7 +3,8 @@
 
 A payload is a fixed little-endian header followed by one zstd frame, the *body*.  The header
 carries the format version, the attempt, owner and payload ids, the codec, the value layout, the
-lengths and a BLAKE2b-128 digest that binds the header to the compressed body.  In version 1 the
+lengths and a 128-bit digest (BLAKE3, or BLAKE2b in payloads of earlier releases) that binds
+the header to the compressed body.  In version 1 the
 body holds a per-item metadata table, one shared location buffer and one shared value buffer;
 version 2 (the default) holds a tensor list, fixed-size item records and entropy-friendly
 streams (Rice-split gaps, zigzagged ULP deltas).  ``docs/wire-format.md`` specifies every byte.
@@ -19,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+import blake3
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_LEVEL",
     "DIGEST_OFFSET",
     "DIGEST_SIZE",
+    "FLAG_BLAKE3",
     "FLAG_FINAL",
     "FORMAT_VERSION",
     "HEADER_FIELDS",
@@ -70,6 +73,11 @@ WINDOW_LOG_MAX = 23
 streaming buffer stays small whatever the frame asks for."""
 CODEC_ZSTD = 1
 FLAG_FINAL = 0x0001
+FLAG_BLAKE3 = 0x0002
+"""The digest is BLAKE3's first 16 bytes; without the flag it is BLAKE2b-128 (the digest of
+earlier releases, which decoders still verify).  BLAKE3 hashes about 7x faster on one core."""
+FLAGS_KNOWN = FLAG_FINAL | FLAG_BLAKE3
+_FLAGS = struct.Struct("<H")
 DIGEST_SIZE = 16
 DEFAULT_LEVEL = 1
 """zstd level of :func:`~dcr.wire.encode.encode_payload` (ARCHITECTURE.md §10)."""
@@ -374,10 +382,16 @@ class DecodeLimits:
 
 
 def payload_digest(fixed: bytes | memoryview, *compressed: bytes | memoryview) -> bytes:
-    """BLAKE2b-128 over the header bytes before the digest, then the compressed body (given
-    whole or in consecutive pieces)."""
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    """The 128-bit digest over the header bytes before the digest, then the compressed body
+    (given whole or in consecutive pieces): BLAKE3 when the header's flags hold
+    :data:`FLAG_BLAKE3`, else BLAKE2b-128."""
+    (flags,) = _FLAGS.unpack_from(fixed, 6)
+    h: Any
+    if flags & FLAG_BLAKE3:
+        h = blake3.blake3(max_threads=1)
+    else:
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     h.update(fixed)
     for piece in compressed:
         h.update(piece)
-    return h.digest()
+    return bytes(h.digest()[:DIGEST_SIZE])

@@ -12,6 +12,7 @@ import struct
 import tracemalloc
 from functools import cache
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -20,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcr.delta.records import Encoding, Item, TensorSpec
-from dcr.errors import PayloadRejected
+from dcr.errors import ConfigError, PayloadRejected
 from dcr.wire.decode import decode_payload, read_header
 from dcr.wire.encode import encode_payload
-from dcr.wire.format import DecodeLimits, Payload, PayloadHeader, ValueLayout
+from dcr.wire.format import FLAG_BLAKE3, DecodeLimits, Payload, PayloadHeader, ValueLayout
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")
@@ -168,9 +169,9 @@ def test_hand_built_body_matches_the_encoder() -> None:
     data = VALID[ValueLayout.PLAIN]
     assert zstandard.ZstdDecompressor().decompress(data[72:]) == raw
     assert data[:56] == _HEADER.pack(
-        b"DCRP", 1, 1, ATTEMPT, 2, 3, 1, 0, 0, 1, 2, 0, len(raw), len(data) - 72
+        b"DCRP", 1, 3, ATTEMPT, 2, 3, 1, 0, 0, 1, 2, 0, len(raw), len(data) - 72
     )
-    assert data[56:72] == hashlib.blake2b(data[:56] + data[72:], digest_size=16).digest()
+    assert data[56:72] == blake3.blake3(data[:56] + data[72:]).digest()[:16]
 
 
 def test_byteplane_body_stores_each_width_class_column_major() -> None:
@@ -222,6 +223,25 @@ def test_flipped_body_and_digest_bytes_fail_the_digest_check() -> None:
         assert reject(bytes(damaged)).attempt is not None
 
 
+def test_blake2b_sealed_payloads_of_earlier_releases_still_decode() -> None:
+    """Without FLAG_BLAKE3 the digest is BLAKE2b-128; the body decodes to the same items."""
+    header = PayloadHeader(attempt=ATTEMPT, owner=2, payload_id=3, final=True)
+    new = encode_payload(header, _items(), layout=ValueLayout.PLAIN)
+    old = encode_payload(header, _items(), layout=ValueLayout.PLAIN, digest="blake2b")
+    assert new[6] & FLAG_BLAKE3 and not old[6] & FLAG_BLAKE3 and new[72:] == old[72:]
+    assert old[56:72] == hashlib.blake2b(old[:56] + old[72:], digest_size=16).digest()
+    for a, b in zip(decode_payload(old).items, decode_payload(new).items, strict=True):
+        assert a.name == b.name and a.indices.tolist() == b.indices.tolist()
+        assert a.values.tolist() == b.values.tolist()
+    # The flag is covered by the digest: switching the algorithm fails the check either way.
+    for data in (new, old):
+        damaged = bytearray(data)
+        damaged[6] ^= FLAG_BLAKE3
+        assert reject(bytes(damaged)).check == "digest"
+    with pytest.raises(ConfigError, match="unknown digest"):
+        encode_payload(header, _items(), digest="md5")
+
+
 def test_every_truncation_is_rejected() -> None:
     data = VALID[ValueLayout.BYTEPLANE]
     for size in range(len(data)):
@@ -254,7 +274,15 @@ def _header_case(**kw: int) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"flags": 2}, {"codec": 0}, {"layout": 2}, {"reserved16": 1}, {"reserved32": 9}]
+    "kw",
+    [
+        {"flags": 4},
+        {"flags": 0x8000},
+        {"codec": 0},
+        {"layout": 2},
+        {"reserved16": 1},
+        {"reserved32": 9},
+    ],
 )
 def test_unknown_header_values_are_schema_errors(kw: dict[str, int]) -> None:
     decode_payload(_header_case())  # the unmodified case is valid

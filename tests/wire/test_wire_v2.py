@@ -11,6 +11,7 @@ import hashlib
 import math
 import struct
 
+import blake3
 import numpy as np
 import pytest
 import torch
@@ -147,9 +148,9 @@ def test_worked_example_matches_the_encoder() -> None:
             planes = bytes([0, 0, 0, 0, 0, 0, 0x80, 0xC0, 0, 0x3F, 0x7F, 0x80])
             assert raw == expected.replace(expected[-14:-2], planes)
         assert data[:56] == _HEADER.pack(
-            b"DCRP", 2, 1, 7, 1, 0, 1, int(layout), 0, 1, 2, 0, len(raw), len(data) - 72
+            b"DCRP", 2, 3, 7, 1, 0, 1, int(layout), 0, 1, 2, 0, len(raw), len(data) - 72
         )
-        assert data[56:72] == hashlib.blake2b(data[:56] + data[72:], digest_size=16).digest()
+        assert data[56:72] == blake3.blake3(data[:56] + data[72:]).digest()[:16]
         assert zstandard.get_frame_parameters(data[72:]).content_size == len(raw)
         a, b = decode_payload(data).items
         assert a.indices.tolist() == [5, 6, 7] and a.values.tolist() == [1, 0xFFFF, 3]
