@@ -4,10 +4,10 @@
 A payload is a fixed little-endian header followed by one zstd frame, the *body*.  The header
 carries the format version, the attempt, owner and payload ids, the codec, the value layout, the
 lengths and a 128-bit digest (BLAKE3, or BLAKE2b in payloads of earlier releases) that binds
-the header to the compressed body.  In version 1 the
-body holds a per-item metadata table, one shared location buffer and one shared value buffer;
-version 2 (the default) holds a tensor list, fixed-size item records and entropy-friendly
-streams (Rice-split gaps, zigzagged ULP deltas).  ``docs/wire-format.md`` specifies every byte.
+the header to the compressed body.  In version 1 the body holds a per-item metadata table, one
+shared location buffer and one shared value buffer; version 2 (the default) holds a tensor
+list, fixed-size item records and entropy-friendly streams (Rice-split gaps, zigzagged ULP
+deltas).  ``docs/wire-format.md`` specifies every byte.
 :mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and checks them.
 """
 
@@ -38,6 +38,7 @@ __all__ = [
     "DIGEST_SIZE",
     "FLAG_BLAKE3",
     "FLAG_FINAL",
+    "FLAGS_KNOWN",
     "FORMAT_VERSION",
     "HEADER_FIELDS",
     "HEADER_SIZE",
@@ -77,6 +78,7 @@ FLAG_BLAKE3 = 0x0002
 """The digest is BLAKE3's first 16 bytes; without the flag it is BLAKE2b-128 (the digest of
 earlier releases, which decoders still verify).  BLAKE3 hashes about 7x faster on one core."""
 FLAGS_KNOWN = FLAG_FINAL | FLAG_BLAKE3
+"""Every flag bit a decoder accepts; any other set bit is a schema error."""
 _FLAGS = struct.Struct("<H")
 DIGEST_SIZE = 16
 DEFAULT_LEVEL = 1
