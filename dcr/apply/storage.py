@@ -9,6 +9,7 @@ alias keeps the old storage alive) before the error is raised, so the module kee
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,11 +33,47 @@ class _Entry:
     label: str
 
 
+class _Slots:
+    """Identity snapshot of what names a module tree's tensors: every distinct module's
+    submodule, parameter and buffer dictionaries, their keys and their values.
+
+    While the snapshot holds, ``named_parameters`` and ``named_buffers`` enumerate the same
+    tensor objects under the same names, so the default :meth:`Loader.storage_tensors` need
+    not be walked again (a walk costs about a millisecond for a 20-layer model; this check a
+    tenth of that).  The snapshot keeps every object it compares alive, so an identity it
+    holds cannot be reused by a new object.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._modules = list({id(m): m for _, m in module.named_modules()}.values())
+        self._objects = self._now()
+
+    def _now(self) -> list[object]:
+        out: list[object] = []
+        for m in self._modules:
+            for d in (m._modules, m._parameters, m._buffers):
+                out.append(d)
+                out.extend(d)
+                out.extend(d.values())
+        return out
+
+    def same(self) -> bool:
+        now = self._now()
+        return len(now) == len(self._objects) and all(map(operator.is_, now, self._objects))
+
+
 class StorageGuard:
     """Every storage the loader may write, keyed by data pointer, with replacement checks."""
 
     def __init__(self, loader: Loader) -> None:
         self._loader = loader
+        # The default enumeration walks the module tree: an identity snapshot of the tree
+        # stands in for the walk while it holds.  An overridden enumeration is always walked.
+        self._slots = (
+            _Slots(loader.module)
+            if type(loader).storage_tensors is Loader.storage_tensors
+            else None
+        )
         self._entries: list[_Entry] = []
         protected: dict[int, StorageInfo] = {}
         for name, t in loader.storage_tensors():
@@ -103,6 +140,8 @@ class StorageGuard:
             )
         if full:
             # The same tensor objects under the same names: their storages were checked above.
+            if self._slots is not None and self._slots.same():
+                return
             now = list(self._loader.storage_tensors())
             if len(now) != len(self._entries) or any(
                 name != e.name or t is not e.tensor
@@ -113,3 +152,5 @@ class StorageGuard:
                     "a dense refit and a new prewarm are required",
                     "storage-replaced",
                 )
+            if self._slots is not None:  # the tree changed without changing the enumeration
+                self._slots = _Slots(self._loader.module)
