@@ -85,6 +85,35 @@ def test_sqlite_compare_and_set_has_one_winner_across_processes(tmp_path):
     assert record == CommitRecord(version=1, candidate=f"g7-{winners[0]}")
 
 
+def test_sqlite_reads_see_every_write_and_never_wait_for_the_write_lock(tmp_path):
+    """Endpoints watch the record several times a second: a read is a snapshot that a writer
+    holding the lock does not block, and it sees each committed write of another store."""
+    import sqlite3
+
+    path = tmp_path / "c.db"
+
+    async def main() -> None:
+        watcher, writer = SqliteCommitStore(path, timeout_s=30.0), SqliteCommitStore(path)
+        assert (await watcher.read()).epoch == 0
+        for n in range(1, 4):
+            assert await writer.claim() == n
+            assert (await watcher.read()).epoch == n
+        held = sqlite3.connect(path, isolation_level=None)
+        held.execute("BEGIN IMMEDIATE")  # another process mid-transaction
+        try:
+            with anyio.fail_after(10):  # far below the 30 s lock timeout a write would wait
+                assert (await watcher.read()).epoch == 3
+        finally:
+            held.execute("ROLLBACK")
+            held.close()
+        await watcher.close()
+        assert (await watcher.read()).epoch == 3  # reopens after close
+        await watcher.close()
+        await writer.close()
+
+    anyio.run(main)
+
+
 def test_stale_epoch_cannot_register_or_commit(tmp_path):
     async def main() -> None:
         store = SqliteCommitStore(tmp_path / "c.db")

@@ -1,18 +1,23 @@
 """The SQLite commit store: the embedded default control plane.
 
-One database file holds the commit record of any number of named policies.  Every operation is
-one ``BEGIN IMMEDIATE`` transaction (the database's write lock), and the write is an
-``UPDATE ... WHERE revision = ?`` whose row count proves no other writer got in between, so
-compare-and-set is correct across threads and processes sharing the file (WAL mode).
+One database file holds the commit record of any number of named policies.  Every operation
+that may write is one ``BEGIN IMMEDIATE`` transaction (the database's write lock), and the write
+is an ``UPDATE ... WHERE revision = ?`` whose row count proves no other writer got in between, so
+compare-and-set is correct across threads and processes sharing the file (WAL mode).  A plain
+:meth:`~SqliteCommitStore.read` is one ``SELECT`` on a kept connection: a consistent snapshot
+without the write lock, cheap enough for every endpoint to watch the record several times a
+second.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -61,6 +66,8 @@ class SqliteCommitStore(CommitStore):
         self.name = name
         self.timeout_s = timeout_s
         self._initial = record
+        self._reader: sqlite3.Connection | None = None
+        self._reader_lock = threading.Lock()
         try:
             with self._connect() as db:
                 db.execute("PRAGMA journal_mode=WAL")
@@ -82,28 +89,60 @@ class SqliteCommitStore(CommitStore):
         db = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
         return db
 
+    _SELECT = (
+        "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision, "
+        "address, lease FROM dcr_commit WHERE name = ?"
+    )
+
+    def _state(self, row: Any) -> CommitState:
+        if row is None:
+            raise CommitStoreError(f"no commit record named {self.name!r}", retryable=False)
+        return CommitState(
+            record=CommitRecord(version=row[0], candidate=row[1]),
+            epoch=row[2],
+            attempt=row[3],
+            deadline=row[4],
+            obsolete=frozenset(json.loads(row[5])),
+            info=row[6],
+            revision=row[7],
+            address=row[8],
+            lease=row[9],
+        )
+
+    def _read(self) -> CommitState:
+        """One ``SELECT`` on the kept connection (opened on first use, dropped on an error):
+        every statement runs to its end, so no read transaction stays open between calls."""
+        with self._reader_lock:
+            try:
+                if self._reader is None:
+                    self._reader = sqlite3.connect(
+                        self.path, timeout=self.timeout_s, isolation_level=None,
+                        check_same_thread=False,
+                    )  # fmt: skip
+                rows = self._reader.execute(self._SELECT, (self.name,)).fetchall()
+            except sqlite3.Error as exc:
+                self._drop_reader()
+                raise CommitStoreError(f"{self.path}: {exc}", retryable=True) from exc
+        return self._state(rows[0] if rows else None)
+
+    def _drop_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    async def read(self) -> CommitState:
+        return await anyio.to_thread.run_sync(self._read)
+
+    async def close(self) -> None:
+        with self._reader_lock:
+            self._drop_reader()
+
     def _run(self, fn: Transaction) -> CommitState:
         db = self._connect()
         try:
             db.execute("BEGIN IMMEDIATE")
-            row = db.execute(
-                "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision, "
-                "address, lease FROM dcr_commit WHERE name = ?",
-                (self.name,),
-            ).fetchone()
-            if row is None:
-                raise CommitStoreError(f"no commit record named {self.name!r}", retryable=False)
-            state = CommitState(
-                record=CommitRecord(version=row[0], candidate=row[1]),
-                epoch=row[2],
-                attempt=row[3],
-                deadline=row[4],
-                obsolete=frozenset(json.loads(row[5])),
-                info=row[6],
-                revision=row[7],
-                address=row[8],
-                lease=row[9],
-            )
+            row = db.execute(self._SELECT, (self.name,)).fetchone()
+            state = self._state(row)
             new = fn(state)
             if new is None:
                 db.execute("COMMIT")
