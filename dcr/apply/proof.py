@@ -38,7 +38,7 @@ from dcr.delta.fingerprint import (
     hash_view,
     locate,
     row_chunks,
-    sample_positions,
+    sample_positions_of,
     view_indices,
 )
 from dcr.errors import ConfigError
@@ -202,6 +202,12 @@ def receiver_proof(receiver: Receiver, request: ProofRequest) -> Proof:
     reader = StorageReader(receiver)
     tensors: list[TensorProof] = []
     excluded: list[str] = []
+    proved = {
+        name: receiver.catalog[name].numel
+        for name, path in paths.items()
+        if path.kind is not PathKind.SKIP and path.copies
+    }
+    positions = sample_positions_of(request.seed, proved, request.samples)
     with torch.no_grad():
         for name, path in paths.items():
             copies = list(path.copies)
@@ -213,8 +219,7 @@ def receiver_proof(receiver: Receiver, request: ProofRequest) -> Proof:
             spec = receiver.catalog[name]
             samples: list[int] = []
             if request.samples:
-                positions = sample_positions(request.seed, name, spec.numel, request.samples)
-                samples = _samples(reader, copies, positions)
+                samples = _samples(reader, copies, positions[name])
             count = cover = value = 0
             if request.fingerprint:
                 count, cover, value = _fingerprint(reader, spec.numel, copies, request.seed)

@@ -238,3 +238,17 @@ def test_h_is_injective_in_the_stored_bits_and_below_the_prime():
         u = t.clone()
         u.view(torch.int16)[17, 5] ^= -(1 << 15) if b == 15 else 1 << b
         assert hash_view(u, 0, u.stride(), 9) % PRIME != clean
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 64, 1000])
+def test_sample_positions_of_many_tensors_are_each_tensors_own(k: int) -> None:
+    """Endpoints batch the sample positions of every tensor they prove; each array must be
+    the one :func:`fingerprint.sample_positions` gives alone (owners and receivers compare
+    stored bits at these positions)."""
+    sizes = {"a": 1, "b": 5, "c": 64, "d": 65, "e": 10**9, "f": 3, "g": 2**40, "h": 1000}
+    many = fingerprint.sample_positions_of(11, sizes, k)
+    assert set(many) == set(sizes)
+    for name, numel in sizes.items():
+        alone = fingerprint.sample_positions(11, name, numel, k)
+        assert many[name].dtype == alone.dtype == np.int64
+        assert np.array_equal(many[name], alone), name
