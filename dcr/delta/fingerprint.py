@@ -274,6 +274,12 @@ def _mix(z: UInt64) -> UInt64:
     return z
 
 
+def _sample_start(seed: int, name: str) -> int:
+    """Where tensor ``name``'s sample sequence for ``seed`` starts (64 bits of a hash)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def sample_positions(seed: int, name: str, numel: int, k: int) -> Index:
     """The sorted, distinct sample positions of tensor ``name`` for ``seed`` (at most ``k``).
 
@@ -282,9 +288,8 @@ def sample_positions(seed: int, name: str, numel: int, k: int) -> Index:
     """
     if numel <= k:
         return np.arange(numel, dtype=np.int64)
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     z = np.arange(k, dtype=np.uint64) * _GOLDEN
-    z += np.uint64(int.from_bytes(digest, "little"))
+    z += np.uint64(_sample_start(seed, name))
     _mix(z)
     return np.unique((z % np.uint64(numel)).astype(np.int64))
 
@@ -301,15 +306,7 @@ def sample_positions_of(seed: int, tensors: Mapping[str, int], k: int) -> dict[s
     if not big or k <= 0:
         out.update((name, np.empty(0, dtype=np.int64)) for name, _ in big)
         return out
-    starts = np.array(
-        [
-            int.from_bytes(
-                hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little"
-            )
-            for name, _ in big
-        ],
-        dtype=np.uint64,
-    )
+    starts = np.array([_sample_start(seed, name) for name, _ in big], dtype=np.uint64)
     z = np.arange(k, dtype=np.uint64)[None, :] * _GOLDEN
     z = z + starts[:, None]
     _mix(z)

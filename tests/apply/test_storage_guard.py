@@ -3,7 +3,7 @@ loader's tensors or stands on its identity snapshot of the module tree."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -48,29 +48,28 @@ def _fail(message: str, check: str) -> DcrError:
     return _Failed(f"{check}: {message}")
 
 
+def _new_object(net: _Net) -> None:
+    # The same storage under a new Parameter object: only the identity check can tell.
+    net.b[0].weight = torch.nn.Parameter(net.b[0].weight.detach())
+
+
+def _into_the_dictionary(net: _Net) -> None:
+    net.a._parameters["bias"] = torch.nn.Parameter(net.a.bias.detach())
+
+
+def _added(net: _Net) -> None:
+    net.b[1].register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
+
+
 @pytest.mark.parametrize("kind", [_Plain, _Listed])
-def test_a_replaced_parameter_object_fails_the_full_check(kind: type[_Plain]) -> None:
+@pytest.mark.parametrize("change", [_new_object, _into_the_dictionary, _added])
+def test_a_replaced_or_added_parameter_fails_the_full_check(
+    kind: type[_Plain], change: Callable[[_Net], None]
+) -> None:
     net = _Net()
     guard = StorageGuard(kind(net))
     guard.check(_fail, full=True)
-    # The same storage under a new Parameter object: only the identity check can tell.
-    net.b[0].weight = torch.nn.Parameter(net.b[0].weight.detach())
-    with pytest.raises(_Failed, match="changed identity"):
-        guard.check(_fail, full=True)
-
-
-def test_a_parameter_put_in_the_dictionary_directly_fails_the_full_check() -> None:
-    net = _Net()
-    guard = StorageGuard(_Plain(net))
-    net.a._parameters["bias"] = torch.nn.Parameter(net.a.bias.detach())
-    with pytest.raises(_Failed, match="changed identity"):
-        guard.check(_fail, full=True)
-
-
-def test_an_added_parameter_fails_the_full_check() -> None:
-    net = _Net()
-    guard = StorageGuard(_Plain(net))
-    net.b[1].register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
+    change(net)
     with pytest.raises(_Failed, match="changed identity"):
         guard.check(_fail, full=True)
 
@@ -83,7 +82,7 @@ def test_a_tree_change_that_keeps_the_tensors_passes_and_is_remembered() -> None
     net.b.append(torch.nn.ReLU())
     guard.check(_fail, full=True)
     guard.check(_fail, full=True)
-    net.b[0].weight = torch.nn.Parameter(net.b[0].weight.detach())
+    _new_object(net)
     with pytest.raises(_Failed, match="changed identity"):
         guard.check(_fail, full=True)
 

@@ -85,9 +85,12 @@ class SqliteCommitStore(CommitStore):
         except sqlite3.Error as exc:
             raise CommitStoreError(f"cannot open {self.path}: {exc}", retryable=False) from exc
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
-        return db
+    def _connect(self, *, shared: bool = False) -> sqlite3.Connection:
+        """A connection in autocommit mode; ``shared`` lets other threads use it (under
+        the caller's lock)."""
+        return sqlite3.connect(
+            self.path, timeout=self.timeout_s, isolation_level=None, check_same_thread=not shared
+        )
 
     _SELECT = (
         "SELECT version, candidate, epoch, attempt, deadline, obsolete, info, revision, "
@@ -115,10 +118,7 @@ class SqliteCommitStore(CommitStore):
         with self._reader_lock:
             try:
                 if self._reader is None:
-                    self._reader = sqlite3.connect(
-                        self.path, timeout=self.timeout_s, isolation_level=None,
-                        check_same_thread=False,
-                    )  # fmt: skip
+                    self._reader = self._connect(shared=True)
                 rows = self._reader.execute(self._SELECT, (self.name,)).fetchall()
             except sqlite3.Error as exc:
                 self._drop_reader()
