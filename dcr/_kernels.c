@@ -1525,6 +1525,38 @@ static inline int64_t where_of(const Where *m, Py_ssize_t i) {
     return r == 0 ? at : -1;
 }
 
+/* where_of for entries b..b+k into at[].  A view of rows (two dimensions, the inner one of
+ * stride 1: a row-parallel rank's columns) follows its row from entry to entry -- the indices
+ * of a chunk rise, so the next entry lies in the same row or a following one -- and divides
+ * only when an entry jumps by more than a row; other geometries map entry by entry. */
+static void where_block(const Where *m, Py_ssize_t b, Py_ssize_t k, int64_t *at) {
+    if (m->pos || m->nd != 2 || m->dims[3] != 1 || m->dims[0] <= 0) {
+        for (Py_ssize_t j = 0; j < k; j++) at[j] = where_of(m, b + j);
+        return;
+    }
+    const int64_t stride = m->dims[0], rows = m->dims[1], dst_row = m->dims[2];
+    const int64_t width = m->dims[4], dst_col = m->dims[5];
+    int64_t row = 0, row_start = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        const int64_t r = m->idx[b + j] - m->src_off;
+        if (r < 0) {
+            at[j] = -1;
+            continue;
+        }
+        if (r < row_start || r - row_start >= stride) {
+            if (r >= row_start && r - row_start < 2 * stride) {
+                row++;
+                row_start += stride;
+            } else {
+                row = r / stride;
+                row_start = row * stride;
+            }
+        }
+        const int64_t col = r - row_start;
+        at[j] = row < rows && col < width ? m->dst_off + row * dst_row + col * dst_col : -1;
+    }
+}
+
 /* How far ahead rmw_core prefetches: RMW_FAR entries ahead into L2 (outside the core's few
  * L1 miss buffers, so many more lines are in flight), RMW_NEAR entries ahead into L1. */
 #define RMW_FAR 256
@@ -1639,7 +1671,7 @@ static void rmw_core(unsigned char *flat, int w, const unsigned char *vals, cons
                 continue;
             }
         }
-        for (Py_ssize_t j = 0; j < k; j++) at[j] = where_of(m, b + j);
+        where_block(m, b, k, at);
         n_written += block_of(flat, w, v, NULL, 0, 0, 0, at, k, enc, keep);
     }
     if (before) {

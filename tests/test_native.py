@@ -333,6 +333,58 @@ def test_rmw_mapped_equals_the_index_map(
     np.testing.assert_array_equal(flat, ref)
 
 
+def _mapped_reference(index: int, src_offset: int, dst_offset: int, dims: Any) -> int:
+    """Where one canonical index lands through a nested view, or -1 (digit by digit)."""
+    r = index - src_offset
+    if r < 0:
+        return -1
+    at = dst_offset
+    for stride, size, dst_stride in dims:
+        digit, r = divmod(r, stride)
+        if digit >= size:
+            return -1
+        at += digit * dst_stride
+    return at if r == 0 else -1
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["every element", "a few per row", "jumps over rows", "descending", "shuffled"],
+)
+def test_rmw_mapped_follows_rows_in_any_order(order: str) -> None:
+    """A view of rows (row-parallel columns) maps entry by entry like the digit-by-digit
+    reference, whichever way its indices move: before the view, inside one row, across
+    several rows at once, past the last row, backwards."""
+    dims = [(20, 6, 40), (1, 8, 1)]  # 6 rows of 8 columns of a 20-wide source
+    src_offset, dst_offset = 33, 5
+    rng = np.random.default_rng(7)
+    every = np.arange(0, 200, dtype=np.int64)
+    indices = {
+        "every element": every,
+        "a few per row": every[::7].copy(),
+        "jumps over rows": np.array([0, 34, 35, 78, 79, 120, 160, 199], np.int64),
+        "descending": every[::-3].copy(),
+        "shuffled": rng.permutation(every)[:90],
+    }[order]
+    n = indices.shape[0]
+    values = rng.integers(1, 65535, n, dtype=np.uint16, endpoint=True)
+    flat = np.zeros(400, np.uint16)
+    d = np.array(dims, dtype=np.int64).reshape(-1)
+    written, _ = kernels.rmw_mapped(
+        flat, indices, values, 0, n, src_offset, dst_offset, d, int(Encoding.OVERWRITE), False
+    )
+    ref = np.zeros(400, np.uint16)
+    landed = 0
+    for i, v in zip(indices.tolist(), values.tolist(), strict=True):
+        at = _mapped_reference(i, src_offset, dst_offset, dims)
+        if at >= 0:
+            ref[at] = v
+            landed += 1
+    assert landed > 0
+    assert written == landed
+    np.testing.assert_array_equal(flat.view(np.int16), ref.view(np.int16))
+
+
 def _one_by_one(flat: np.ndarray, pos: np.ndarray, values: np.ndarray, enc: Encoding) -> None:
     """Entries in order, each reading what the ones before it wrote."""
     for p, v in zip(pos.tolist(), values, strict=True):

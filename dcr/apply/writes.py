@@ -612,18 +612,27 @@ _HANDOVER_S = 0.002
 """How long a new :class:`Execution` waits for a pool worker to take up its chunks."""
 
 
-def _native_args(plan: WritePlan) -> tuple[Any, ...] | None:
-    """The plan as one of :func:`rmw_tasks`'s plans, or ``None`` when it needs Python."""
+def _native_args(plan: WritePlan) -> tuple[tuple[Any, ...], int, int] | None:
+    """The plan as one of :func:`rmw_tasks`'s plans with the range of its entries that may
+    land, or ``None`` when it needs Python.
+
+    A mapped plan's entries outside the span of its source view (another tensor-parallel
+    rank's rows, say) land nowhere: they are left out by two binary searches instead of being
+    mapped one by one in the kernel.
+    """
     if plan.blocks is not None or plan.cast is not None or plan.words is None:
         return None
     if plan.entries is None:
-        return (plan.words, plan.positions, plan.values, 0, 0, None)
-    if plan.entries.listed is None or plan.imap is None:
+        return (plan.words, plan.positions, plan.values, 0, 0, None), 0, plan.size
+    listed = plan.entries.listed
+    if listed is None or plan.imap is None:
         return None
     imap = plan.imap
+    lo = int(np.searchsorted(listed, imap.src_offset, side="left"))
+    hi = int(np.searchsorted(listed, imap.src_offset + imap.src_span, side="right"))
     dims = np.array(imap.dims, dtype=np.int64).reshape(-1)
-    return (plan.words, plan.entries.listed, plan.entries.values, imap.src_offset,
-            imap.dst_offset, dims)  # fmt: skip
+    args = (plan.words, listed, plan.entries.values, imap.src_offset, imap.dst_offset, dims)
+    return args, lo, max(lo, hi)
 
 
 class _Stage:
@@ -635,28 +644,34 @@ class _Stage:
         self.tasks: deque[Task] = deque()
         self.native: list[tuple[Any, ...]] = []
         self.owners: list[WritePlan] = []
-        sizes: list[int] = []
+        firsts: list[int] = []
+        ends: list[int] = []
         codes: list[int] = []
         for plan, encoding in stage:
-            args = _native_args(plan) if kernels is not None else None
-            if args is not None:
+            native_plan = _native_args(plan) if kernels is not None else None
+            if native_plan is not None:
+                args, first, end = native_plan
                 self.native.append(args)
                 self.owners.append(plan)
-                sizes.append(plan.size)
+                firsts.append(first)
+                ends.append(end)
                 codes.append(int(encoding))
             else:
                 self.tasks.extend(
                     (plan, encoding, a, min(a + plan.step, plan.size))
                     for a in range(0, plan.size, plan.step)
                 )
-        # Native plans are mapped or materialized: CHUNK entries per task.
-        size = np.array(sizes, dtype=np.int64)
-        counts = -(-size // CHUNK)
-        plan_of = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
-        lo = (
-            np.arange(plan_of.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        ) * CHUNK
-        hi = np.minimum(lo + CHUNK, size[plan_of])
+        # Native plans are mapped or materialized: CHUNK entries per task, over the entries
+        # that may land.
+        begin = np.array(firsts, dtype=np.int64)
+        end_of = np.array(ends, dtype=np.int64)
+        counts = -(-(end_of - begin) // CHUNK)
+        plan_of = np.repeat(np.arange(len(firsts), dtype=np.int64), counts)
+        nth = np.arange(plan_of.size, dtype=np.int64) - np.repeat(
+            np.cumsum(counts) - counts, counts
+        )
+        lo = begin[plan_of] + nth * CHUNK
+        hi = np.minimum(lo + CHUNK, end_of[plan_of])
         self.rows = np.stack([plan_of, lo, hi, np.array(codes, dtype=np.int64)[plan_of]], axis=1)
         self.state = np.zeros(2 + 2 * len(self.native), dtype=np.int64)
 

@@ -7,9 +7,19 @@ import pytest
 import torch
 from apply_helpers import catalog_of
 
+from dcr import native
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import ApplyConfig, Receiver
-from dcr.apply.writes import CHUNK, _write_numpy, _write_torch
+from dcr.apply.geometry import IndexMap
+from dcr.apply.writes import (
+    CHUNK,
+    Entries,
+    Execution,
+    WritePlan,
+    _Stage,
+    _write_numpy,
+    _write_torch,
+)
 from dcr.delta.bits import bits
 from dcr.delta.ordered import ordered, unordered
 from dcr.delta.records import Encoding, Item
@@ -87,3 +97,31 @@ def test_chunks_on_several_threads_give_the_same_bits(threads: int) -> None:
 def test_threads_must_be_positive() -> None:
     with pytest.raises(ConfigError):
         ApplyConfig(threads=0)
+
+
+@pytest.mark.skipif(native.kernels is None, reason="the C kernels are not built")
+@pytest.mark.parametrize(("first", "count"), [(0, 1000), (700, 300), (0, 350)])
+def test_a_mapped_plan_hands_out_only_the_entries_its_view_can_hold(first: int, count: int) -> None:
+    """Entries outside the span of the copy's source view (another rank's rows) land nowhere:
+    the kernels' tasks cover only the entries inside it, and the writes are those of the
+    entries in view."""
+    rng = np.random.default_rng(3)
+    flat = torch.from_numpy(rng.integers(0, 1 << 16, 200, dtype=np.uint64).astype(np.uint16))
+    before = flat.numpy().copy()
+    indices = np.arange(first, first + count, dtype=np.int64)
+    values = rng.integers(1, 1 << 16, count, dtype=np.uint64).astype(np.uint16)
+    imap = IndexMap(src_offset=400, src_span=199, dst_offset=0, dims=((1, 200, 1),))
+    plan = WritePlan(
+        label="w", flat=flat.view(torch.int16), itemsize=2, words=flat.numpy(), imap=imap,
+        entries=Entries(values=values, dtype=torch.bfloat16, listed=indices),
+    )  # fmt: skip
+    inside = (indices >= 400) & (indices < 600)
+    stage = _Stage([(plan, Encoding.XOR)])
+    covered = [e for _, lo, hi, _ in stage.rows.tolist() for e in range(lo, hi)]
+    assert covered == np.flatnonzero(inside).tolist()
+    fail = lambda message, check: ConfigError(message, check=check)  # noqa: E731
+    written = Execution([[(plan, Encoding.XOR)]], check=True, fail=fail, threads=1).finish()
+    assert written[plan] == int(inside.sum())
+    want = before.copy()
+    want[indices[inside] - 400] ^= values[inside]
+    assert np.array_equal(flat.numpy().view(np.int16), want.view(np.int16))
