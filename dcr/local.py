@@ -15,7 +15,6 @@ them, commit -- for experiments and tests that need to hold the pieces in their 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from dcr.apply.loader import Loader
 from dcr.apply.receiver import ApplyConfig, Receiver, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats
+from dcr.delta.parallel import default_threads
 from dcr.delta.records import Mode, TensorSpec
 from dcr.engine.receiver import ReceiverHooks
 from dcr.engine.setup import Integration
@@ -188,7 +188,7 @@ class _Base:
         self.xor_allowed = xor_allowed_across(self.receivers)
         self.version = 0
         self.checkpoint_bytes = sum(s.nbytes for s in self.catalog.values())
-        self.threads = self.config.threads or os.cpu_count() or 1
+        self.threads = self.config.threads or default_threads()
 
     def _report(self, stats: BuildStats, seconds: dict[str, float], **fields: Any) -> RefitReport:
         seconds["construct"] = sum(

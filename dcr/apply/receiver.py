@@ -105,10 +105,10 @@ class ApplyConfig:
     ``post_apply_checks`` (default off) re-reads every written position (paper App. A.2).
     ``placeholder`` (default NaN, the paper's default) picks the scheme for transforming paths.
     ``scratch_device`` (default: the device of the loader's first parameter) places the
-    scratch buffer.  ``threads`` (default: every core, at most 8) bounds the cores one apply
-    writes with.  ``huge_pages`` (default on) backs resident storages in host memory with
-    transparent huge pages at prewarm, where the kernel allows (:mod:`dcr.apply.pages`):
-    scattered writes then miss the TLB far less often.
+    scratch buffer.  ``threads`` (default: the CPUs the process may run on -- its affinity
+    mask -- at most 8) bounds the cores one apply writes with.  ``huge_pages`` (default on)
+    backs resident storages in host memory with transparent huge pages at prewarm, where the
+    kernel allows (:mod:`dcr.apply.pages`): scattered writes then miss the TLB far less often.
     """
 
     post_apply_checks: bool = False

@@ -15,7 +15,6 @@ cache lines are read and written while they are hot -- on up to ``threads`` core
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from dcr.apply.hook import InterceptedCopy
 from dcr.apply.scratch import torch_bits, torch_index
 from dcr.delta.bits import bits_dtype
 from dcr.delta.ordered import add_ordered, ordered, unordered
+from dcr.delta.parallel import default_threads as usable_cpus
 from dcr.delta.records import Encoding
 
 __all__ = [
@@ -409,8 +409,9 @@ _POOL_LOCK = threading.Lock()
 
 
 def default_threads() -> int:
-    """Cores one apply uses by default: every core, at most 8."""
-    return max(1, min(os.cpu_count() or 1, 8))
+    """Cores one apply uses by default: the CPUs this process may run on (its affinity
+    mask), at most 8."""
+    return min(usable_cpus(), 8)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -418,7 +419,7 @@ def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(
-                max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="dcr-apply"
+                max_workers=max(1, usable_cpus() - 1), thread_name_prefix="dcr-apply"
             )
         return _POOL
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ import torch
 
 from dcr.delta.bits import bits_dtype, numpy_bits_dtype
 from dcr.delta.owner import Owner
+from dcr.delta.parallel import default_threads
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, TensorProof
 
 __all__ = [
@@ -133,7 +133,7 @@ def _scratch_pair() -> tuple[UInt64, UInt64]:
 
 def _executor() -> ThreadPoolExecutor | None:
     global _pool
-    workers = min(_MAX_WORKERS, os.cpu_count() or 1)
+    workers = min(_MAX_WORKERS, default_threads())
     if workers < 2:
         return None
     with _pool_lock:

@@ -38,8 +38,9 @@ _running_pid = 0
 
 
 def default_threads() -> int:
-    """Worker threads construction uses when its config does not say: the CPUs this process
-    may run on (its affinity mask, so trainer ranks pinned to a few cores use those)."""
+    """The CPUs this process may run on: its affinity mask, so that a trainer rank or a
+    serving worker pinned to a few cores sizes its worker threads to those (construction,
+    apply, proofs and the engines' worker threads start from this)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity API on this platform

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import anyio
 
+from dcr.delta.parallel import default_threads
 from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
@@ -79,4 +79,4 @@ def attempt_from_json(text: str) -> AttemptInfo:
 
 def default_limiter() -> anyio.CapacityLimiter:
     """Worker threads for CPU-heavy engine work (diff, encode, zstd, decode, apply)."""
-    return anyio.CapacityLimiter(max(2, os.cpu_count() or 1))
+    return anyio.CapacityLimiter(max(2, default_threads()))

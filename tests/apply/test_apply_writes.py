@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from dcr.apply.writes import (
     _Stage,
     _write_numpy,
     _write_torch,
+    default_threads,
 )
 from dcr.delta.bits import bits
 from dcr.delta.ordered import ordered, unordered
@@ -125,3 +128,14 @@ def test_a_mapped_plan_hands_out_only_the_entries_its_view_can_hold(first: int, 
     want = before.copy()
     want[indices[inside] - 400] ^= values[inside]
     assert np.array_equal(flat.numpy().view(np.int16), want.view(np.int16))
+
+
+@pytest.mark.parametrize(("allowed", "want"), [({0}, 1), ({1, 3, 5}, 3), (set(range(16)), 8)])
+def test_apply_threads_default_to_the_cpus_the_process_may_run_on(
+    monkeypatch: pytest.MonkeyPatch, allowed: set[int], want: int
+) -> None:
+    """A serving worker pinned to a few cores of a large host writes with those, not with
+    every core of the host (and never with more than 8)."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: allowed, raising=False)
+    assert default_threads() == want
