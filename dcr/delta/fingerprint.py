@@ -284,14 +284,10 @@ def sample_positions(seed: int, name: str, numel: int, k: int) -> Index:
     """The sorted, distinct sample positions of tensor ``name`` for ``seed`` (at most ``k``).
 
     Derived from the seed and the name only, so every endpoint computes the same positions;
-    a tensor of at most ``k`` elements is sampled whole.
+    a tensor of at most ``k`` elements is sampled whole.  Element ``j`` of the sequence is
+    ``mix(start + j * golden) % numel``, ``start`` a 64-bit hash of seed and name.
     """
-    if numel <= k:
-        return np.arange(numel, dtype=np.int64)
-    z = np.arange(k, dtype=np.uint64) * _GOLDEN
-    z += np.uint64(_sample_start(seed, name))
-    _mix(z)
-    return np.unique((z % np.uint64(numel)).astype(np.int64))
+    return sample_positions_of(seed, {name: numel}, k)[name]
 
 
 def sample_positions_of(seed: int, tensors: Mapping[str, int], k: int) -> dict[str, Index]:

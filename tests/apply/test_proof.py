@@ -252,3 +252,22 @@ def test_sample_positions_of_many_tensors_are_each_tensors_own(k: int) -> None:
         alone = fingerprint.sample_positions(11, name, numel, k)
         assert many[name].dtype == alone.dtype == np.int64
         assert np.array_equal(many[name], alone), name
+        # The definition, one tensor at a time: mix(start + j * golden) % numel, distinct.
+        if numel <= k:
+            want = np.arange(numel, dtype=np.int64)
+        else:
+            z = np.arange(k, dtype=np.uint64) * fingerprint._GOLDEN
+            z += np.uint64(fingerprint._sample_start(11, name))
+            fingerprint._mix(z)
+            want = np.unique((z % np.uint64(numel)).astype(np.int64))
+        assert np.array_equal(many[name], want), name
+
+
+def test_sample_positions_do_not_change_between_releases() -> None:
+    """Endpoints of different releases compare stored bits at these positions."""
+    assert fingerprint.sample_positions(11, "e", 10**9, 5).tolist() == [
+        61758097, 346042848, 357933057, 622951679, 982725315,
+    ]  # fmt: skip
+    assert fingerprint.sample_positions(11, "g", 2**40, 3).tolist() == [
+        7595034634, 63110267821, 992687170917,
+    ]  # fmt: skip
