@@ -35,11 +35,82 @@ from dcr.errors import DcrError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
+from dcr.protocol.lifecycle import OwnerPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
 from dcr.wire.payload import PayloadHeader, encode_payload
 
 __all__ = ["OwnerService", "TrainingSide", "open_owner"]
+
+
+class _AheadBuckets(Iterator[Bucket]):
+    """A bucket iterator whose first bucket may be built before the attempt exists.
+
+    :meth:`build_first` (a worker thread, ahead of the prepare) and the first
+    :meth:`__next__` (the attempt's builder) both run the first build through one lock: the
+    first to arrive builds, the other waits for it, so neither waits on a thread that is not
+    running.  Later buckets come straight from the inner iterator.
+    """
+
+    def __init__(self, inner: Iterator[Bucket]) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._ran = False
+        self._first: Bucket | None = None
+        self._error: BaseException | None = None
+        self._interval: tuple[float, float] | None = None
+
+    def build_first(self) -> None:
+        with self._lock:
+            if self._ran:
+                return
+            self._ran = True
+            start = time.time()
+            try:
+                self._first = next(self._inner, None)
+            except BaseException as exc:  # handed to the attempt's builder
+                self._error = exc
+            self._interval = (start, time.time())
+
+    def take_interval(self) -> tuple[float, float] | None:
+        """When the first bucket's build began and ended (``time.time()``): once, after it
+        ran; ``None`` before and after."""
+        with self._lock:
+            interval, self._interval = self._interval, None
+        return interval
+
+    def __next__(self) -> Bucket:
+        if not self._ran:
+            self.build_first()
+        with self._lock:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._first is not None:
+                first, self._first = self._first, None
+                return first
+        return next(self._inner)
+
+    def close(self) -> None:
+        self._first = None
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            with contextlib.suppress(ValueError):  # executing: its builder is still inside it
+                close()
+
+
+@dataclass(slots=True)
+class _Ahead:
+    """Bucket streams started for the staged candidate before any attempt asked for them."""
+
+    staged: object
+    mode: Mode
+    streams: dict[int, tuple[Iterator[Bucket], BuildStats]]
+
+    def close(self) -> None:
+        for it, _ in self.streams.values():
+            if isinstance(it, _AheadBuckets):
+                it.close()
 
 
 class TrainingSide:
@@ -50,6 +121,10 @@ class TrainingSide:
     residual tensors gathered, across processes for a distributed group) already ran when the
     trainer staged the candidate, so construction never waits on another process.
     ``xor_allowed`` is what mixed mode may XOR-encode (the integration setup's ``xor_names``).
+
+    :meth:`build_ahead` starts the next attempt's construction before its prepare arrives:
+    the first attempt of a transition whose mode matches takes those streams over, so the
+    coordinator's round trip (prepare, proofs, acceptances) overlaps the first bucket.
     """
 
     def __init__(self, group: TrainingGroup, xor_allowed: Container[str]) -> None:
@@ -57,13 +132,59 @@ class TrainingSide:
         self.xor_allowed = xor_allowed
         self._lock = threading.Lock()
         self._streams: dict[int, dict[int, tuple[Iterator[Bucket], BuildStats]]] = {}
+        self._ahead: _Ahead | None = None
+        self._claimed: object | None = None
+        """The staged candidate an attempt's streams were started for (no build ahead)."""
 
     def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
-        """The bucket iterator of owner ``rank`` for ``attempt`` (started on first use)."""
+        """The bucket iterator of owner ``rank`` for ``attempt`` (started on first use, or
+        taken over from :meth:`build_ahead` when it built for the staged candidate in
+        ``mode``)."""
         with self._lock:
             if attempt not in self._streams:
-                self._streams[attempt] = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
+                ahead, self._ahead = self._ahead, None
+                self._claimed = self.group.staged
+                if ahead is not None and ahead.mode is mode and ahead.staged is self.group.staged:
+                    self._streams[attempt] = ahead.streams
+                else:
+                    if ahead is not None:
+                        ahead.close()
+                    self._streams[attempt] = self.group.build(
+                        mode=mode, xor_allowed=self.xor_allowed
+                    )
             return self._streams[attempt][rank][0]
+
+    def build_ahead(self, mode: Mode, rank: int) -> None:
+        """Build owner ``rank``'s first bucket of the staged candidate in ``mode`` now, in the
+        calling thread, for the attempt that will ask for it (:meth:`stream`).  Nothing is
+        built without a staged candidate; a build the attempt does not take (another mode, a
+        candidate staged again) is closed unused."""
+        with self._lock:
+            staged = self.group.staged
+            if staged is None or staged is self._claimed:
+                return  # nothing staged, or an attempt already builds it
+            ahead = self._ahead
+            if ahead is None or ahead.mode is not mode or ahead.staged is not staged:
+                if ahead is not None:
+                    ahead.close()
+                streams = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
+                ahead = self._ahead = _Ahead(
+                    staged=staged,
+                    mode=mode,
+                    streams={r: (_AheadBuckets(it), st) for r, (it, st) in streams.items()},
+                )
+            first = ahead.streams[rank][0]
+        assert isinstance(first, _AheadBuckets)
+        first.build_first()
+
+    def forget_ahead(self) -> None:
+        """Close what :meth:`build_ahead` started and no attempt took (the candidate is
+        staged again or dropped)."""
+        with self._lock:
+            ahead, self._ahead = self._ahead, None
+            self._claimed = None
+        if ahead is not None:
+            ahead.close()
 
     def dense(self, rank: int) -> Iterator[Bucket]:
         """Every element owner ``rank`` is responsible for at its committed baseline."""
@@ -105,6 +226,14 @@ class TrainingSide:
         self.group.commit(rank)
 
 
+class _BuildAhead:
+    """Local event: the trainer published a candidate; start its first bucket."""
+
+
+_AHEAD_PHASES = frozenset({OwnerPhase.IDLE, OwnerPhase.UPDATED})
+"""Owner phases between attempts: no attempt builds the staged candidate yet."""
+
+
 @dataclass(slots=True)
 class OwnerService:
     """One owner endpoint: the protocol core plus the work it asks for.
@@ -128,6 +257,10 @@ class OwnerService:
     on_sent: Callable[[PayloadKey, int], None] | None = None
     """Called with the key and size of each attempt payload the transport accepted (fault
     injection, progress, traffic reports)."""
+    build_ahead: bool = True
+    """Whether :meth:`publish` starts building the first bucket right away, in the mode of
+    the last attempt this owner was prepared for, so that the prepare's round trip overlaps
+    it (:meth:`TrainingSide.build_ahead`); an attempt in another mode builds afresh."""
     core: OwnerCore = field(init=False)
     link: EndpointLink | None = None
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
@@ -140,6 +273,8 @@ class OwnerService:
     _waiting: msg.Prepare | None = None
     """The latest prepare that arrived while no candidate was staged."""
     _updated: anyio.Event = field(default_factory=anyio.Event)
+    _mode: Mode = Mode.MIXED
+    """The mode of the last prepare: what a build ahead predicts for the next attempt."""
 
     def __post_init__(self) -> None:
         # Receivers admit payloads against the integration's catalog: a training side built
@@ -175,6 +310,7 @@ class OwnerService:
 
     async def staged(self, candidate: bool = True) -> None:
         """The trainer staged (or dropped) the next version: tell the coordinators."""
+        self.side.forget_ahead()
         self._staged = candidate
         await self._report_status()
         if candidate and self._waiting is not None:
@@ -198,6 +334,8 @@ class OwnerService:
         stage = partial(self.side.group.stage, candidate, donate=donate)
         await anyio.to_thread.run_sync(stage, limiter=self.limiter)
         await self.staged(True)
+        if self.build_ahead and self._events is not None:
+            await self._local(_BuildAhead())
         while self.core.baseline == base:
             await self._updated.wait()
             self._updated = anyio.Event()
@@ -227,6 +365,12 @@ class OwnerService:
         await self._events.send(event)
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
+        if isinstance(message, _BuildAhead):
+            if self.core.phase in _AHEAD_PHASES and self._waiting is None:
+                tg.start_soon(self._build_ahead)
+            return
+        if isinstance(message, msg.Prepare):
+            self._mode = message.info.mode
         if isinstance(message, msg.Prepare) and self.side.group.staged is None:
             # Nothing to build yet (a trainer restarted mid-transition is still computing
             # its step): the prepare waits for the candidate, bounded by the coordinator's
@@ -238,6 +382,13 @@ class OwnerService:
             return
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
+
+    async def _build_ahead(self) -> None:
+        # A failure here is the attempt's to report: it builds afresh.
+        with contextlib.suppress(DcrError):
+            await anyio.to_thread.run_sync(
+                self.side.build_ahead, self._mode, self.rank, limiter=self.limiter
+            )
 
     async def _prove(self, message: msg.Prepare) -> None:
         """This owner's proof of its committed version, computed in a worker thread."""

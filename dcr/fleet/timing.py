@@ -7,7 +7,8 @@ those calls of the owner engine and append them to the process's event file, on 
 clock every process of a host shares:
 
 * ``built`` -- one bucket: its records built (``next`` of the owner's bucket stream) and its
-  payload encoded, one worker thread, back to back;
+  payload encoded, one worker thread, back to back; a first bucket built ahead of the prepare
+  reports two, its build and its encoding;
 * ``sent`` -- carries ``start``, the moment the payload was handed to the transport (the
   owner engine reports the end);
 * ``baseline`` -- the owner's baseline update after the commit.
@@ -52,7 +53,13 @@ class _TimedBuckets(Iterator[Bucket]):
 
     def __next__(self) -> Bucket:
         self._side.begun(self._key)
-        return next(self._inner)
+        bucket = next(self._inner)
+        # A first bucket built ahead of the prepare: its build is an interval of its own.
+        take = getattr(self._inner, "take_interval", None)
+        ahead = take() if take is not None else None
+        if ahead is not None:
+            self._side.built_ahead(self._key, ahead)
+        return bucket
 
 
 class TimedTrainingSide(TrainingSide):
@@ -64,11 +71,16 @@ class TimedTrainingSide(TrainingSide):
         super().__init__(group, xor_allowed)
         self._log = log
         self._begun: dict[tuple[int, int], float] = {}
+        self._ahead_built: dict[tuple[int, int], tuple[float, float]] = {}
         self._begun_lock = threading.Lock()
 
     def begun(self, key: tuple[int, int]) -> None:
         with self._begun_lock:
             self._begun[key] = time.time()
+
+    def built_ahead(self, key: tuple[int, int], interval: tuple[float, float]) -> None:
+        with self._begun_lock:
+            self._ahead_built[key] = interval
 
     def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
         return _TimedBuckets(super().stream(attempt, mode, rank), self, (attempt, rank))
@@ -80,6 +92,9 @@ class TimedTrainingSide(TrainingSide):
         end = time.time()
         with self._begun_lock:
             start = self._begun.pop((attempt, rank), end - seconds)
+            ahead = self._ahead_built.pop((attempt, rank), None)
+        if ahead is not None:
+            self._log.emit("built", attempt=attempt, rank=rank, start=ahead[0], end=ahead[1])
         self._log.emit("built", attempt=attempt, rank=rank, start=start, end=end)
 
     def commit(self, rank: int) -> None:

@@ -1,11 +1,20 @@
-"""TrainingSide: an attempt's bucket iterators, and letting go of a stopped one."""
+"""TrainingSide: an attempt's bucket iterators, letting go of a stopped one, and the first
+bucket built ahead of the prepare."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Container, Iterator
+
+import pytest
+
 from dcr.adapters.sources import StateDictSource
-from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.owner import BuildConfig
+from dcr.delta.group import BucketStreams, LocalTrainingGroup
+from dcr.delta.owner import Bucket, BuildConfig
+from dcr.delta.records import Encoding
 from dcr.engine import TrainingSide
+from dcr.errors import LayoutError
 from dcr.protocol.types import Mode
 from dcr.testing.models import random_state_dict, tiny_config
 from dcr.testing.updates import perturb
@@ -46,3 +55,105 @@ def test_closing_an_iterator_that_ran_to_its_end_changes_nothing() -> None:
     changed = side.stats(7).changed_elements
     side.close(7, 0)
     assert side.stats(7).changed_elements == changed > 0
+
+
+# -- building the first bucket ahead of the prepare --------------------------------------------
+
+
+def _contents(buckets: list[Bucket]) -> list[tuple[bool, list[tuple[str, int, bytes, bytes]]]]:
+    """Every bucket's items as bytes: equal contents, equal bits."""
+    return [
+        (
+            b.final,
+            [(i.name, int(i.encoding), i.indices.tobytes(), i.values.tobytes()) for i in b.items],
+        )
+        for b in buckets
+    ]
+
+
+def _counting(side: TrainingSide) -> list[Mode]:
+    """The modes of every ``group.build`` the side starts, in order."""
+    builds: list[Mode] = []
+    inner = side.group.build
+
+    def build(*, mode: Mode, xor_allowed: Container[str]) -> BucketStreams:
+        builds.append(mode)
+        return inner(mode=mode, xor_allowed=xor_allowed)
+
+    side.group.build = build  # type: ignore[method-assign]
+    return builds
+
+
+@pytest.mark.parametrize("mode", [Mode.MIXED, Mode.OVERWRITE])
+def test_an_attempt_in_the_predicted_mode_takes_the_buckets_built_ahead(mode: Mode) -> None:
+    reference = _contents(list(_side().stream(1, mode, 0)))
+    side = _side()
+    builds = _counting(side)
+    side.build_ahead(mode, 0)
+    assert builds == [mode]
+    side.build_ahead(mode, 0)  # asked again (another owner of the process): no second build
+    assert builds == [mode]
+    got = _contents(list(side.stream(7, mode, 0)))
+    assert builds == [mode]  # the attempt built nothing afresh
+    assert got == reference and len(got) > 1
+    assert side.stats(7).changed_elements > 0
+    side.build_ahead(mode, 0)  # the candidate is an attempt's now: nothing more ahead
+    assert builds == [mode]
+
+
+def test_an_attempt_in_another_mode_builds_afresh_and_ends_the_build_ahead() -> None:
+    reference = _contents(list(_side().stream(1, Mode.OVERWRITE, 0)))
+    side = _side()
+    builds = _counting(side)
+    side.build_ahead(Mode.MIXED, 0)
+    got = _contents(list(side.stream(7, Mode.OVERWRITE, 0)))
+    assert builds == [Mode.MIXED, Mode.OVERWRITE]
+    assert got == reference
+    assert all(enc == int(Encoding.OVERWRITE) for _, items in got for _, enc, _, _ in items)
+
+
+def test_a_candidate_staged_again_is_not_served_from_the_old_build_ahead() -> None:
+    side = _side()
+    builds = _counting(side)
+    side.build_ahead(Mode.MIXED, 0)
+    side.forget_ahead()  # the owner engine does this whenever the trainer stages or drops
+    list(side.stream(7, Mode.MIXED, 0))
+    assert builds == [Mode.MIXED, Mode.MIXED]
+    side.group.discard()
+    side.forget_ahead()
+    side.build_ahead(Mode.MIXED, 0)  # nothing staged: nothing to build
+    assert builds == [Mode.MIXED, Mode.MIXED]
+
+
+def test_the_attempt_and_a_concurrent_build_ahead_build_the_first_bucket_once() -> None:
+    reference = _contents(list(_side().stream(1, Mode.MIXED, 0)))
+    for delay in (0.0, 0.001, 0.01, 0.05):
+        side = _side()
+        builds = _counting(side)
+        thread = threading.Thread(target=side.build_ahead, args=(Mode.MIXED, 0))
+        thread.start()  # the worker building ahead, and the prepare arriving meanwhile
+        time.sleep(delay)
+        got = _contents(list(side.stream(7, Mode.MIXED, 0)))
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert got == reference, delay
+        assert builds == [Mode.MIXED], delay
+
+
+def test_a_failure_of_the_build_ahead_surfaces_in_the_attempt() -> None:
+    side = _side()
+    inner = side.group.build
+
+    def build(*, mode: Mode, xor_allowed: Container[str]) -> BucketStreams:
+        streams = inner(mode=mode, xor_allowed=xor_allowed)
+
+        def failing() -> Iterator[Bucket]:
+            raise LayoutError("shard is gone", tensor="x")
+            yield  # pragma: no cover
+
+        return {r: (failing(), st) for r, (_, st) in streams.items()}
+
+    side.group.build = build  # type: ignore[method-assign]
+    side.build_ahead(Mode.MIXED, 0)  # does not raise: the failure is the attempt's
+    with pytest.raises(LayoutError, match="shard is gone"):
+        next(side.stream(7, Mode.MIXED, 0))
