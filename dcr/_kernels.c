@@ -1087,8 +1087,11 @@ static inline uint64_t bits_take(Bits *b, int k) {
 /* The gaps of one Rice item with k < 8 (no byte planes): the common case, one function per k
  * so that the remainder width is a constant, the remainders read through Bits.  Writes n
  * positions after `at` to out; returns a J_ status and
- * advances *g and *e past the symbols and escapes it used.  Same results as the general loop
- * of join_locations. */
+ * advances *g and *e past the symbols and escapes it used.  Same statuses as the general loop
+ * of join_locations, except that a gap of an unescaped symbol is checked at the end of the
+ * item: such a gap is below 2**15, so positions cannot wrap before an escaped gap (checked
+ * where it occurs) or the end (n < 2**40), and the last position inside the tensor puts every
+ * earlier one and every gap inside it (status J_OUTSIDE otherwise). */
 #define DEF_JOIN_SMALL(T)                                                                  \
     static int join_k##T(const unsigned char *restrict sym, size_t *g_io,                   \
                          const uint64_t *restrict esc, size_t n_esc, size_t *e_io,          \
@@ -1102,18 +1105,23 @@ static inline uint64_t bits_take(Bits *b, int k) {
         if ((T) > 0 && n > 0) bits_open(&rb, tail, tail_len, bitpos);                      \
         for (int64_t j = 0; j < n; j++) {                                                  \
             uint64_t q = sym[g++];                                                         \
+            uint64_t rem = (T) > 0 ? bits_take(&rb, (T)) : 0;                              \
             if (q == 255) {                                                                \
                 if (e >= n_esc) { status = J_SYMBOLS; break; }                             \
                 q = esc[e++];                                                              \
                 if (q > q_max) { status = J_EXCEEDS; break; }                              \
+                uint64_t big = (q << (T)) | rem;                                           \
+                if (big > gap_max) { status = J_EXCEEDS; break; }                          \
+                if (at >= limit) { status = J_OUTSIDE; break; } /* no wrap below */        \
+                at += 1 + big;                                                             \
+                if (at >= limit) { status = J_OUTSIDE; break; }                            \
+                out[j] = (int64_t)at;                                                      \
+                continue;                                                                  \
             }                                                                              \
-            uint64_t rem = (T) > 0 ? bits_take(&rb, (T)) : 0;                              \
-            uint64_t gap = (q << (T)) | rem;                                               \
-            if (gap > gap_max) { status = J_EXCEEDS; break; }                              \
-            at += 1 + gap;                                                                 \
-            if (at >= limit) { status = J_OUTSIDE; break; }                                \
+            at += 1 + ((q << (T)) | rem);                                                  \
             out[j] = (int64_t)at;                                                          \
         }                                                                                  \
+        if (status == J_OK && at >= limit) status = J_OUTSIDE;                             \
         *g_io = g;                                                                         \
         *e_io = e;                                                                         \
         return status;                                                                     \
@@ -1210,7 +1218,7 @@ static PyObject *py_join_locations(PyObject *self, PyObject *args) {
         size_t j0 = k ? st.used[k] : 0;
         if (at >= limit) { status = J_OUTSIDE; bad_item = i; break; }
         out[o++] = (int64_t)at;
-        if (k < 8) {
+        if (k < 8 && c < ((int64_t)1 << 40)) {
             const unsigned char *tail = k ? r->tail : NULL;
             size_t tail_len = k ? (size_t)remainder_bytes((Py_ssize_t)r->stream_n, k) : 0;
             status = join_small[k](sym, &g, esc, n_esc, &e, tail, tail_len,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -777,6 +777,36 @@ def test_join_locations_with_escapes_and_long_items(k: int) -> None:
     wrap[0] = np.uint64(1 << (64 - k)) if k else np.uint64(1 << 63)
     status, item = kernels.join_locations(sym, streams, wrap, *args, starts, numel, out)
     assert status == 1 and item == 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_join_locations_rejects_positions_past_the_tensor_however_they_come(k: int) -> None:
+    """Unescaped gaps are checked once, at the item's end: positions that leave the tensor
+    and an escaped gap that would wrap them around 2**64 back inside are still rejected."""
+    numel = (1 << 63) - 1
+    start = numel - 5
+    streams: list[Any] = [None] * 64
+
+    def join(symbols: list[int], escapes: list[int], remainders: int = 0) -> tuple[int, int]:
+        if k:
+            streams[k] = np.array([remainders], np.uint8)  # every remainder 0 (k = 3: 2 words)
+        n = len(symbols) + 1
+        return cast(
+            tuple[int, int],
+            kernels.join_locations(
+                np.array(symbols, np.uint8), streams, np.array(escapes, np.uint64),
+                np.array([n], np.int64), np.ones(1, np.int64), np.array([k], np.int64),
+                np.array([start], np.uint64), np.array([numel], np.int64),
+                np.empty(n, np.int64),
+            ),
+        )  # fmt: skip
+
+    # Small gaps that end past the tensor: rejected at the item's end.
+    assert join([1, 2], []) == (2, 0)
+    assert join([0, 0], []) == (0, -1)  # positions numel - 4 and - 3: inside
+    # Past the tensor, then an escaped gap as large as the tensor allows: its sum would wrap
+    # around 2**64 to a small position; it is rejected before it is added.
+    assert join([254, 255], [(numel - 1) >> k]) == (2, 0)
 
 
 @pytest.mark.parametrize("k", [0, 1, 4, 9])
