@@ -514,6 +514,9 @@ def _rows(run: dict[str, Any], rates: Sequence[float], cpus: int) -> list[dict[s
                 "phases": phases,
                 "cpu_s": cpu,
                 "cpu_share": sum(v for v in cpu.values() if v is not None) / latency / cpus,
+                # Every role shares this machine's CPUs: the window lasts at least the CPU
+                # seconds used in it spread over all of them.
+                "cpu_bound_s": sum(v for v in cpu.values() if v is not None) / cpus,
                 "attempts": max(r["attempts"] for r in timed),
                 "repeats": len(timed),
                 "bit_exact": all(r["bit_exact"] for r in timed),
@@ -549,7 +552,7 @@ def run_refit_bench(
                        model_dims=model_dims, log=log)
         for kind in transports
     ]  # fmt: skip
-    cpus = os.cpu_count() or 1
+    cpus = default_threads()  # the CPUs the fleet's processes may run on
     results = [row for run in runs for row in _rows(run, rates, cpus)]
     return {
         "layout": asdict(layout),
@@ -592,7 +595,8 @@ def format_refit_table(result: dict[str, Any]) -> str:
         )
     lines.append(
         "phases (s): stage / admit / stream / finalize | CPU s in the window: owners / "
-        f"receivers / relay / coordinator, share of {result['cpus']} CPUs"
+        f"receivers / relay / coordinator, share of {result['cpus']} CPUs, CPU bound (their "
+        "sum over the CPUs)"
     )
     for r in result["results"]:
         p, c = r["phases"], r["cpu_s"]
@@ -601,7 +605,7 @@ def format_refit_table(result: dict[str, Any]) -> str:
         lines.append(
             f"  {r['transport']:<10} {r['rate']:>4.0%}  {p['stage_s']:.2f} / "
             f"{p['admit_s']:.2f} / {p['stream_s']:.2f} / {p['finalize_s']:.2f} | {cpu}, "
-            f"{r['cpu_share']:.0%}"
+            f"{r['cpu_share']:.0%}, {r['cpu_bound_s']:.2f}s"
         )
     return "\n".join(lines)
 

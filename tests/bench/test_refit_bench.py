@@ -30,7 +30,7 @@ TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_
             num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
 FIELDS = {"transport", "rate", "model_bytes", "latency_s", "reference_s", "speedup",
           "payload_bytes", "cross_bytes", "construction_bound_s", "transport_bound_s",
-          "bound_ratio", "phases", "cpu_s", "cpu_share", "bit_exact"}  # fmt: skip
+          "bound_ratio", "phases", "cpu_s", "cpu_share", "cpu_bound_s", "bit_exact"}  # fmt: skip
 
 
 def test_covered_counts_overlaps_once_and_clips_to_the_window() -> None:
@@ -193,6 +193,9 @@ def test_a_small_run_over_the_relay_tree(tmp_path: Path) -> None:
     assert 0 < row["transport_bound_s"] <= row["latency_s"]
     assert row["speedup"] == pytest.approx(row["reference_s"] / row["latency_s"])
     assert sum(row["phases"].values()) == pytest.approx(row["latency_s"])
+    # The CPU seconds the roles used in the window, spread over the CPUs they share.
+    cpu = sum(v for v in row["cpu_s"].values() if v is not None)
+    assert cpu > 0 and row["cpu_bound_s"] == pytest.approx(cpu / result["cpus"])
     events = (tmp_path / "relay" / "run" / "events" / "coordinator.jsonl").read_text()
     assert '"dense"' not in events  # receivers loaded version 0 themselves ([model] preloaded)
     fetched = (tmp_path / "relay" / "run" / "events" / "r0.jsonl").read_text()
