@@ -922,10 +922,17 @@ static PyObject *py_value_k(PyObject *self, PyObject *args) {
     int w = (int)bv.view.itemsize;
     const unsigned char *v = bv.view.buf;
     Py_ssize_t hist[66] = {0}, m = 0;
+    int cap_bits = 64 - __builtin_clzll(cap);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i += step, m++) {
         uint64_t z = zigzag_word(load_word(v + (size_t)i * w, w), w);
-        int f = z < cap ? 0 : 64 - __builtin_clzll(z / cap);
+        /* bit_length(z / cap) without dividing: with d = bit_length(z) - bit_length(cap),
+         * the quotient has d + 1 bits when z >= cap << d (which does not overflow), else d. */
+        int f = 0;
+        if (z >= cap) {
+            int d = (64 - __builtin_clzll(z)) - cap_bits;
+            f = d + (z >= (cap << d));
+        }
         hist[f]++;
     }
     Py_END_ALLOW_THREADS

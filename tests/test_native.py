@@ -868,6 +868,22 @@ def test_join_values_unzigzags_at_word_width(level: int, word: Any, k: int) -> N
             kernels.join_values(sym, streams, esc, counts, ks, limit + np.uint64(1), out, True)
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3, 15, 255, 1000, (1 << 63) + 1, (1 << 64) - 1])
+def test_value_k_classes_each_word_as_the_bit_length_of_its_quotient(cap: int) -> None:
+    """One sampled word: k is bit_length(z // cap) (0 below the cap), at and around every
+    power-of-two multiple of the cap."""
+    from dcr.wire.split import unzigzag
+
+    zs = {0, 1, cap - 1, cap, cap + 1, (1 << 64) - 1, (1 << 63), (1 << 63) - 1}
+    for d in range(64):
+        edge = cap << d
+        zs.update(z for z in (edge - 1, edge, edge + 1) if 0 <= z < 1 << 64)
+    for z in sorted(z for z in zs if z < 1 << 64):
+        values = unzigzag(np.array([z], np.uint64))
+        expect = 0 if z < cap else (z // cap).bit_length()
+        assert kernels.value_k(values, 1, cap) == expect, z
+
+
 @pytest.mark.parametrize("word", WORDS)
 def test_value_k_equals_numpy(word: Any) -> None:
     from dcr.wire.split import value_k
