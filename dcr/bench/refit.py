@@ -361,11 +361,14 @@ def refit_timings(
                 "payload_bytes": sum(sent.values()),
                 "payloads": len(sent),
                 "cross_bytes": cross,
+                # Consecutive phases: an owner may begin building before the last one
+                # finished staging (it builds ahead of the prepare), then admission is 0.
                 "phases": {
                     "stage_s": stage_end - t0,
-                    "admit_s": first_build - stage_end,
-                    "stream_s": last_applied - first_build,
-                    "finalize_s": t1 - last_applied,
+                    "admit_s": max(first_build, stage_end) - stage_end,
+                    "stream_s": max(last_applied, first_build, stage_end)
+                    - max(first_build, stage_end),
+                    "finalize_s": t1 - max(last_applied, first_build, stage_end),
                 },
                 "transition_start_s": transitions.get(version, t0) - t0,
                 "cpu_s": cpu_by_role(events, t0, t1, owners),

@@ -88,6 +88,23 @@ def test_timings_of_a_relay_refit_from_its_events() -> None:
     assert sum(phases.values()) == pytest.approx(row["latency_s"])
 
 
+def test_phases_stay_consecutive_when_an_owner_builds_before_another_staged() -> None:
+    """o1 built its first bucket ahead of the prepare (10.15) before o0 finished staging
+    (10.2): admission is 0, streaming starts when staging ended, the phases still add up."""
+    events = [
+        e
+        for e in _events()
+        if not (e["event"] == "built" and e["who"] == "o1")
+    ] + [_event("o1", "built", 10.3, attempt=5, rank=1, start=10.15, end=10.3)]
+    (row,) = refit_timings(events, owners=("o0", "o1"), relayed=True)
+    phases = row["phases"]
+    assert phases == pytest.approx(
+        {"stage_s": 0.2, "admit_s": 0.0, "stream_s": 1.3, "finalize_s": 0.7}
+    )
+    assert min(phases.values()) >= 0
+    assert sum(phases.values()) == pytest.approx(row["latency_s"])
+
+
 def test_object_storage_adds_each_nodes_fetches_and_counts_them_as_v_cross() -> None:
     events = [e for e in _events() if e["event"] != "traffic"]
     events += [
