@@ -27,11 +27,12 @@ receiver queued it, on object storage the object and its manifest entry are stor
 object storage, each rollout node's fetches (the downloads cross the boundary there).
 
 **Where the time goes**: each refit's phases -- staging (``t0`` until every owner staged),
-admission (until the first bucket's construction starts: the coordinator's prepare and the
-proof of the base version), streaming (until the last payload is applied) and finalization
-(until ``t1``: synchronization, ACK, commit, baseline update) -- and the CPU seconds each
-role's processes used in the window (every fleet event carries its process's CPU clock),
-against the CPU seconds the machine had.
+admission (until the first bucket's construction starts; 0 when an owner began its first
+bucket ahead of the coordinator's prepare), streaming (until the last payload is applied) and
+finalization (until ``t1``: synchronization, ACK, commit, baseline update) -- and the CPU
+seconds each role's processes used in the window (every fleet event carries its process's CPU
+clock), against the CPU seconds the machine had: their sum over the CPUs is the *CPU bound*,
+below which no window on this machine can fall.
 
 **Reference** (paper §8.1 "Reference"): the transport-only full-checkpoint transfer over the
 same transport and link (:mod:`dcr.bench.reference`).  Speedup is reference time over refit
