@@ -59,7 +59,7 @@ class _LoggedSide(TrainingSide):
             self.log.append(f"build {mode.value}")
             return build(mode=mode, xor_allowed=xor_allowed)
 
-        group.build = logged  # type: ignore[method-assign]
+        group.build = logged  # type: ignore[method-assign,assignment]
 
     def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
         if attempt not in self._asked:
