@@ -11,6 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dcr.adapters.faulty import FaultReport as FaultReport
+    from dcr.adapters.faulty import Faults as Faults
     from dcr.adapters.loaders.torch_module import TorchModuleLoader as TorchModuleLoader
     from dcr.adapters.loaders.vllm import VllmLoader as VllmLoader
     from dcr.adapters.sources import ShardSource as ShardSource
@@ -35,8 +37,6 @@ if TYPE_CHECKING:
     from dcr.local import TransitionFailed as TransitionFailed
     from dcr.protocol.receiver import QueueConfig as QueueConfig
     from dcr.protocol.types import Timeouts as Timeouts
-    from dcr.testing.faults import FaultReport as FaultReport
-    from dcr.testing.faults import Faults as Faults
 
 __version__ = "0.1.0"
 
@@ -46,8 +46,8 @@ _EXPORTS = {
     "DcrError": "dcr.errors",
     "DistTrainingGroup": "dcr.delta.dist",
     "Encoding": "dcr.delta.records",
-    "FaultReport": "dcr.testing.faults",
-    "Faults": "dcr.testing.faults",
+    "FaultReport": "dcr.adapters.faulty",
+    "Faults": "dcr.adapters.faulty",
     "Item": "dcr.delta.records",
     "Loader": "dcr.apply.loader",
     "LocalRefit": "dcr.local",

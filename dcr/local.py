@@ -7,7 +7,7 @@ transition, talking over in-memory adapters (control channel, transport) and a c
 ``v -> v+1``: construction -> payload bytes -> strict decode -> in-place apply through each
 receiver's native loader -> completion ACKs -> compare-and-set commit -> in-place baseline
 update, with overwrite retries when something fails (see ``docs/protocol.md``).  Faults can be
-injected (:class:`~dcr.testing.faults.Faults`) to watch recovery.
+injected (:class:`~dcr.adapters.faulty.Faults`) to watch recovery.
 
 :class:`DataPlane` is the data plane alone (no protocol, no retries): build payloads, apply
 them, commit -- for experiments and tests that need to hold the pieces in their hands.
@@ -28,6 +28,7 @@ import anyio.from_thread
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.commit.memory import MemoryCommitStore
 from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.faulty import FaultReport, Faults
 from dcr.adapters.registry import load
 from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
@@ -37,14 +38,13 @@ from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats
 from dcr.delta.parallel import default_threads
 from dcr.delta.records import Mode, TensorSpec
+from dcr.engine.cluster import AttemptSummary, LocalCluster, TransitionResult
 from dcr.engine.receiver import ReceiverHooks
 from dcr.engine.setup import Integration
 from dcr.errors import ConfigError, DcrError
 from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
-from dcr.testing.cluster import AttemptSummary, LocalCluster, TransitionResult
-from dcr.testing.faults import FaultReport, Faults
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import DecodeLimits, PayloadHeader, ValueLayout

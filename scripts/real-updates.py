@@ -22,8 +22,8 @@ import torch
 
 from dcr import StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.local import DataPlane
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.updates import perturb
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 
 BF16 = torch.bfloat16
 

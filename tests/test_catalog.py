@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.apply.receiver import Receiver
 from dcr.catalog import (
     INDEX_FILE,
@@ -26,9 +27,8 @@ from dcr.catalog import (
 )
 from dcr.delta.records import TensorSpec
 from dcr.errors import CheckpointError, ConfigError
-from dcr.testing.hf import WEIGHTS_FILE, write_checkpoint
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.hf import WEIGHTS_FILE, write_checkpoint
 
 FAMILY = "qwen3_moe"
 

@@ -1,6 +1,7 @@
-"""Product layers never import test scaffolding, the in-process fleet, the demo, benchmarks or
-the CLI (ARCHITECTURE.md §3, STYLE.md): checked on the source, every import statement of every
-module, including those inside functions and ``TYPE_CHECKING`` blocks."""
+"""The product never imports its test scaffolding, and the lower layers never import the layers
+above them (docs/architecture.md, "Layers"): checked on the source, every import statement of
+every module, including those inside functions and ``TYPE_CHECKING`` blocks, and every string
+that names a module (adapter registry targets, lazy exports)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "dcr"
-PRODUCT = ("delta", "wire", "apply", "protocol", "engine", "adapters")
-FORBIDDEN = ("dcr.testing", "dcr.local", "dcr.demo", "dcr.bench", "dcr.cli")
+LOWER = ("delta", "wire", "apply", "protocol", "engine", "adapters")
+FORBIDDEN = ("dcr.testing", "dcr.local", "dcr.demo", "dcr.bench", "dcr.cli", "dcr.fleet", "dcr.rl")
+"""What the lower layers never import."""
+SCAFFOLDING = "dcr.testing"
+"""What no product module imports: every module under ``dcr/`` but ``dcr/testing/``."""
 
 
 def _module_name(path: Path) -> str:
@@ -41,19 +45,54 @@ def imported_modules(source: str, module: str, *, is_package: bool = False) -> I
             yield from (f"{target}.{alias.name}" for alias in node.names)
 
 
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(f"{prefix}.")
+
+
 def _forbidden(name: str) -> bool:
-    return any(name == f or name.startswith(f"{f}.") for f in FORBIDDEN)
+    return any(_under(name, f) for f in FORBIDDEN)
+
+
+def _lower_modules() -> list[Path]:
+    return sorted(p for layer in LOWER for p in (ROOT / layer).rglob("*.py"))
 
 
 def _product_modules() -> list[Path]:
-    return sorted(p for layer in PRODUCT for p in (ROOT / layer).rglob("*.py"))
+    """Every module of the package but the test scaffolding (``dcr/testing/``)."""
+    testing = ROOT / "testing"
+    return sorted(p for p in ROOT.rglob("*.py") if testing not in p.parents)
+
+
+def named_modules(source: str) -> Iterator[str]:
+    """Module paths named in string constants: ``"dcr.x.y"`` or ``"dcr.x.y:Attr"`` (registry
+    targets, lazy exports, ``importlib`` calls), docstrings left out."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) in docstrings:
+                continue
+            for word in node.value.replace(",", " ").split():
+                word = word.strip("'\"`()")
+                if word.startswith("dcr."):
+                    yield word.partition(":")[0]
 
 
 def test_the_scan_sees_every_layer() -> None:
-    modules = {_module_name(p) for p in _product_modules()}
-    for layer in PRODUCT:
+    modules = {_module_name(p) for p in _lower_modules()}
+    for layer in LOWER:
         assert f"dcr.{layer}" in modules
     assert "dcr.engine.coordinator" in modules and "dcr.adapters.registry" in modules
+    product = {_module_name(p) for p in _product_modules()}
+    assert {"dcr", "dcr.local", "dcr.fleet.owner", "dcr.bench.refit", "dcr.models"} <= product
+    assert not any(_under(m, SCAFFOLDING) for m in product)
 
 
 @pytest.mark.parametrize(
@@ -78,15 +117,41 @@ def test_the_scan_catches_forbidden_imports(
     assert any(_forbidden(n) for n in names) is bad, names
 
 
-def test_product_layers_import_no_scaffolding() -> None:
+@pytest.mark.parametrize(
+    ("source", "names"),
+    [
+        ('X = ("loader", "reference", "dcr.testing.reference:Loader")', ["dcr.testing.reference"]),
+        ('_EXPORTS = {"Faults": "dcr.testing.faults"}', ["dcr.testing.faults"]),
+        ('def f():\n    """Uses dcr.testing.cluster."""', []),
+        ('"""See dcr.testing.spec."""', []),
+        ("import_module('dcr.testing.models')", ["dcr.testing.models"]),
+    ],
+)
+def test_the_scan_reads_module_names_in_strings(source: str, names: list[str]) -> None:
+    assert list(named_modules(source)) == names
+
+
+def test_lower_layers_import_no_upper_layer() -> None:
     offenders = [
         f"{path.relative_to(ROOT.parent)}: {name}"
-        for path in _product_modules()
+        for path in _lower_modules()
         for name in imported_modules(
             path.read_text(), _module_name(path), is_package=path.name == "__init__.py"
         )
         if _forbidden(name)
     ]
-    assert not offenders, "product layers import test scaffolding or entry points:\n" + "\n".join(
+    assert not offenders, "lower layers import upper layers or test scaffolding:\n" + "\n".join(
         offenders
     )
+
+
+def test_no_product_module_imports_the_test_scaffolding() -> None:
+    offenders = []
+    for path in _product_modules():
+        source = path.read_text()
+        module = _module_name(path)
+        imported = imported_modules(source, module, is_package=path.name == "__init__.py")
+        for name in [*imported, *named_modules(source)]:
+            if _under(name, SCAFFOLDING):
+                offenders.append(f"{path.relative_to(ROOT.parent)}: {name}")
+    assert not offenders, "product modules use dcr.testing:\n" + "\n".join(offenders)

@@ -1,5 +1,5 @@
 """``import dcr``: a curated, lazily imported public API that never pulls in vendor libraries
-(ARCHITECTURE.md §3)."""
+(docs/architecture.md, "Layers")."""
 
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ def test_every_public_name_resolves() -> None:
 
 
 def test_added_exports_come_from_their_modules() -> None:
+    from dcr.adapters.faulty import FaultReport
     from dcr.adapters.loaders.vllm import VllmLoader
     from dcr.delta.dist import DistTrainingGroup
     from dcr.delta.group import LocalTrainingGroup, TrainingGroup
     from dcr.protocol.receiver import QueueConfig
     from dcr.protocol.types import Timeouts
-    from dcr.testing.faults import FaultReport
 
     assert dcr.Timeouts is Timeouts
     assert dcr.QueueConfig is QueueConfig

@@ -71,7 +71,7 @@ for _kind, _name, _target, _install in (
     ("control", "memory", "dcr.adapters.control.memory:MemoryControl", None),
     ("control", "zmq", "dcr.adapters.control.zmq:ZmqControl", "pip install 'dcr[zmq]'"),
     ("loader", "torch", "dcr.adapters.loaders.torch_module:TorchModuleLoader", None),
-    ("loader", "reference", "dcr.testing.reference:ShardedReferenceLoader", None),
+    ("loader", "reference", "dcr.adapters.loaders.reference:ShardedReferenceLoader", None),
     ("loader", "vllm", "dcr.adapters.loaders.vllm:VllmLoader", "pip install 'dcr[vllm]'"),
     ("transport", "memory", "dcr.adapters.transport.memory:MemoryTransport", None),
     ("transport", "directory", "dcr.adapters.transport.directory:DirectoryTransport", None),

@@ -3,8 +3,8 @@
 The receiver never interprets model structure; it only reads the geometry of the views the
 native loader copies between (storage offset, sizes, strides).  From that geometry it maps an
 item's flat canonical indices straight to destination positions (the sparse path of
-ARCHITECTURE §5, "Beyond the paper") and computes the byte footprint of every write for the
-overlap rules of paper App. A.2 ("Write overlap").
+``docs/architecture.md``, "Receiver data plane") and computes the byte footprint of every
+write for the overlap rules of paper App. A.2 ("Write overlap").
 """
 
 from __future__ import annotations

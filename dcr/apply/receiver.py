@@ -8,9 +8,9 @@ so the receiver ends with the bits a dense load of the new checkpoint gives -- a
 no placement rule of any model.
 
 On bit-preserving paths the item's flat indices are mapped through each copy's source view
-directly to destination positions (ARCHITECTURE §5, "Beyond the paper"): no scratch fill, no
-pass over the tensor, cost proportional to the entries.  Transforming paths fill scratch with
-the NaN placeholder and mask the loader's transformed copy input.
+directly to destination positions (``docs/architecture.md``, "Receiver data plane"): no
+scratch fill, no pass over the tensor, cost proportional to the entries.  Transforming paths
+fill scratch with the NaN placeholder and mask the loader's transformed copy input.
 
 A payload is applied all or nothing: every item is admitted first (catalog, bounds, order,
 encodings, overlaps), then the loader runs once per name and encoding of the payload -- items

@@ -20,10 +20,11 @@ After the last apply every rank's stored bits are compared (integer views) with 
 the new version; a mismatch raises :class:`NotBitExact`.
 
 Receivers: ``torch`` (a :class:`~dcr.adapters.loaders.torch_module.TorchModuleLoader` over a
-plain module), ``reference-tp2`` (:class:`~dcr.testing.reference.ShardedReferenceLoader`, two
-serving ranks: fused QKV and gate/up, vocabulary padding, an fp32 final norm), and ``vllm``
-(vLLM's model class through :class:`~dcr.adapters.loaders.vllm.VllmLoader`, when ``vllm`` is
-importable; otherwise skipped with a note).
+plain module), ``reference-tp2``
+(:class:`~dcr.adapters.loaders.reference.ShardedReferenceLoader`, two serving ranks: fused QKV
+and gate/up, vocabulary padding, an fp32 final norm), and ``vllm`` (vLLM's model class through
+:class:`~dcr.adapters.loaders.vllm.VllmLoader`, when ``vllm`` is importable; otherwise skipped
+with a note).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import ApplyConfig, Loader, Receiver, xor_allowed_across
 from dcr.bench.construct import synthetic_config
@@ -47,10 +49,9 @@ from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import Mode, TensorSpec
-from dcr.testing.models import random_state_dict
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.reference import ShardedReferenceModel
-from dcr.testing.updates import perturb
+from dcr.models.families import random_state_dict
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import Payload, PayloadHeader, ValueLayout
@@ -79,7 +80,7 @@ def _receivers(
         if kind == "torch":
             loaders = [TorchModuleLoader(module_from_state_dict(base))]
         elif kind == "reference-tp2":
-            from dcr.testing.reference import ShardedReferenceLoader
+            from dcr.adapters.loaders.reference import ShardedReferenceLoader
 
             loaders = [
                 ShardedReferenceLoader(ShardedReferenceModel(cfg, FAMILY, tp_size=2, tp_rank=r))
@@ -87,7 +88,7 @@ def _receivers(
             ]
         elif kind == "vllm":
             from dcr.adapters.loaders.vllm import VllmLoader, build_vllm_model, vllm_distributed
-            from dcr.testing.hf import write_checkpoint
+            from dcr.models.hf import write_checkpoint
 
             # vLLM logs to stdout unless told not to configure logging: keep --json clean.
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

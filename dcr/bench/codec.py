@@ -25,7 +25,7 @@ from dcr.delta.bits import bits
 from dcr.delta.entropy import gap_xor_floor_bytes, item_gaps, order0_bits
 from dcr.delta.ordered import ulp_delta
 from dcr.delta.records import Encoding, Item
-from dcr.testing.models import canonical_shapes, tiny_config
+from dcr.models.families import canonical_shapes, tiny_config
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout
@@ -253,7 +253,7 @@ def run_layout_bench(
     Compares the two wire layouts of format version 1 with per-item byte planes (the same item
     table, but each item's gaps and values planed on their own, item after item), the
     alternative the byte-plane layout was chosen over.  ``config`` overrides fields of
-    :func:`dcr.testing.models.tiny_config`.
+    :func:`dcr.models.families.tiny_config`.
     """
     cfg = tiny_config("qwen3_moe", **config)
     gen = torch.Generator().manual_seed(seed)

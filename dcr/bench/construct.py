@@ -42,8 +42,8 @@ from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig, BuildStats
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
-from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
-from dcr.testing.updates import perturb
+from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
+from dcr.models.updates import perturb
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader, ValueLayout
 

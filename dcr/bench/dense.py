@@ -41,7 +41,7 @@ from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import TensorSpec
-from dcr.testing.models import random_state_dict
+from dcr.models.families import random_state_dict
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.adapters.sources.state_dict import StateDictSource
 from dcr.apply.proof import receiver_proof
@@ -26,11 +27,10 @@ from dcr.apply.receiver import Receiver
 from dcr.delta.fingerprint import owner_proof
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 from dcr.protocol.proof import ProofRequest, judge
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.testing.updates import perturb
 
 __all__ = ["KINDS", "corrupt", "run_proof_bench"]
 

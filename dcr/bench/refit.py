@@ -422,10 +422,10 @@ def _run_transport(
     model_dims: Mapping[str, int] | None,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
+    from dcr.adapters.s3server import SeaweedServer
     from dcr.bench.reference import run_reference
     from dcr.fleet.config import load_fleet
     from dcr.fleet.launcher import Launcher
-    from dcr.testing.s3servers import SeaweedServer
 
     steps = schedule(rates, repeats)
     with contextlib.ExitStack() as stack:

@@ -5,7 +5,7 @@ of the shard (flat, C order) lands at canonical element ``(name, k)`` with the s
 unchanged.  Mappings are pure integer arithmetic, vectorized over index arrays, so an owner
 projects only its changed elements and never assembles a canonical tensor.
 
-Mapping classes (ARCHITECTURE.md §4): :class:`Direct`, :class:`Replicated`,
+Mapping classes (``docs/architecture.md``, "Data plane"): :class:`Direct`, :class:`Replicated`,
 :class:`ColumnParallel` (split dim 0, optional vocabulary padding), :class:`RowParallel` (split
 dim 1), :class:`GatedMLP` (Megatron ``fc1 = [gate_r; up_r]``), :class:`FusedQKV` (a per-element
 permutation of Megatron's per-query-group ``[q heads..., k, v]`` rows), :class:`PerExpert`

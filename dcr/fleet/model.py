@@ -1,8 +1,8 @@
 """What every fleet process derives from the fleet file's ``[model]`` section.
 
-The demo fleet trains a synthetic checkpoint (:class:`~dcr.testing.synthetic.SyntheticRun`)
+The demo fleet trains a synthetic checkpoint (:class:`~dcr.models.synthetic.SyntheticRun`)
 and serves it from vLLM-like sharded reference ranks
-(:class:`~dcr.testing.reference.ShardedReferenceModel`).  Each process computes only its
+(:class:`~dcr.adapters.loaders.reference.ShardedReferenceModel`).  Each process computes only its
 part: a trainer rank its shards, a receiver nothing but its digests, the launcher the
 canonical tensors it checks receivers against.
 
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.apply.receiver import Receiver, xor_allowed_across
 from dcr.catalog import read_catalog, read_config
 from dcr.delta.bits import bits, dtype_name
@@ -33,9 +34,8 @@ from dcr.delta.records import TensorSpec
 from dcr.engine.setup import Integration
 from dcr.errors import CheckpointError, ConfigError
 from dcr.fleet.config import FleetConfig, ReceiverSpec
-from dcr.testing.models import FAMILIES, canonical_shapes, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.testing.synthetic import SyntheticRun
+from dcr.models.families import FAMILIES, canonical_shapes, tiny_config
+from dcr.models.synthetic import SyntheticRun
 
 __all__ = ["FleetModel", "digests", "sized_config"]
 

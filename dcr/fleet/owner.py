@@ -7,7 +7,7 @@ returns once the version is committed and the owner's baseline moved to it.  The
 change-flag OR-reduce and the residual gather run in the trainer's own group
 (:class:`~dcr.delta.dist.DistTrainingGroup`).
 
-The demo trainer is synthetic (:class:`~dcr.testing.synthetic.SyntheticRun`): step ``k``
+The demo trainer is synthetic (:class:`~dcr.models.synthetic.SyntheticRun`): step ``k``
 updates about ``rate`` of the elements, deterministically.  Like a real trainer it writes a
 checkpoint of its shards after each committed step (``<run_dir>/trainer/o<rank>.npz``, bit
 patterns only), and a rank restarted after a crash resumes from it at the committed version
@@ -41,8 +41,8 @@ from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
+from dcr.models.synthetic import held_by
 from dcr.protocol.types import PayloadKey
-from dcr.testing.synthetic import held_by
 
 __all__ = ["run_owner"]
 

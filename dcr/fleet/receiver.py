@@ -26,6 +26,7 @@ from typing import Literal
 import anyio
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
@@ -36,7 +37,6 @@ from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.timing import time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
-from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 
 __all__ = ["run_receiver"]
 

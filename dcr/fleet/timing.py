@@ -22,9 +22,9 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Container, Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 
-from dcr.adapters.transport.base import Delivery, Transport, TransportStats
+from dcr.adapters.transport.base import Transport, TransportWrapper
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.objstore import (
     PAYLOADS,
@@ -103,14 +103,12 @@ class TimedTrainingSide(TrainingSide):
         self._log.emit("baseline", rank=rank, start=start, end=time.time())
 
 
-class TimedSends(Transport):
+class TimedSends(TransportWrapper):
     """Delegates to ``inner`` and remembers when each payload was handed over
     (:meth:`started`), so that the owner's ``sent`` report can carry its interval."""
 
     def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.arrival_grace_s = inner.arrival_grace_s
-        self.receiver_window = inner.receiver_window
+        super().__init__(inner)
         self._started: dict[PayloadKey, float] = {}
 
     def started(self, key: PayloadKey) -> float | None:
@@ -123,27 +121,9 @@ class TimedSends(Transport):
         if to is None:
             self._started[key] = start
 
-    async def stop_and_wait(self, attempt: int) -> None:
-        await self.inner.stop_and_wait(attempt)
-
     async def cleanup(self, attempt: int) -> None:
         self._started = {k: t for k, t in self._started.items() if k.attempt != attempt}
         await self.inner.cleanup(attempt)
-
-    def subscribe(self, receiver: str) -> AsyncIterator[Delivery]:
-        return self.inner.subscribe(receiver)
-
-    def unsubscribe(self, receiver: str) -> None:
-        self.inner.unsubscribe(receiver)
-
-    async def taken(self, receiver: str, key: PayloadKey) -> None:
-        await self.inner.taken(receiver, key)
-
-    def stats(self) -> TransportStats:
-        return self.inner.stats()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class TimedFetches(ObjectBackend):

@@ -11,8 +11,9 @@ Four lifecycles share one trigger vocabulary:
 
 :data:`EDGES` is the single table of legal ``(source, trigger, dest)`` triples.  The state
 machines in :mod:`dcr.protocol.machine` are built from it, the diagram in ``docs/protocol.md``
-is drawn from it, and the model checker in :mod:`dcr.testing.spec` moves its phases through
-it.  The TLA+ specification in ``models/refit.tla`` names one action per trigger.
+is drawn from it, and the test suite's model checker (the Python mirror of the TLA+
+specification) moves its phases through it.  The TLA+ specification in ``models/refit.tla``
+names one action per trigger.
 """
 
 from __future__ import annotations

@@ -21,17 +21,17 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from dcr.adapters.faulty import Faults
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.bits import bits
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
 from dcr.local import LocalRefit, RefitConfig
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb, special_patterns
 from dcr.protocol.types import Mode
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.faults import Faults
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.updates import perturb, special_patterns
 
 __all__ = ["FAULT_RULES", "RefitMachine"]
 

@@ -82,7 +82,7 @@ FLAGS_KNOWN = FLAG_FINAL | FLAG_BLAKE3
 _FLAGS = struct.Struct("<H")
 DIGEST_SIZE = 16
 DEFAULT_LEVEL = 1
-"""zstd level of :func:`~dcr.wire.encode.encode_payload` (ARCHITECTURE.md §10)."""
+"""zstd level of :func:`~dcr.wire.encode.encode_payload` (``docs/architecture.md``, "Defaults")."""
 
 HEADER_FIELDS = struct.Struct("<4sHHQIIBBHiIIQQ")
 """The fixed header up to the digest: magic, version, flags, attempt, owner, payload id, codec,

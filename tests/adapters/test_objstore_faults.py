@@ -15,17 +15,17 @@ import pytest
 
 from dcr import LocalRefit, StateDictSource, TrainLayout
 from dcr.adapters.commit.s3 import S3CommitStore
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.transport.objstore import ObjectStoreConfig, ObjectStoreTransport
 from dcr.adapters.transport.s3 import S3Backend, S3Options
 from dcr.delta.owner import BuildConfig
 from dcr.local import RefitConfig
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb
 from dcr.protocol.types import CommitRecord
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
 from dcr.testing.s3servers import S3Endpoint
 from dcr.testing.storage_faults import FaultyBackend, StorageFaults
-from dcr.testing.updates import perturb
 
 FAMILY = "llama"
 SERVING = (1, 2)

@@ -364,12 +364,12 @@ def test_local_refit_over_a_directory_by_name() -> None:
     """``LocalRefit(transport="directory")``: the embedded default object store, a temporary
     directory removed when the refit closes; receivers end bit-exact."""
     from dcr import LocalRefit, StateDictSource, TrainLayout
+    from dcr.adapters.loaders.reference import ShardedReferenceLoader
     from dcr.delta.owner import BuildConfig
     from dcr.local import RefitConfig
-    from dcr.testing.compare import module_bit_mismatches
-    from dcr.testing.models import random_state_dict, tiny_config
-    from dcr.testing.reference import ShardedReferenceLoader
-    from dcr.testing.updates import perturb
+    from dcr.models.compare import module_bit_mismatches
+    from dcr.models.families import random_state_dict, tiny_config
+    from dcr.models.updates import perturb
 
     cfg = tiny_config("qwen3")
     w0 = random_state_dict(cfg, "qwen3", seed=3)

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.bits import bits, changed_indices
 from dcr.delta.records import Encoding, Item, TensorSpec
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
+from dcr.models.families import random_state_dict, tiny_config
 
 # Bit patterns float comparisons get wrong: ±0, NaN payloads (quiet, signalling, negative),
 # ±inf, subnormals.

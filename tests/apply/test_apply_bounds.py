@@ -21,8 +21,8 @@ from dcr.apply import ApplyReport, Receiver
 from dcr.delta.bits import bits, numpy_bits_dtype
 from dcr.delta.records import Encoding, Item
 from dcr.errors import PayloadRejected
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.updates import apply_to_state_dict
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import apply_to_state_dict
 
 FAMILY = "llama"
 CONFIG = tiny_config(FAMILY)

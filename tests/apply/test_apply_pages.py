@@ -16,7 +16,7 @@ from dcr.apply.pages import HUGE_PAGE, advise_huge_pages
 from dcr.delta.bits import bits
 from dcr.delta.ordered import ulp_delta
 from dcr.delta.records import Encoding, Item, TensorSpec
-from dcr.testing.modules import module_from_state_dict
+from dcr.models.modules import module_from_state_dict
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -18,12 +18,12 @@ from apply_helpers import (
     update,
 )
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, padded_vocab
 from dcr.apply import ApplyConfig, CopyStrategy, PathKind, PlaceholderScheme, Receiver
 from dcr.apply.receiver import xor_allowed_across
 from dcr.delta.bits import bits
 from dcr.delta.records import Encoding, Item
-from dcr.testing.models import FAMILIES
-from dcr.testing.reference import ShardedReferenceLoader, padded_vocab
+from dcr.models.families import FAMILIES
 
 TP_SIZES = (1, 2, 3, 4)
 

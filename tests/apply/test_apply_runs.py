@@ -33,8 +33,8 @@ from dcr.delta.bits import bits
 from dcr.delta.ordered import ULP_DTYPES, ulp_delta
 from dcr.delta.records import Encoding, Item, Span
 from dcr.errors import LoaderConditionViolated, PayloadRejected
-from dcr.testing.models import FAMILIES
-from dcr.testing.modules import module_from_state_dict
+from dcr.models.families import FAMILIES
+from dcr.models.modules import module_from_state_dict
 
 pytestmark = pytest.mark.usefixtures("both_paths")
 

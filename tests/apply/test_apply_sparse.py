@@ -1,4 +1,5 @@
-"""The sparse path: apply cost follows the entries, not the tensor (ARCHITECTURE §5)."""
+"""The sparse path: apply cost follows the entries, not the tensor (docs/architecture.md,
+"Receiver data plane")."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dcr.delta.bits import bits
 from dcr.delta.ordered import ulp_delta
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import LoaderConditionViolated
-from dcr.testing.modules import module_from_state_dict
+from dcr.models.modules import module_from_state_dict
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")

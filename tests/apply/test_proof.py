@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dcr import StateDictSource, TrainLayout
+from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
 from dcr.bench.proof import KINDS, corrupt
@@ -23,9 +24,8 @@ from dcr.delta import fingerprint
 from dcr.delta.fingerprint import element_hashes, h_reference, hash_view, owner_proof
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.records import TensorSpec
+from dcr.models.families import random_state_dict, tiny_config
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, judge
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader, ShardedReferenceModel
 
 A_LOG = "model.layers.0.mixer.A_log"
 EXTRA = {A_LOG: TensorSpec(name=A_LOG, shape=(8,), dtype=torch.float32)}

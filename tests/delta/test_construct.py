@@ -17,8 +17,8 @@ from dcr.delta.owner import BuildConfig
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import LayoutError
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.updates import apply_to_state_dict, perturb, special_patterns
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import apply_to_state_dict, perturb, special_patterns
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_dist_group import canonical_of, scaled_plan
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.loader import Loader
 from dcr.apply.receiver import Receiver
@@ -17,11 +18,10 @@ from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.errors import DcrError
-from dcr.testing.compare import bit_mismatches, module_bit_mismatches
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.updates import perturb
+from dcr.models.compare import bit_mismatches, module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader

@@ -28,8 +28,8 @@ from dcr.delta.owner import BuildConfig
 from dcr.delta.records import Encoding, Mode, TensorSpec
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import DcrError
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.updates import perturb
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb
 
 LAYOUT = TrainLayout(tp=2, dp=2)
 SMALL = BuildConfig(chunk_bytes=16 << 10, bucket_bytes=32 << 10)  # several buckets per owner

@@ -13,7 +13,7 @@ from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import TrainLayout
 from dcr.delta.records import Encoding, Item, Mode
 from dcr.errors import ConfigError
-from dcr.testing.updates import apply_to_state_dict
+from dcr.models.updates import apply_to_state_dict
 
 LAYOUT = TrainLayout(tp=2, dp=2)
 

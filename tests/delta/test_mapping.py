@@ -27,7 +27,7 @@ from dcr.delta.mapping import (
 )
 from dcr.delta.records import TensorSpec
 from dcr.errors import LayoutError
-from dcr.testing.models import canonical_shapes, tiny_config
+from dcr.models.families import canonical_shapes, tiny_config
 
 
 def coded(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -24,8 +24,8 @@ from dcr.delta.owner import BuildConfig, BuildStats
 from dcr.delta.parallel import ordered_map
 from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.errors import ConfigError
-from dcr.testing.models import canonical_shapes, random_state_dict, tiny_config
-from dcr.testing.updates import apply_to_state_dict, perturb, special_patterns
+from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
+from dcr.models.updates import apply_to_state_dict, perturb, special_patterns
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")

@@ -28,11 +28,11 @@ from dcr.engine import (
     open_owner,
     open_receiver,
 )
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 from dcr.protocol.types import Mode, Timeouts
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.updates import perturb
 
 pytestmark = pytest.mark.anyio
 

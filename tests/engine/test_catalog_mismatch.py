@@ -34,11 +34,11 @@ from dcr.engine import (
     open_receiver,
 )
 from dcr.errors import ConfigError
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import perturb
 from dcr.protocol import messages as msg
 from dcr.protocol.types import Timeouts
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.modules import module_from_state_dict
-from dcr.testing.updates import perturb
 
 pytestmark = pytest.mark.anyio
 

@@ -19,6 +19,7 @@ import torch
 
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.control import MemoryControl
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.receiver import Receiver, xor_allowed_across
@@ -35,12 +36,11 @@ from dcr.engine import (
     open_owner,
     open_receiver,
 )
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb
 from dcr.protocol import commands as cmd
 from dcr.protocol.types import CommitRecord, Mode, Timeouts, TransitionOutcome
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.updates import perturb
 
 FAMILY = "qwen3"
 SERVING = (1, 2)

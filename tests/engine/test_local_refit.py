@@ -10,17 +10,17 @@ import torch
 
 from dcr import LocalRefit, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.commit import SqliteCommitStore
+from dcr.adapters.faulty import Faults
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.bits import bits
 from dcr.delta.owner import BuildConfig
 from dcr.engine.receiver import ReceiverHooks
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig, TransitionFailed
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb, special_patterns
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import Mode, TransitionOutcome
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.faults import Faults
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.updates import perturb, special_patterns
 
 SMALL = BuildConfig(chunk_bytes=4096, bucket_bytes=8192)  # several payloads per owner
 
@@ -206,7 +206,7 @@ def test_rejected_prepare_ends_the_transition_and_changes_nothing():
 
 def test_plain_modules_and_overwrite_mode():
     sd = {"a": torch.randn(300, 7).to(torch.bfloat16), "b": torch.randn(41)}
-    from dcr.testing.modules import module_from_state_dict
+    from dcr.models.modules import module_from_state_dict
 
     mods = [module_from_state_dict(sd) for _ in range(2)]
     with LocalRefit(

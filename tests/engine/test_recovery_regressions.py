@@ -12,14 +12,14 @@ import pytest
 from dcr import LocalRefit, StateDictSource, TrainLayout
 from dcr.adapters.commit.base import CommitState, Transaction
 from dcr.adapters.commit.memory import MemoryCommitStore
+from dcr.adapters.faulty import Faults
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.owner import BuildConfig
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig
+from dcr.models.compare import module_bit_mismatches
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb
 from dcr.protocol import commands as cmd
-from dcr.testing.compare import module_bit_mismatches
-from dcr.testing.faults import Faults
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.updates import perturb
 
 SMALL = BuildConfig(chunk_bytes=4096, bucket_bytes=8192)
 SLOW = replace(LOCAL_TIMEOUTS, prepare_s=300.0, arrival_s=300.0, gate_s=300.0, flush_s=300.0)

@@ -15,9 +15,9 @@ from dcr.delta.owner import Bucket, BuildConfig
 from dcr.delta.records import Encoding
 from dcr.engine import TrainingSide
 from dcr.errors import LayoutError
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.updates import perturb
 from dcr.protocol.types import Mode
-from dcr.testing.models import random_state_dict, tiny_config
-from dcr.testing.updates import perturb
 
 FAMILY = "llama"
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from fleet_helpers import small_fleet
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
 from dcr.delta.bits import bits
@@ -20,8 +21,7 @@ from dcr.fleet.checks import holds_request
 from dcr.fleet.config import load_fleet
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel
-from dcr.testing.hf import write_checkpoint
-from dcr.testing.reference import ShardedReferenceLoader
+from dcr.models.hf import write_checkpoint
 
 ENGINE = """
 [[engine]]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from fleet_helpers import alive, small_fleet
 
+from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.bits import bits
 from dcr.fleet.launcher import Fault, Launcher, default_faults
 from dcr.fleet.model import FleetModel, digests
-from dcr.testing.reference import ShardedReferenceLoader
-from dcr.testing.synthetic import SyntheticRun
+from dcr.models.synthetic import SyntheticRun
 
 
 def committed_versions(run_dir: Path) -> list[tuple[int, int]]:

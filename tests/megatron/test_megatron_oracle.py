@@ -24,8 +24,8 @@ from dcr.apply.receiver import Receiver
 from dcr.delta.bits import bits
 from dcr.delta.mapping import AffineMapping, FusedQKV
 from dcr.delta.records import Mode
-from dcr.testing.compare import bit_mismatches
-from dcr.testing.modules import module_from_state_dict
+from dcr.models.compare import bit_mismatches
+from dcr.models.modules import module_from_state_dict
 from dcr.testing.trainer import apply_payloads, build_payloads, spawn
 
 VOCAB = 1000

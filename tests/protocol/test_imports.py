@@ -1,4 +1,5 @@
-"""``import dcr.protocol`` must stay free of I/O and numeric libraries (ARCHITECTURE.md §3)."""
+"""``import dcr.protocol`` must stay free of I/O and numeric libraries (docs/architecture.md,
+"Layers")."""
 
 from __future__ import annotations
 

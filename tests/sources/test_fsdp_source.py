@@ -23,8 +23,8 @@ from dcr.delta.bits import bits
 from dcr.delta.mapping import SubTensor, Tied
 from dcr.delta.records import Mode
 from dcr.errors import ConfigError, LayoutError
-from dcr.testing.compare import bit_mismatches
-from dcr.testing.modules import module_from_state_dict
+from dcr.models.compare import bit_mismatches
+from dcr.models.modules import module_from_state_dict
 from dcr.testing.trainer import apply_payloads, build_payloads, spawn
 
 BF16 = torch.bfloat16

@@ -98,8 +98,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="session")
 def write_tiny() -> Callable[..., Checkpoint]:
     """``write_tiny(family, state_dict=None, tag="w0")`` writes (once per tag) a checkpoint."""
-    from dcr.testing.hf import write_checkpoint
-    from dcr.testing.models import random_state_dict, tiny_config
+    from dcr.models.families import random_state_dict, tiny_config
+    from dcr.models.hf import write_checkpoint
 
     cache: dict[tuple[str, str], Checkpoint] = {}
 

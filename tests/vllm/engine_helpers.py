@@ -35,15 +35,15 @@ import torch
 
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.faulty import FaultLog, Faults, FaultyTransport
 from dcr.delta.group import LocalTrainingGroup
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.fleet.config import FleetConfig, free_port, load_fleet
 from dcr.fleet.events import EventReader
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.models.hf import write_checkpoint
 from dcr.protocol.types import CommitRecord
-from dcr.testing.faults import FaultLog, Faults, FaultyTransport
-from dcr.testing.hf import write_checkpoint
 
 HERE = Path(__file__).parent
 

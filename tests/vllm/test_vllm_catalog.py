@@ -35,8 +35,8 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import free_port, load_fleet
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel, sized_config
-from dcr.testing.hf import write_checkpoint
-from dcr.testing.synthetic import SyntheticRun
+from dcr.models.hf import write_checkpoint
+from dcr.models.synthetic import SyntheticRun
 
 pytestmark = pytest.mark.vllm
 

@@ -42,11 +42,11 @@ from engine_helpers import (
     write_fleet,
 )
 
+from dcr.adapters.faulty import Faults
 from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, load_fleet
 from dcr.integrations.vllm.versions import WeightSpan, label_of, weight_spans
 from dcr.protocol.types import CommitRecord
-from dcr.testing.faults import Faults
 
 pytestmark = pytest.mark.vllm
 

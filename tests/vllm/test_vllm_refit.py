@@ -28,7 +28,7 @@ from dcr.apply.receiver import PathKind, Receiver, xor_allowed_across
 from dcr.delta.bits import bits, changed_indices
 from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import LoaderPathUnsupported
-from dcr.testing.updates import perturb
+from dcr.models.updates import perturb
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,8 @@ A receiver confirms each delivery it took into its staging queue with :meth:`Tra
 for credit, so a slow receiver slows owners down instead of growing memory.
 ``stop_and_wait(attempt)`` stops delivery of the attempt and returns once nothing of it is in
 flight; ``cleanup(attempt)`` releases what the transport still holds of it.  A new transport
-is one subclass of :class:`Transport`.
+is one subclass of :class:`Transport`; a layer around one (fault injection, timing) is one
+subclass of :class:`TransportWrapper`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["Delivery", "Transport", "TransportStats"]
+__all__ = ["Delivery", "Transport", "TransportStats", "TransportWrapper"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,3 +99,38 @@ class Transport(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release connections and background tasks."""
+
+
+class TransportWrapper(Transport):
+    """A transport that delegates every call to ``inner``: subclasses override the calls they
+    observe or change (the fault injection of :mod:`dcr.adapters.faulty`, the fleet's timing
+    of sends)."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.arrival_grace_s = inner.arrival_grace_s
+        self.receiver_window = inner.receiver_window
+
+    async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
+        await self.inner.send(key, data, to=to)
+
+    async def stop_and_wait(self, attempt: int) -> None:
+        await self.inner.stop_and_wait(attempt)
+
+    async def cleanup(self, attempt: int) -> None:
+        await self.inner.cleanup(attempt)
+
+    def subscribe(self, receiver: str) -> AsyncIterator[Delivery]:
+        return self.inner.subscribe(receiver)
+
+    def unsubscribe(self, receiver: str) -> None:
+        self.inner.unsubscribe(receiver)
+
+    async def taken(self, receiver: str, key: PayloadKey) -> None:
+        await self.inner.taken(receiver, key)
+
+    def stats(self) -> TransportStats:
+        return self.inner.stats()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

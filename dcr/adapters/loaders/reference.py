@@ -3,7 +3,7 @@
 Scaffolding for tests, the demo and benchmarks.
 
 :class:`ShardedReferenceModel` holds one rank's parameters in the fused, padded layout vLLM
-uses for the ``llama``, ``qwen3`` and ``qwen3_moe`` families of :mod:`dcr.testing.models`, and
+uses for the ``llama``, ``qwen3`` and ``qwen3_moe`` families of :mod:`dcr.models.families`, and
 :class:`ShardedReferenceLoader` loads canonical (Hugging Face) tensors into it the way vLLM's
 weight loaders do: ``narrow`` views of the checkpoint tensor and one ``copy_`` per destination,
 plus ``fill_(0)`` of vocabulary padding rows.  It lets the receiver data plane be tested at any
@@ -33,7 +33,7 @@ import torch
 from dcr.apply.loader import Loader
 from dcr.delta.records import TensorSpec
 from dcr.errors import LayoutError
-from dcr.testing.models import canonical_shapes, head_dim
+from dcr.models.families import canonical_shapes, head_dim
 
 __all__ = ["ShardedReferenceLoader", "ShardedReferenceModel", "padded_vocab"]
 

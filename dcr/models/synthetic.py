@@ -28,7 +28,7 @@ import torch
 
 from dcr.delta.bits import bits
 from dcr.delta.layout import ShardSpec, TrainingPlan
-from dcr.testing.models import canonical_shapes
+from dcr.models.families import canonical_shapes
 
 __all__ = ["SyntheticRun"]
 

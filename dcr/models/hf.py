@@ -1,5 +1,5 @@
 """Tiny Hugging Face checkpoint directories built locally, for tests that run a real serving
-runtime (vLLM) on the checkpoints of :mod:`dcr.testing.models`.
+runtime (vLLM) on the checkpoints of :mod:`dcr.models.families`.
 
 A checkpoint directory holds ``config.json`` and ``model.safetensors`` -- or, sharded, files
 ``model-0000k-of-0000n.safetensors`` and the ``model.safetensors.index.json`` naming the file of
@@ -23,7 +23,7 @@ import torch
 
 from dcr.delta.bits import dtype_name
 from dcr.errors import ConfigError
-from dcr.testing.models import canonical_shapes
+from dcr.models.families import canonical_shapes
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "read_checkpoint", "write_checkpoint"]
 
@@ -73,9 +73,9 @@ def write_checkpoint(
 ) -> Path:
     """Write ``config`` and ``state_dict`` as a Hugging Face checkpoint directory; returns it.
 
-    ``config`` is a dict from :func:`dcr.testing.models.tiny_config` (any family field may be
+    ``config`` is a dict from :func:`dcr.models.families.tiny_config` (any family field may be
     overridden); its ``model_type`` must belong to ``family``.  The state dict must hold exactly
-    the family's checkpoint tensors (:func:`~dcr.testing.models.canonical_shapes`), all of one
+    the family's checkpoint tensors (:func:`~dcr.models.families.canonical_shapes`), all of one
     dtype, which is recorded in the config.  ``shard_bytes`` shards the tensors, in checkpoint
     order, into files of at most that many bytes of data (a larger tensor gets a file of its
     own) with an index, as ``save_pretrained`` does.  An existing checkpoint in ``directory``

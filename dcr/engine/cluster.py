@@ -5,7 +5,7 @@ receiver, all talking through a control channel, a transport and a commit store 
 default), and runs each transition with a fresh coordinator.  It is also the *supervisor*:
 it confirms dead endpoints (``Retired``), restarts them (a receiver restores the committed
 version by dense refit and rejoins at the next prepare; an owner reinitializes its baseline
-from the committed version), and plays the fault plan of :mod:`dcr.testing.faults`.
+from the committed version), and plays the fault plan of :mod:`dcr.adapters.faulty`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel
+from dcr.adapters.faulty import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 from dcr.adapters.transport.base import Transport
 from dcr.apply.receiver import Receiver
 from dcr.delta.group import LocalTrainingGroup
@@ -35,7 +36,6 @@ from dcr.protocol.lifecycle import ReceiverPhase
 from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
-from dcr.testing.faults import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 
 __all__ = ["AttemptSummary", "LocalCluster", "TransitionResult"]
 

@@ -10,13 +10,12 @@ wrap real adapters and misbehave exactly as planned.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 
 from dcr.adapters.commit.base import CommitState, CommitStore, Transaction
-from dcr.adapters.transport.base import Delivery, Transport, TransportStats
+from dcr.adapters.transport.base import Transport, TransportWrapper
 from dcr.errors import ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord, PayloadKey
 from dcr.wire.payload import ValueLayout, decode_payload, encode_payload
@@ -144,12 +143,11 @@ class FaultLog:
         )
 
 
-class FaultyTransport(Transport):
+class FaultyTransport(TransportWrapper):
     """Wraps a transport; misbehaves on the first attempt it sees after :meth:`arm`."""
 
     def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.arrival_grace_s = inner.arrival_grace_s
+        super().__init__(inner)
         self.faults = Faults()
         self.log = FaultLog()
         self._target: int | None = None
@@ -207,20 +205,6 @@ class FaultyTransport(Transport):
             self._held[owner] = [(k, d) for k, d in held if k.attempt != attempt]
         await self.inner.stop_and_wait(attempt)
 
-    async def cleanup(self, attempt: int) -> None:
-        await self.inner.cleanup(attempt)
-
-    def subscribe(self, receiver: str) -> AsyncIterator[Delivery]:
-        return self.inner.subscribe(receiver)
-
-    def unsubscribe(self, receiver: str) -> None:
-        self.inner.unsubscribe(receiver)
-
-    async def taken(self, receiver: str, key: PayloadKey) -> None:
-        await self.inner.taken(receiver, key)
-
-    def stats(self) -> TransportStats:
-        return self.inner.stats()
 
 
 def _final(data: bytes) -> bool:
