@@ -15,7 +15,8 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
   restarted, so its old process is confirmed gone (``Retired``);
 * proves the base version at prepare (``[proof]``, on by default): a seeded sample of stored
   bits at every prepare, the complete fingerprint at the first transition a receiver takes
-  part in after it started, restarted or was restored; a receiver that fails is told so
+  part in after this process first saw it (whatever version it claims), after it restarted
+  and after it was restored; a receiver that fails is told so
   (``Disproved``), leaves the transition and is restored by dense refit (``disproved``
   event).
 """
@@ -312,6 +313,11 @@ class FleetCoordinator:
     async def _on_status(self, status: msg.EndpointStatus) -> None:
         before = self.statuses.get(status.endpoint)
         self.statuses[status.endpoint] = status
+        if before is None and status.endpoint in self.receivers:
+            # Seen for the first time: whatever version it claims (an engine started from a
+            # checkpoint, a preloaded rank, a receiver of a replaced coordinator's fleet), its
+            # storage is fingerprinted completely before the first transition it takes part in.
+            self._unverified.add(status.endpoint)
         if before is not None and before.incarnation != status.incarnation:
             # A new process of that name: the old one is gone for good.
             self._restarted.add(status.endpoint)

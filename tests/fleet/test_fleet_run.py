@@ -11,6 +11,7 @@ from fleet_helpers import alive, small_fleet
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.delta.bits import bits
+from dcr.fleet.config import load_fleet
 from dcr.fleet.launcher import Fault, Launcher, default_faults
 from dcr.fleet.model import FleetModel, digests
 from dcr.models.synthetic import SyntheticRun
@@ -206,3 +207,38 @@ def test_a_flipped_bit_in_a_receiver_is_disproved_and_restored_bit_exactly(
     [ended] = [e for e in events if e["event"] == "ended" and e["base"] == 1 and e["record"] == 2]
     assert ended["attempts"][0]["receivers"] == ["r0", "r1", "r2"]
     assert ended["attempts"][-1]["receivers"] == ["r0", "r1", "r2"]
+
+
+def test_a_preloaded_receiver_holding_other_bits_is_fingerprinted_before_it_takes_part(
+    tmp_path: Path,
+) -> None:
+    """Receivers that start holding version 0 (``[model] preloaded``, as an engine started
+    from the first checkpoint does) claim the committed record without a dense refit.  r0
+    flips one stored bit right after it loaded version 0, so it claims v0 with other bits.
+    The first transition fingerprints every receiver, whatever it claims: r0 is disproved,
+    restored by dense refit, and every receiver ends bit-exact; the proof would miss the bit
+    with the seeded sample alone."""
+    cfg = small_fleet(tmp_path, refits=2)
+    text = cfg.path.read_text().replace("refits = 2\n", "refits = 2\npreloaded = true\n", 1)
+    cfg.path.write_text(text)
+    cfg = load_fleet(cfg.path)
+    assert cfg.model.preloaded and cfg.proof is not None
+    assert not cfg.proof.fingerprint_each_commit
+    launcher = Launcher(cfg, faults=[Fault(version=0, target="r0", after="flip")], deadline_s=600)
+    report = launcher.run()
+    assert report["bit_exact"] is True, report["mismatches"]
+    rows = report["refits"]
+    assert [r["disproved"] for r in rows] == [["r0"], []]
+    events = [
+        json.loads(line)
+        for path in sorted((cfg.run_dir / "events").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    assert [(e["who"], e["version"]) for e in events if e["event"] == "flipped"] == [("r0", 0)]
+    # Every receiver preloaded version 0; only r0, once disproved, restored it.
+    restored = [e["receiver"] for e in events if e["event"] == "restored" and e["version"] == 0]
+    assert restored == ["r0"]
+    first = [e for e in events if e["event"] == "proved" and e["base"] == 0]
+    assert first[0]["fingerprinted"] > 0 and first[0]["failed"] == ["r0"]
+    assert all(r["bit_exact"] for r in rows)
+    assert committed_versions(cfg.run_dir) == [(0, 1), (1, 2)]
