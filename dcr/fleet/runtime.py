@@ -1,9 +1,13 @@
 """Adapters of a fleet process, chosen by name from the fleet file, and process plumbing.
 
 Commit stores, control channels and transports are looked up in the adapter registry
-(:mod:`dcr.adapters.registry`) by the ``kind`` the fleet file gives; the remaining keys of
-each section are their options.  Every role process runs :func:`serve_until_signalled`, so
-SIGTERM and SIGINT end it cleanly (its sockets closed, its children gone).
+(:mod:`dcr.adapters.registry`: dcr's own adapters, entry points of other distributions, or a
+``"package.module:Class"`` given directly) by the ``kind`` the fleet file gives.  Each class
+builds itself with ``from_config(options, context)`` from the remaining keys of its section
+and an :class:`~dcr.adapters.context.AdapterContext` made here from the fleet file, so this
+module knows no kind by name: defaults, relative paths and per-node settings belong to the
+adapters.  Every role process runs :func:`serve_until_signalled`, so SIGTERM and SIGINT end
+it cleanly (its sockets closed, its children gone).
 """
 
 from __future__ import annotations
@@ -11,13 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import fields
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
 
 from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.context import AdapterContext, dataclass_options
 from dcr.adapters.control.base import ControlChannel
 from dcr.adapters.registry import load
 from dcr.adapters.transport.base import Transport
@@ -25,62 +29,96 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig
 
 __all__ = [
-    "OBJECT_STORES",
+    "adapter_context",
     "die_with_parent",
     "make_control",
     "make_store",
     "make_transport",
+    "relayed",
     "root_node",
     "serve_until_signalled",
+    "transport_class",
 ]
 
 
 def _options(cls: type, raw: dict[str, Any], where: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = set(raw) - known
-    if unknown:
-        raise ConfigError(f"[{where}] has unknown keys {sorted(unknown)}; known: {sorted(known)}")
-    try:
-        return cls(**raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[{where}]: {exc}") from exc
+    """An instance of the dataclass ``cls`` from section ``where`` of the fleet file."""
+    return dataclass_options(cls, raw, where)
+
+
+def adapter_context(
+    cfg: FleetConfig,
+    section: str,
+    *,
+    node: str | None = None,
+    store: CommitStore | None = None,
+) -> AdapterContext:
+    """What an adapter built from section ``section`` of ``cfg`` learns about its process:
+    ``node`` is the rollout node hosting the process's receivers, ``store`` its commit store."""
+    hosted = next((n for n in cfg.rollout if n.name == node), None)
+    return AdapterContext(
+        section=section,
+        base_dir=cfg.path.parent,
+        run_dir=cfg.run_dir,
+        host=cfg.host,
+        fleet=cfg.name,
+        node=node,
+        node_receivers=len(hosted.receivers) if hosted is not None else 0,
+        nodes=tuple(n.name for n in cfg.rollout),
+        address=cfg.address,
+        store=store,
+    )
+
+
+def _section(raw: Mapping[str, Any], section: str) -> tuple[str, dict[str, Any]]:
+    """The ``kind`` of a section and its other keys (the adapter's options)."""
+    opts = dict(raw)
+    kind = opts.pop("kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(
+            f"[{section}] kind must be a registered name or 'package.module:Class', got {kind!r}"
+        )
+    return kind, opts
+
+
+def _adapter_class(section: str, kind: str, base: type) -> type:
+    """The class ``kind`` names as the adapter of ``section``: a subclass of ``base``."""
+    cls = load(section, kind)
+    if not issubclass(cls, base):
+        raise ConfigError(
+            f"{section}.kind {kind!r} names {cls.__module__}.{cls.__qualname__}, which is not "
+            f"a {base.__module__}.{base.__qualname__}"
+        )
+    return cls
+
+
+def transport_class(cfg: FleetConfig) -> type[Transport]:
+    """The transport class the fleet file names (imported, not built)."""
+    kind, _ = _section(cfg.transport, "transport")
+    cls: type[Transport] = _adapter_class("transport", kind, Transport)
+    return cls
+
+
+def relayed(cfg: FleetConfig) -> bool:
+    """Whether the fleet's payloads travel through relay processes (``dcr relay``, one per
+    rollout node) that the launcher starts."""
+    return transport_class(cfg).needs_relay_processes
 
 
 def make_store(cfg: FleetConfig) -> CommitStore:
-    """The commit store the fleet file names (``sqlite``: a file in the run directory)."""
-    opts = dict(cfg.commit_store)
-    kind = opts.pop("kind")
-    cls = load("commit_store", kind)
-    if kind == "sqlite":
-        opts.pop("path", None)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        store: CommitStore = cls(cfg.store_path(), **opts)
-        return store
-    store = cls(**opts)
-    return store
+    """The commit store the fleet file names (``[commit_store]``), built by its class's
+    ``from_config`` (the default, SQLite: ``<run_dir>/commit.db``)."""
+    kind, opts = _section(cfg.commit_store, "commit_store")
+    cls: type[CommitStore] = _adapter_class("commit_store", kind, CommitStore)
+    return cls.from_config(opts, adapter_context(cfg, "commit_store"))
 
 
 def make_control(cfg: FleetConfig, store: CommitStore) -> ControlChannel:
-    """The control channel: endpoints find the coordinator through the commit record."""
-    opts = dict(cfg.control)
-    kind = opts.pop("kind")
-    cls = load("control", kind)
-    if kind != "zmq":
-        raise ConfigError(f"control {kind!r} does not reach other processes; use 'zmq'")
-    from dcr.adapters.control.zmq import CurveConfig, ZmqControlConfig
-
-    curve = opts.pop("curve", None)
-    opts.setdefault("bind", f"tcp://{cfg.host}:0")
-    config = _options(ZmqControlConfig, opts, "control")
-    if curve is not None:
-        resolved = {k: str(cfg.path.parent / v) for k, v in curve.items()}
-        config = ZmqControlConfig(
-            **{f.name: getattr(config, f.name) for f in fields(ZmqControlConfig)
-               if f.name != "curve"},
-            curve=_options(CurveConfig, resolved, "control.curve"),
-        )  # fmt: skip
-    channel: ControlChannel = cls(store=store, config=config)
-    return channel
+    """The control channel (``[control]``): endpoints find the coordinator through the
+    commit record of ``store``."""
+    kind, opts = _section(cfg.control, "control")
+    cls: type[ControlChannel] = _adapter_class("control", kind, ControlChannel)
+    return cls.from_config(opts, adapter_context(cfg, "control", store=store))
 
 
 def root_node(cfg: FleetConfig) -> str:
@@ -88,50 +126,19 @@ def root_node(cfg: FleetConfig) -> str:
     return cfg.rollout[0].name
 
 
-OBJECT_STORES = ("directory", "s3")
-"""Transport kinds that carry payloads through object storage (no relay processes)."""
-
-
 def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
-    """The transport client of a process; ``node`` is the relay node hosting its receivers.
+    """The transport client of a process (``[transport]``); ``node`` is the rollout node
+    hosting its receivers.
 
-    ``directory``: every process opens the same directory (``path``, relative to the fleet
-    file; default ``<run_dir>/objects``).  ``s3``: every process opens the same bucket and
-    prefix.  The other keys are the transport's settings.  On object storage the receiver
-    processes of a node share their downloads through ``<node_cache>/<node>`` (``node_cache``
-    relative to the fleet file; default ``<run_dir>/fetches`` where a node hosts several
-    receivers), so that each payload crosses into a node once.
+    The transport's class builds it from the section's keys and the process's context: the
+    relay tree connects to the root (and to ``node``); an object store opens the storage
+    every process shares (a directory's ``path`` relative to the fleet file, default
+    ``<run_dir>/objects``), and the receiver processes of a node share their downloads
+    through ``<node_cache>/<node>`` (default ``<run_dir>/fetches/<node>`` where a node hosts
+    several receivers).
     """
-    opts = dict(cfg.transport)
-    kind = opts.pop("kind")
-    cls = load("transport", kind)
-    if kind in OBJECT_STORES:
-        shared = opts.pop("node_cache", None)
-        hosted = next((n for n in cfg.rollout if n.name == node), None)
-        if hosted is not None and (shared is not None or len(hosted.receivers) > 1):
-            base = cfg.path.parent / str(shared) if shared is not None else cfg.run_dir / "fetches"
-            opts["node_cache"] = str(base / hosted.name)
-    if kind == "directory":
-        path = opts.pop("path", None)
-        root = cfg.path.parent / str(path) if path is not None else cfg.run_dir / "objects"
-        directory: Transport = cls(root, **opts)
-        return directory
-    if kind == "s3":
-        s3: Transport = cls(**opts)
-        return s3
-    if kind != "relay":
-        raise ConfigError(
-            f"transport {kind!r} is not available to a fleet; use 'relay', 'directory' or 's3'"
-        )
-    from dcr.adapters.transport.relay_node import RelayConfig
-
-    opts.pop("fanout", None)
-    transport: Transport = cls(
-        root=cfg.address(root_node(cfg)),
-        node=cfg.address(node) if node is not None else None,
-        config=_options(RelayConfig, opts, "transport"),
-    )
-    return transport
+    _, opts = _section(cfg.transport, "transport")
+    return transport_class(cfg).from_config(opts, adapter_context(cfg, "transport", node=node))
 
 
 def die_with_parent() -> None:

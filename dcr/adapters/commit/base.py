@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
-from dcr.errors import CommitConflict, CommitStoreError
+from dcr.errors import CommitConflict, CommitStoreError, ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["INITIAL_RECORD", "CommitState", "CommitStore"]
 
@@ -72,6 +76,20 @@ class CommitStore(ABC):
     def __init__(self, *, clock: Callable[[], float] = time.time, poll_s: float = 0.05) -> None:
         self.clock = clock
         self.poll_s = poll_s
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The commit store of one process, from its fleet file section (``options``: the
+        keys beside ``kind``) and the process around it (:class:`~dcr.adapters.context.
+        AdapterContext`; its ``store`` is ``None``).  Every process of a fleet must reach the
+        same record.  Unknown keys raise :class:`~dcr.errors.ConfigError`.
+
+        Stores that a fleet file can name override it; this one refuses.
+        """
+        raise ConfigError(
+            f"{cls.__module__}.{cls.__qualname__} defines no from_config(options, context), "
+            f"so [{context.section}] cannot name it"
+        )
 
     @abstractmethod
     async def _transact(self, fn: Transaction) -> CommitState:

@@ -27,16 +27,21 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 import anyio.lowlevel
 import msgspec
 
 from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
+from dcr.adapters.context import known_options
 from dcr.adapters.transport.s3 import S3Backend, S3Options
 from dcr.errors import CommitStoreError, ConfigError, TransportError
 from dcr.protocol.types import CommitRecord
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["S3CommitStore"]
 
@@ -125,6 +130,21 @@ class S3CommitStore(CommitStore):
         self._rng = random.Random()
         self._lock: anyio.Lock | None = None
         self._lock_loop: object = None
+
+    OPTIONS = ("bucket", "key", "prefix", "endpoint_url", "region", "profile",
+               "addressing_style", "max_races", "poll_s")  # fmt: skip
+    """Keys of a fleet file's ``[commit_store]`` section for this store."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The record object every process of the fleet opens (``bucket`` is required)."""
+        opts = known_options(options, cls.OPTIONS, context.section)
+        if "bucket" not in opts:
+            raise ConfigError(f"[{context.section}] needs a bucket")
+        try:
+            return cls(**opts)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[{context.section}]: {exc}") from exc
 
     def _serial(self) -> anyio.Lock:
         """The lock that runs this store's transactions one at a time (one per event loop:

@@ -15,15 +15,19 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
 from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
-from dcr.errors import CommitStoreError
+from dcr.adapters.context import known_options
+from dcr.errors import CommitStoreError, ConfigError
 from dcr.protocol.types import CommitRecord
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["SqliteCommitStore"]
 
@@ -84,6 +88,27 @@ class SqliteCommitStore(CommitStore):
                 )
         except sqlite3.Error as exc:
             raise CommitStoreError(f"cannot open {self.path}: {exc}", retryable=False) from exc
+
+    OPTIONS = ("path", "name", "timeout_s", "poll_s")
+    """Keys of a fleet file's ``[commit_store]`` section for this store."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The database ``path`` (relative to the run directory; default ``commit.db``), so
+        every process of a fleet on one host opens the same file.  The run directory is
+        created if needed."""
+        opts = known_options(options, cls.OPTIONS, context.section)
+        path = opts.pop("path", "commit.db")
+        if not isinstance(path, str | Path) or not str(path):
+            raise ConfigError(f"[{context.section}]: path must be a file name, got {path!r}")
+        try:
+            context.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run directory {context.run_dir}: {exc}") from exc
+        try:
+            return cls(context.run_dir / path, **opts)
+        except TypeError as exc:
+            raise ConfigError(f"[{context.section}]: {exc}") from exc
 
     def _connect(self, *, shared: bool = False) -> sqlite3.Connection:
         """A connection in autocommit mode; ``shared`` lets other threads use it (under

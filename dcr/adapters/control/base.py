@@ -21,9 +21,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
+from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["PENDING_CALLS", "ControlChannel", "CoordinatorLink", "EndpointLink"]
 
@@ -97,6 +102,21 @@ class CoordinatorLink(ABC):
 
 class ControlChannel(ABC):
     """Opens the two ends of a control channel; a new channel is one subclass of this."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The control channel of one process, from its fleet file section (``options``: the
+        keys beside ``kind``) and the process around it (:class:`~dcr.adapters.context.
+        AdapterContext`, whose ``store`` is the process's commit store: endpoints find the
+        active coordinator through the commit record).  Unknown keys raise
+        :class:`~dcr.errors.ConfigError`.
+
+        Channels that a fleet file can name override it; this one refuses.
+        """
+        raise ConfigError(
+            f"{cls.__module__}.{cls.__qualname__} defines no from_config(options, context), "
+            f"so [{context.section}] cannot name it"
+        )
 
     @abstractmethod
     async def endpoint(self, name: str) -> EndpointLink:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -18,6 +19,9 @@ from dcr.adapters.control.base import (
 )
 from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["MemoryControl"]
 
@@ -91,6 +95,14 @@ class MemoryControl(ControlChannel):
         self._pending: dict[str, deque[tuple[int, msg.Call]]] = {}
         self.dropped_pending = 0
         """Calls dropped because too many waited for an endpoint that was not open."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """Refused: the links live in one process, and a fleet's roles run in several."""
+        raise ConfigError(
+            f"[{context.section}]: the memory control channel links the roles of one process "
+            "only and does not reach other processes; use 'zmq'"
+        )
 
     async def endpoint(self, name: str) -> EndpointLink:
         if name in self._endpoints:

@@ -48,10 +48,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 import zmq
@@ -61,6 +61,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from zmq.utils import z85
 
 from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.context import dataclass_options
 from dcr.adapters.control.base import (
     PENDING_CALLS,
     ControlChannel,
@@ -70,6 +71,9 @@ from dcr.adapters.control.base import (
 from dcr.errors import CommitStoreError, ConfigError, ControlMessageRejected, LocalProtocolError
 from dcr.protocol import messages as msg
 from dcr.wire.control import MAX_BYTES, ControlCodec
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = [
     "COORDINATOR",
@@ -653,6 +657,29 @@ class ZmqControl(ControlChannel):
         self._zap: asyncio.Task[None] | None = None
         self._zap_sock: zmq.asyncio.Socket | None = None
         self._closed = False
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The channel of one fleet process: endpoints find the coordinator through the
+        commit record (``context.store``), coordinators bind ``bind`` (default
+        ``tcp://<fleet host>:0``).  The keys are :class:`ZmqControlConfig` fields; ``curve``
+        is a table of :class:`CurveConfig` key files, relative to the fleet file."""
+        if context.store is None:
+            raise ConfigError(
+                f"[{context.section}]: the ZeroMQ control channel finds the coordinator "
+                "through the commit store, and none was given"
+            )
+        opts = dict(options)
+        curve = opts.pop("curve", None)
+        opts.setdefault("bind", f"tcp://{context.host}:0")
+        config: ZmqControlConfig = dataclass_options(ZmqControlConfig, opts, context.section)
+        if curve is not None:
+            where = f"{context.section}.curve"
+            if not isinstance(curve, Mapping):
+                raise ConfigError(f"[{where}] must be a table of key files")
+            files = {k: str(context.path(v)) for k, v in curve.items()}
+            config = replace(config, curve=dataclass_options(CurveConfig, files, where))
+        return cls(store=context.store, config=config)
 
     def context(self) -> zmq.asyncio.Context:
         """The ZeroMQ context (created on first use)."""

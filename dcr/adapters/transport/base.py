@@ -17,10 +17,15 @@ subclass of :class:`TransportWrapper`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
+from dcr.errors import ConfigError
 from dcr.protocol.types import PayloadKey
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["Delivery", "Transport", "TransportStats", "TransportWrapper"]
 
@@ -61,6 +66,22 @@ class Transport(ABC):
     receiver_window: int | None = None
     """Deliveries a receiver may hold without acknowledging them (:meth:`taken`) before the
     transport stops handing it more; ``None`` when the transport keeps no such credit."""
+    needs_relay_processes: ClassVar[bool] = False
+    """Whether a fleet using this transport runs ``dcr relay`` processes, one per rollout
+    node (the relay tree), for the launcher to start, supervise and strike with faults."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """The transport of one process, from its fleet file section (``options``: the keys
+        beside ``kind``) and the process around it (:class:`~dcr.adapters.context.
+        AdapterContext`).  Unknown keys raise :class:`~dcr.errors.ConfigError`.
+
+        Transports that a fleet file can name override it; this one refuses.
+        """
+        raise ConfigError(
+            f"{cls.__module__}.{cls.__qualname__} defines no from_config(options, context), "
+            f"so [{context.section}] cannot name it"
+        )
 
     @abstractmethod
     async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:

@@ -18,20 +18,25 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
+from dcr.adapters.context import dataclass_options
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.objstore import (
     ObjectBackend,
     ObjectInfo,
     ObjectStoreConfig,
     ObjectStoreTransport,
+    fleet_settings,
 )
 from dcr.errors import ConfigError, TransportError
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["DirectoryBackend", "DirectoryTransport"]
 
@@ -221,6 +226,21 @@ class DirectoryTransport(ObjectStoreTransport):
             raise ConfigError(f"directory transport: {exc}") from exc
         super().__init__(DirectoryBackend(root, fsync=fsync), config)
         self.path = root
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """Every process of a fleet opens the same directory: ``path`` (relative to the fleet
+        file; default ``<run_dir>/objects``).  ``fsync`` and the
+        :class:`~dcr.adapters.transport.objstore.ObjectStoreConfig` fields are settings;
+        ``node_cache`` as :func:`~dcr.adapters.transport.objstore.fleet_settings` says."""
+        opts = fleet_settings(options, context, own=("path", "fsync"))
+        path = opts.pop("path", None)
+        root = context.path(path) if path is not None else context.run_dir / "objects"
+        fsync = opts.pop("fsync", True)
+        if not isinstance(fsync, bool):
+            raise ConfigError(f"[{context.section}]: fsync must be true or false, got {fsync!r}")
+        config = dataclass_options(ObjectStoreConfig, opts, context.section)
+        return cls(root, fsync=fsync, config=config)
 
     async def aclose(self) -> None:
         await super().aclose()

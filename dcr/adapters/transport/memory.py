@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
-from dcr.errors import TransportError
+from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["MemoryTransport"]
 
@@ -35,6 +39,14 @@ class MemoryTransport(Transport):
         self._stopped: set[int] = set()
         self._seen: set[PayloadKey] = set()
         self._stats = TransportStats()
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """Refused: the queues live in one process, and a fleet's roles run in several."""
+        raise ConfigError(
+            f"[{context.section}]: the memory transport keeps payloads inside one process and "
+            "does not reach other processes; use 'relay', 'directory' or 's3'"
+        )
 
     async def send(self, key: PayloadKey, data: bytes, *, to: frozenset[str] | None = None) -> None:
         if key.attempt in self._stopped:

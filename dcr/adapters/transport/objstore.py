@@ -59,19 +59,32 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
 import anyio
 import msgspec
 
+from dcr.adapters.context import known_options
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.nodeshare import NodeFetches
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = [
     "FetchStats",
@@ -81,6 +94,7 @@ __all__ = [
     "ObjectStoreTransport",
     "decode_segment",
     "encode_segment",
+    "fleet_settings",
     "manifest_key",
     "payload_key",
     "tombstone_key",
@@ -251,6 +265,28 @@ class ObjectStoreConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid object-store transport settings: {', '.join(bad)}")
+
+
+def fleet_settings(
+    options: Mapping[str, Any], context: AdapterContext, *, own: Iterable[str] = ()
+) -> dict[str, Any]:
+    """The keys of a fleet file's object-store transport section, for one process.
+
+    ``own`` are the backend's keys (a bucket, a path); the others are
+    :class:`ObjectStoreConfig` fields, and any other key raises
+    :class:`~dcr.errors.ConfigError`.  ``node_cache`` becomes this process's node directory:
+    in a process hosting receivers of rollout node ``N``, ``<node_cache>/N`` (relative to the
+    fleet file), or ``<run_dir>/fetches/N`` without one where ``N`` hosts several receivers,
+    so their processes download each payload once; elsewhere (owners, the coordinator)
+    nothing, since only receivers fetch.
+    """
+    known = {*own, *(f.name for f in fields(ObjectStoreConfig))}
+    opts = known_options(options, known, context.section)
+    shared = opts.pop("node_cache", None)
+    if context.node is not None and (shared is not None or context.node_receivers > 1):
+        base = context.path(shared) if shared is not None else context.run_dir / "fetches"
+        opts["node_cache"] = str(base / context.node)
+    return opts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

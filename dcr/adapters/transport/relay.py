@@ -25,15 +25,16 @@ import secrets
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Self, cast
 
 import anyio
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.context import dataclass_options, known_options
 from dcr.adapters.transport.base import Delivery, Transport, TransportStats
 from dcr.adapters.transport.link import CHUNK as LINK_CHUNK
 from dcr.adapters.transport.link import LinkLimit
@@ -71,8 +72,11 @@ from dcr.adapters.transport.relay_wire import (
     Unsubscribe,
     encode,
 )
-from dcr.errors import TransportError
+from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = [
     "Held",
@@ -502,6 +506,8 @@ class RelayTransport(Transport):
     """``send`` returns only after every subscribed receiver took the payload, so whatever
     has not arrived once the owners' sends returned will not arrive; the grace covers only
     scheduling between an owner's last send and the receiver's arrival check."""
+    needs_relay_processes: ClassVar[bool] = True
+    """A fleet runs one ``dcr relay`` process per rollout node (the tree)."""
 
     def __init__(
         self,
@@ -528,6 +534,24 @@ class RelayTransport(Transport):
         self.uplink = LinkLimit(self.config.link_gbps)
         """This process's side of the cross-cluster link: payload bytes it sends to the root
         pass it first (``config.link_gbps``; unlimited by default)."""
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """A process's connection to the fleet's relay tree: ``root`` at the first rollout
+        node, ``node`` at the process's own node (where its receivers subscribe).  The keys
+        are :class:`RelayConfig` fields, plus ``fanout``: the shape of the tree, which the
+        relay processes read.  The addresses come from the ports the launcher chose, so this
+        raises :class:`~dcr.errors.ConfigError` in a fleet that was not started."""
+        known = {"fanout", *(f.name for f in fields(RelayConfig))}
+        opts = known_options(options, known, context.section)
+        fanout = opts.pop("fanout", 2)
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
+            raise ConfigError(f"[{context.section}]: fanout must be an integer >= 1, "
+                              f"got {fanout!r}")  # fmt: skip
+        config = dataclass_options(RelayConfig, opts, context.section)
+        root = context.node_address(context.root)
+        node = context.node_address(context.node) if context.node is not None else None
+        return cls(root=root, node=node, config=config)
 
     # -- plumbing ---------------------------------------------------------------------------
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
@@ -32,8 +32,12 @@ from dcr.adapters.transport.objstore import (
     ObjectInfo,
     ObjectStoreConfig,
     ObjectStoreTransport,
+    fleet_settings,
 )
 from dcr.errors import ConfigError, TransportError
+
+if TYPE_CHECKING:
+    from dcr.adapters.context import AdapterContext
 
 __all__ = ["S3Backend", "S3Options", "S3Transport", "convert_error"]
 
@@ -432,3 +436,17 @@ class S3Transport(ObjectStoreTransport):
         except TypeError as exc:
             raise ConfigError(f"S3 transport: {exc}") from exc
         super().__init__(S3Backend(options), config)
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
+        """Every process of a fleet opens the same bucket and prefix: :class:`S3Options` and
+        :class:`~dcr.adapters.transport.objstore.ObjectStoreConfig` fields (``bucket`` is
+        required); ``node_cache`` as :func:`~dcr.adapters.transport.objstore.fleet_settings`
+        says."""
+        opts = fleet_settings(options, context, own=[f.name for f in fields(S3Options)])
+        if "bucket" not in opts:
+            raise ConfigError(f"[{context.section}] needs a bucket")
+        try:
+            return cls(**opts)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[{context.section}]: {exc}") from exc
