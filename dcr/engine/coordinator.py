@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -86,6 +86,12 @@ class CoordinatorService:
     join_wait_s: float = 0.0
     """How long a retry waits for receivers a failed proof sent to a dense refit (see
     :attr:`~dcr.protocol.coordinator.CoordinatorConfig.join_wait_s`)."""
+    xor_refused: Mapping[str, frozenset[str]] | None = None
+    """The receivers' loader classifications from their status reports (receiver -> the
+    names its loader does not preserve bit for bit); each mixed-mode prepare binds the union
+    over its required receivers (see
+    :attr:`~dcr.protocol.coordinator.CoordinatorConfig.xor_refused`).  ``None``: prepares
+    bind none and the integration setup's ``xor_names`` decide."""
     supervisor: Supervisor = field(default_factory=_NoSupervisor)
     link: CoordinatorLink | None = None
     reads_replies: bool = True
@@ -144,6 +150,7 @@ class CoordinatorService:
                 proof=self.proof,
                 fingerprint=self.fingerprint,
                 join_wait_s=self.join_wait_s,
+                xor_refused=self.xor_refused,
             ),
             CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
         )
@@ -315,13 +322,15 @@ async def open_coordinator(
     proof: ProofConfig | None = None,
     fingerprint: bool = False,
     join_wait_s: float = 0.0,
+    xor_refused: Mapping[str, frozenset[str]] | None = None,
 ) -> AsyncIterator[CoordinatorService]:
     """A coordinator for one transition: ``result = await coord.run()`` inside the block.
 
     ``proof`` turns on the proof of the base version at prepare (receivers that fail it are
     handed to ``supervisor.dense_refit``); ``fingerprint`` requests the complete fingerprint
     at the first prepare; ``join_wait_s`` lets a retry wait for disproved receivers being
-    restored."""
+    restored; ``xor_refused`` (receiver -> the ``xor_refused`` of its status report) lets
+    each mixed-mode prepare bind what may travel relative."""
     yield CoordinatorService(
         owners=tuple(owners),
         receivers=tuple(receivers),
@@ -335,4 +344,5 @@ async def open_coordinator(
         proof=proof,
         fingerprint=fingerprint,
         join_wait_s=join_wait_s,
+        xor_refused=xor_refused,
     )

@@ -105,7 +105,17 @@ class _Ahead:
 
     staged: object
     mode: Mode
+    xor_refused: frozenset[str] | None
     streams: dict[int, tuple[Iterator[Bucket], BuildStats]]
+
+    def serves(self, staged: object, mode: Mode, xor_refused: frozenset[str] | None) -> bool:
+        """Whether these streams are what an attempt of ``mode`` binding ``xor_refused`` on
+        the candidate ``staged`` builds (overwrite mode encodes no name relative)."""
+        return (
+            self.staged is staged
+            and self.mode is mode
+            and (mode is not Mode.MIXED or self.xor_refused == xor_refused)
+        )
 
     def close(self) -> None:
         for it, _ in self.streams.values():
@@ -120,11 +130,16 @@ class TrainingSide:
     then pulls its own buckets.  The collective steps (residual change flags OR-reduced,
     residual tensors gathered, across processes for a distributed group) already ran when the
     trainer staged the candidate, so construction never waits on another process.
-    ``xor_allowed`` is what mixed mode may XOR-encode (the integration setup's ``xor_names``).
+
+    What mixed mode encodes relative to the old bits is the attempt's: the catalog names not
+    in its prepare's ``xor_refused`` (the union of the required receivers' loader
+    classifications).  ``xor_allowed`` is the fallback for a prepare that binds none (the
+    integration setup's ``xor_names``; ``frozenset()`` sends every element as an overwrite).
 
     :meth:`build_ahead` starts the next attempt's construction before its prepare arrives:
-    the first attempt of a transition whose mode matches takes those streams over, so the
-    coordinator's round trip (prepare, proofs, acceptances) overlaps the first bucket.
+    the first attempt of a transition whose mode and refused set match takes those streams
+    over, so the coordinator's round trip (prepare, proofs, acceptances) overlaps the first
+    bucket.
     """
 
     def __init__(self, group: TrainingGroup, xor_allowed: Container[str]) -> None:
@@ -136,41 +151,55 @@ class TrainingSide:
         self._claimed: object | None = None
         """The staged candidate an attempt's streams were started for (no build ahead)."""
 
-    def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
+    def relative_names(self, xor_refused: frozenset[str] | None) -> Container[str]:
+        """What mixed mode may encode relative under a prepare binding ``xor_refused``: the
+        catalog names not in it, or :attr:`xor_allowed` when it binds none."""
+        if xor_refused is None:
+            return self.xor_allowed
+        return frozenset(self.group.catalog).difference(xor_refused)
+
+    def stream(
+        self, attempt: int, mode: Mode, rank: int, *, xor_refused: frozenset[str] | None = None
+    ) -> Iterator[Bucket]:
         """The bucket iterator of owner ``rank`` for ``attempt`` (started on first use, or
         taken over from :meth:`build_ahead` when it built for the staged candidate in
-        ``mode``)."""
+        ``mode`` and, in mixed mode, with the same ``xor_refused``: the attempt's prepare's
+        set of names that travel as overwrites; ``None``: the side's :attr:`xor_allowed`)."""
         with self._lock:
             if attempt not in self._streams:
                 ahead, self._ahead = self._ahead, None
                 self._claimed = self.group.staged
-                if ahead is not None and ahead.mode is mode and ahead.staged is self.group.staged:
+                if ahead is not None and ahead.serves(self.group.staged, mode, xor_refused):
                     self._streams[attempt] = ahead.streams
                 else:
                     if ahead is not None:
                         ahead.close()
                     self._streams[attempt] = self.group.build(
-                        mode=mode, xor_allowed=self.xor_allowed
+                        mode=mode, xor_allowed=self.relative_names(xor_refused)
                     )
             return self._streams[attempt][rank][0]
 
-    def build_ahead(self, mode: Mode, rank: int) -> None:
-        """Build owner ``rank``'s first bucket of the staged candidate in ``mode`` now, in the
-        calling thread, for the attempt that will ask for it (:meth:`stream`).  Nothing is
-        built without a staged candidate; a build the attempt does not take (another mode, a
-        candidate staged again) is closed unused."""
+    def build_ahead(
+        self, mode: Mode, rank: int, *, xor_refused: frozenset[str] | None = None
+    ) -> None:
+        """Build owner ``rank``'s first bucket of the staged candidate in ``mode`` (with
+        ``xor_refused``, as :meth:`stream`) now, in the calling thread, for the attempt that
+        will ask for it.  Nothing is built without a staged candidate; a build the attempt
+        does not take (another mode or refused set, a candidate staged again) is closed
+        unused."""
         with self._lock:
             staged = self.group.staged
             if staged is None or staged is self._claimed:
                 return  # nothing staged, or an attempt already builds it
             ahead = self._ahead
-            if ahead is None or ahead.mode is not mode or ahead.staged is not staged:
+            if ahead is None or not ahead.serves(staged, mode, xor_refused):
                 if ahead is not None:
                     ahead.close()
-                streams = self.group.build(mode=mode, xor_allowed=self.xor_allowed)
+                streams = self.group.build(mode=mode, xor_allowed=self.relative_names(xor_refused))
                 ahead = self._ahead = _Ahead(
                     staged=staged,
                     mode=mode,
+                    xor_refused=xor_refused,
                     streams={r: (_AheadBuckets(it), st) for r, (it, st) in streams.items()},
                 )
             first = ahead.streams[rank][0]
@@ -232,6 +261,8 @@ class _BuildAhead:
 
 _AHEAD_PHASES = frozenset({OwnerPhase.IDLE, OwnerPhase.UPDATED})
 """Owner phases between attempts: no attempt builds the staged candidate yet."""
+_REFUSED_KEPT = 4
+"""How many of the latest attempts' refused sets an owner engine keeps."""
 
 
 @dataclass(slots=True)
@@ -258,9 +289,10 @@ class OwnerService:
     """Called with the key and size of each attempt payload the transport accepted (fault
     injection, progress, traffic reports)."""
     build_ahead: bool = True
-    """Whether :meth:`publish` starts building the first bucket right away, in the mode of
-    the last attempt this owner was prepared for, so that the prepare's round trip overlaps
-    it (:meth:`TrainingSide.build_ahead`); an attempt in another mode builds afresh."""
+    """Whether :meth:`publish` starts building the first bucket right away, in the mode and
+    with the refused set of the last prepare this owner received, so that the prepare's
+    round trip overlaps it (:meth:`TrainingSide.build_ahead`); an attempt in another mode or
+    with another set builds afresh."""
     core: OwnerCore = field(init=False)
     link: EndpointLink | None = None
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
@@ -275,6 +307,11 @@ class OwnerService:
     _updated: anyio.Event = field(default_factory=anyio.Event)
     _mode: Mode = Mode.MIXED
     """The mode of the last prepare: what a build ahead predicts for the next attempt."""
+    _xor_refused: frozenset[str] | None = None
+    """The refused set of the last prepare, which a build ahead predicts likewise."""
+    _refused: dict[int, frozenset[str] | None] = field(default_factory=dict)
+    """Attempt -> the ``xor_refused`` its prepare bound (what its buckets encode as
+    overwrites in mixed mode)."""
 
     def __post_init__(self) -> None:
         # Receivers admit payloads against the integration's catalog: a training side built
@@ -371,6 +408,8 @@ class OwnerService:
             return
         if isinstance(message, msg.Prepare):
             self._mode = message.info.mode
+            self._xor_refused = message.xor_refused
+            self._bind_refused(message.info.attempt, message.xor_refused)
         if isinstance(message, msg.Prepare) and self.side.group.staged is None:
             # Nothing to build yet (a trainer restarted mid-transition is still computing
             # its step): the prepare waits for the candidate, bounded by the coordinator's
@@ -383,12 +422,18 @@ class OwnerService:
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
 
+    def _bind_refused(self, attempt: int, xor_refused: frozenset[str] | None) -> None:
+        """Remember what ``attempt``'s prepare bound (its first prepare: the coordinator
+        sends one set per attempt), for the few latest attempts."""
+        self._refused.setdefault(attempt, xor_refused)
+        for old in sorted(self._refused)[:-_REFUSED_KEPT]:
+            del self._refused[old]
+
     async def _build_ahead(self) -> None:
         # A failure here is the attempt's to report: it builds afresh.
+        build = partial(self.side.build_ahead, self._mode, self.rank, xor_refused=self._xor_refused)
         with contextlib.suppress(DcrError):
-            await anyio.to_thread.run_sync(
-                self.side.build_ahead, self._mode, self.rank, limiter=self.limiter
-            )
+            await anyio.to_thread.run_sync(build, limiter=self.limiter)
 
     async def _prove(self, message: msg.Prepare) -> None:
         """This owner's proof of its committed version, computed in a worker thread."""
@@ -450,7 +495,8 @@ class OwnerService:
         )
 
     def _encode_next(self, attempt: int, payload_id: int, mode: Mode) -> tuple[bytes, bool]:
-        bucket = next(self.side.stream(attempt, mode, self.rank), None)
+        stream = self.side.stream(attempt, mode, self.rank, xor_refused=self._refused.get(attempt))
+        bucket = next(stream, None)
         if bucket is None:
             raise DcrError(
                 f"owner {self.name} has no bucket {payload_id}", attempt=attempt, check="encode"

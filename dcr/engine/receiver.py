@@ -145,6 +145,23 @@ class ReceiverService:
         await anyio.to_thread.run_sync(self.receiver.dense_load, state_dict, limiter=self.limiter)
         await self._local(ev.DenseRefitDone(record=record))
 
+    def refused(self) -> frozenset[str] | None:
+        """The canonical names this receiver's native loader path does not preserve bit for
+        bit (the catalog less :meth:`Receiver.xor_allowed`): they must travel as overwrites.
+        ``None`` before prewarm."""
+        if not self.receiver.paths:
+            return None
+        return frozenset(self.receiver.catalog).difference(self.receiver.xor_allowed())
+
+    def _reported_refused(self) -> frozenset[str] | None:
+        """What the status report carries: :meth:`refused`, unless it is larger than a
+        control message carries (then none, and the integration setup's ``xor_names``
+        decide what owners send relative)."""
+        refused = self.refused()
+        if refused is None or msg.refused_size(refused) > msg.XOR_REFUSED_MAX_BYTES:
+            return None
+        return refused
+
     async def _report_status(self) -> None:
         if self.link is not None:
             await self.link.set_status(
@@ -153,6 +170,7 @@ class ReceiverService:
                     role="receiver",
                     incarnation=self.incarnation,
                     record=None if self.core.dirty else self.core.held,
+                    xor_refused=self._reported_refused(),
                 )
             )
 
@@ -202,13 +220,20 @@ class ReceiverService:
         await self._local(ev.PrepareChecked(info=message.info, rejection=rejection, proof=proof))
 
     def _prepare_check(self, message: msg.Prepare) -> str | None:
-        """The engine's metadata and loader-classification check at prepare (a *reject*)."""
+        """The engine's metadata and loader-classification check at prepare (a *reject*): in
+        mixed mode every name the attempt may encode relative -- the catalog less the
+        prepare's ``xor_refused``, or the integration setup's ``xor_names`` when it binds
+        none -- must be one this receiver's loader allows."""
         if not self.receiver.paths:
             return "prewarm"
-        if message.info.mode is Mode.MIXED and not self.integration.xor_names <= (
-            self.receiver.xor_allowed()
-        ):
-            return "classification"
+        if message.info.mode is Mode.MIXED:
+            relative = (
+                self.integration.xor_names
+                if message.xor_refused is None
+                else frozenset(self.integration.catalog).difference(message.xor_refused)
+            )
+            if not relative <= self.receiver.xor_allowed():
+                return "classification"
         try:
             self.receiver.loader.check_ready()
         except DcrError:

@@ -22,9 +22,12 @@ class Integration:
     """The integration setup ``M`` (paper App. A.1, fixed during a transition).
 
     ``catalog``: canonical names, shapes, dtypes.  ``xor_names``: tensors owners may
-    XOR-encode in mixed mode (every receiver's loader path preserves their bits; receivers
-    reject a prepare when it is not so for them).  ``owner_ids``: owner name -> the owner id
-    carried in payload headers.
+    encode relative to the old bits in mixed mode when a prepare binds no refused set of its
+    own (:attr:`~dcr.protocol.messages.Prepare.xor_refused`, from the receivers' status
+    reports): every receiver's loader path must preserve their bits, and receivers reject a
+    prepare when it is not so for them.  Where the setup is known (in-process refits) it is
+    the default; ``frozenset()`` sends everything as overwrites unless a prepare says
+    otherwise.  ``owner_ids``: owner name -> the owner id carried in payload headers.
     """
 
     catalog: Mapping[str, TensorSpec]

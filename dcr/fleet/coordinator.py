@@ -13,6 +13,12 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
   the required ones, and takes over a transition a replaced coordinator left unfinished;
 * is the supervisor of its runs: an endpoint that reappears with a new incarnation was
   restarted, so its old process is confirmed gone (``Retired``);
+* binds, at each mixed-mode prepare, what the owners may encode relative to the old bits:
+  the union of the required receivers' refused sets (``xor_refused`` of their status
+  reports, the names their loader does not preserve bit for bit), so that no owner needs to
+  know the serving side's loaders; the ``transition`` event says how many tensors go
+  relative (``relative``, ``None`` when a member has not reported: the integration setup's
+  ``xor_names`` decide) and which are refused by whom (``refused``, name -> receivers);
 * proves the base version at prepare (``[proof]``, on by default): a seeded sample of stored
   bits at every prepare, the complete fingerprint at the first transition a receiver takes
   part in after this process first saw it (whatever version it claims), after it restarted
@@ -37,12 +43,14 @@ from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
 from dcr.engine.coordinator import CoordinatorService
 from dcr.engine.setup import attempt_from_json
-from dcr.errors import CommitConflict, CommitStoreError, ConfigError, TransportError
+from dcr.errors import CommitConflict, CommitStoreError, ConfigError, DcrError, TransportError
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.events import EventLog, FaultPoints
+from dcr.fleet.events import NAMES_SHOWN, EventLog, FaultPoints
+from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol import commands as cmd
 from dcr.protocol import messages as msg
+from dcr.protocol.coordinator import bound_refused
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
 
 __all__ = ["FleetCoordinator", "run_coordinator"]
@@ -88,6 +96,7 @@ class FleetCoordinator:
     _counter: int = 0
     _wake: anyio.Event = field(default_factory=anyio.Event)
     _tg: TaskGroup | None = None
+    _catalog_names: tuple[frozenset[str] | None] | None = None
 
     async def serve(self) -> None:
         """Wait to become active (lease), then coordinate until cancelled."""
@@ -172,6 +181,45 @@ class FleetCoordinator:
             for o in self.owners
         )
 
+    def refused_reports(self) -> dict[str, frozenset[str]]:
+        """Receiver -> the names its last status report says its loader does not preserve
+        bit for bit (receivers that reported a classification)."""
+        return {
+            r: s.xor_refused
+            for r in self.receivers
+            if (s := self.statuses.get(r)) is not None and s.xor_refused is not None
+        }
+
+    def _catalog(self) -> frozenset[str] | None:
+        """The canonical names the fleet serves, when the fleet file says which (a checkpoint,
+        or the synthetic trainer's model); ``None`` for a trainer that brings its own."""
+        if self._catalog_names is None:
+            names = None
+            # A trainer of another kind trains a model that [model] need not describe.
+            if self.config.model.checkpoint is not None or self.config.trainer.synthetic:
+                with contextlib.suppress(DcrError, OSError, KeyError, TypeError, ValueError):
+                    names = frozenset(FleetModel(self.config).catalog)
+            self._catalog_names = (names,)
+        return self._catalog_names[0]
+
+    def classification(
+        self, members: tuple[str, ...], reports: dict[str, frozenset[str]]
+    ) -> dict[str, object]:
+        """What a mixed-mode prepare of ``members`` binds, for the ``transition`` event:
+        ``relative`` (how many catalog tensors may travel relative; ``None`` when no set is
+        bound or the catalog is unknown here), ``refused_count`` and ``refused`` (the first
+        refused names -> the members refusing each), and ``unreported`` members."""
+        bound = bound_refused(reports, members)
+        catalog = self._catalog()
+        union = sorted(set().union(*(reports.get(r, frozenset()) for r in members)))
+        return {
+            "relative": None if bound is None or catalog is None else len(catalog - bound),
+            "refused_count": len(union),
+            "refused": {n: [r for r in members if n in reports.get(r, ())]
+                        for n in union[:NAMES_SHOWN]},
+            "unreported": [r for r in members if r not in reports],
+        }  # fmt: skip
+
     def members(self, record: CommitRecord) -> tuple[str, ...]:
         """Receivers whose last report says they hold ``record`` exactly: the required ones."""
         return tuple(
@@ -189,6 +237,7 @@ class FleetCoordinator:
         base = old.base if old is not None else state.record
         members = self.members(base)
         fingerprint = self.config.proof is not None and bool(self._unverified & set(members))
+        reports = self.refused_reports()
         service = CoordinatorService(
             owners=self.owners,
             receivers=members,
@@ -201,6 +250,7 @@ class FleetCoordinator:
             proof=self.config.proof,
             fingerprint=fingerprint,
             join_wait_s=c.join_wait_s,
+            xor_refused=reports,
             supervisor=self,
             link=link,
             reads_replies=False,
@@ -211,7 +261,8 @@ class FleetCoordinator:
         self._restarted.clear()
         self.transitions += 1
         self.log.emit("transition", base=base.version, take_over=old is not None,
-                      required=list(service.receivers))  # fmt: skip
+                      required=list(service.receivers),
+                      **self.classification(members, reports))  # fmt: skip
         t0 = anyio.current_time()
         try:
             ended = await service.run(take_over=old is not None)
@@ -234,9 +285,15 @@ class FleetCoordinator:
             if verdict.failed:
                 self.log.emit("disproved", base=base.version, receivers=sorted(verdict.failed),
                               reasons=dict(verdict.failed))  # fmt: skip
+        bound = {
+            c.message.info.attempt: c.message.xor_refused
+            for c in service.commands
+            if isinstance(c, cmd.Call) and isinstance(c.message, msg.Prepare)
+        }
         attempts = [
             {"attempt": c.info.attempt, "mode": c.info.mode.value,
-             "receivers": sorted(c.info.receivers)}
+             "receivers": sorted(c.info.receivers),
+             "refused": None if (b := bound.get(c.info.attempt)) is None else len(b)}
             for c in service.commands
             if isinstance(c, cmd.RegisterAttempt)
         ]  # fmt: skip

@@ -14,7 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EventLog", "EventReader"]
+__all__ = ["NAMES_SHOWN", "EventLog", "EventReader"]
+
+NAMES_SHOWN = 16
+"""How many tensor names an event lists where a model may have thousands (the first, sorted;
+a count says how many there are)."""
 
 
 class EventLog:

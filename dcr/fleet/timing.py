@@ -8,7 +8,10 @@ clock every process of a host shares:
 
 * ``built`` -- one bucket: its records built (``next`` of the owner's bucket stream) and its
   payload encoded, one worker thread, back to back; a first bucket built ahead of the prepare
-  reports two, its build and its encoding;
+  reports two, its build and its encoding.  The second also says how the bucket's tensors
+  travel: ``relative`` (how many tensors have relative entries, XOR or ULP), ``overwrite``
+  (how many have overwrite entries) and, in mixed mode, ``overwrite_names`` (the first of
+  them by name: what the prepare's refused set, or residual conversion, sent as overwrites);
 * ``sent`` -- carries ``start``, the moment the payload was handed to the transport (the
   owner engine reports the end);
 * ``baseline`` -- the owner's baseline update after the commit.
@@ -34,8 +37,9 @@ from dcr.adapters.transport.objstore import (
 )
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket
+from dcr.delta.records import Encoding
 from dcr.engine.owner import TrainingSide
-from dcr.fleet.events import EventLog
+from dcr.fleet.events import NAMES_SHOWN, EventLog
 from dcr.protocol.types import Mode, PayloadKey
 
 __all__ = ["TimedFetches", "TimedSends", "TimedTrainingSide", "time_fetches"]
@@ -43,13 +47,26 @@ __all__ = ["TimedFetches", "TimedSends", "TimedTrainingSide", "time_fetches"]
 _PAYLOAD = re.compile(rf"^{PAYLOADS}(\d{{20}})/")
 
 
-class _TimedBuckets(Iterator[Bucket]):
-    """A bucket stream whose every ``next`` records when it started."""
+def _encodings(bucket: Bucket, mode: Mode) -> dict[str, object]:
+    """How the tensors of ``bucket`` travel (the fields ``built`` adds)."""
+    overwrite = sorted({i.name for i in bucket.items if i.encoding is Encoding.OVERWRITE})
+    relative = {i.name for i in bucket.items if i.encoding is not Encoding.OVERWRITE}
+    out: dict[str, object] = {"relative": len(relative), "overwrite": len(overwrite)}
+    if mode is Mode.MIXED:
+        out["overwrite_names"] = overwrite[:NAMES_SHOWN]
+    return out
 
-    def __init__(self, inner: Iterator[Bucket], side: TimedTrainingSide, key: tuple[int, int]):
+
+class _TimedBuckets(Iterator[Bucket]):
+    """A bucket stream whose every ``next`` records when it started and what it holds."""
+
+    def __init__(
+        self, inner: Iterator[Bucket], side: TimedTrainingSide, key: tuple[int, int], mode: Mode
+    ):
         self._inner = inner
         self._side = side
         self._key = key
+        self._mode = mode
 
     def __next__(self) -> Bucket:
         self._side.begun(self._key)
@@ -59,6 +76,7 @@ class _TimedBuckets(Iterator[Bucket]):
         ahead = take() if take is not None else None
         if ahead is not None:
             self._side.built_ahead(self._key, ahead)
+        self._side.holds(self._key, _encodings(bucket, self._mode))
         return bucket
 
 
@@ -72,6 +90,7 @@ class TimedTrainingSide(TrainingSide):
         self._log = log
         self._begun: dict[tuple[int, int], float] = {}
         self._ahead_built: dict[tuple[int, int], tuple[float, float]] = {}
+        self._held: dict[tuple[int, int], dict[str, object]] = {}
         self._begun_lock = threading.Lock()
 
     def begun(self, key: tuple[int, int]) -> None:
@@ -82,8 +101,15 @@ class TimedTrainingSide(TrainingSide):
         with self._begun_lock:
             self._ahead_built[key] = interval
 
-    def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
-        return _TimedBuckets(super().stream(attempt, mode, rank), self, (attempt, rank))
+    def holds(self, key: tuple[int, int], encodings: dict[str, object]) -> None:
+        with self._begun_lock:
+            self._held[key] = encodings
+
+    def stream(
+        self, attempt: int, mode: Mode, rank: int, *, xor_refused: frozenset[str] | None = None
+    ) -> Iterator[Bucket]:
+        inner = super().stream(attempt, mode, rank, xor_refused=xor_refused)
+        return _TimedBuckets(inner, self, (attempt, rank), mode)
 
     def add_time(self, attempt: int, rank: int, stage: str, seconds: float) -> None:
         super().add_time(attempt, rank, stage, seconds)
@@ -93,9 +119,10 @@ class TimedTrainingSide(TrainingSide):
         with self._begun_lock:
             start = self._begun.pop((attempt, rank), end - seconds)
             ahead = self._ahead_built.pop((attempt, rank), None)
+            held = self._held.pop((attempt, rank), {})
         if ahead is not None:
             self._log.emit("built", attempt=attempt, rank=rank, start=ahead[0], end=ahead[1])
-        self._log.emit("built", attempt=attempt, rank=rank, start=start, end=end)
+        self._log.emit("built", attempt=attempt, rank=rank, start=start, end=end, **held)
 
     def commit(self, rank: int) -> None:
         start = time.time()

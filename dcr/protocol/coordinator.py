@@ -8,6 +8,7 @@ back as events.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from dcr.errors import ConfigError, LocalProtocolError
@@ -28,7 +29,7 @@ from dcr.protocol.types import (
     TransitionOutcome,
 )
 
-__all__ = ["CoordinatorConfig", "CoordinatorCore"]
+__all__ = ["CoordinatorConfig", "CoordinatorCore", "bound_refused"]
 
 _A = AttemptPhase
 _T = TransitionPhase
@@ -54,6 +55,30 @@ _STAGE_PHASES = {
     Stage.GATE: frozenset({_A.GATING}),
     Stage.FLUSH: frozenset({_A.APPLYING, _A.FLUSHING}),
 }
+
+
+def bound_refused(
+    reports: Mapping[str, frozenset[str]] | None, receivers: Iterable[str]
+) -> frozenset[str] | None:
+    """What a mixed-mode prepare of ``receivers`` binds as ``xor_refused``: the union of their
+    reported refused sets (``reports``: receiver -> the canonical names its loader path does
+    not preserve bit for bit).
+
+    ``None`` -- the integration setup's ``xor_names`` decide -- when there are no reports, a
+    receiver has not reported, or the union is larger than a control message carries
+    (:data:`~dcr.protocol.messages.XOR_REFUSED_MAX_BYTES`).
+    """
+    if reports is None:
+        return None
+    union: set[str] = set()
+    for r in receivers:
+        mine = reports.get(r)
+        if mine is None:
+            return None
+        union |= mine
+    if msg.refused_size(union) > msg.XOR_REFUSED_MAX_BYTES:
+        return None
+    return frozenset(union)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +111,12 @@ class CoordinatorConfig:
     for those receivers to be restored by dense refit and report ready, so that they join
     the retry and take part in the commit (0: retry at once without them).  The retry
     starts as soon as every one of them is ready, or when the wait ends."""
+    xor_refused: Mapping[str, frozenset[str]] | None = None
+    """The receivers' loader classifications, from their status reports: receiver -> the
+    canonical names its native loader path does not preserve bit for bit.  Each mixed-mode
+    prepare binds the union over its required receivers (:func:`bound_refused`), so owners
+    encode exactly the other names relative; ``None``, or a required receiver missing here,
+    binds ``None``: the integration setup's ``xor_names``."""
 
     def __post_init__(self) -> None:
         if not self.owners:
@@ -118,6 +149,7 @@ class _Attempt:
     arrival_checked: bool = False
     joined: frozenset[str] = frozenset()
     proof: ProofRequest | None = None
+    xor_refused: frozenset[str] | None = None
     proofs: dict[str, Proof | None] = field(default_factory=dict)
     judged: bool = False
 
@@ -270,9 +302,8 @@ class CoordinatorCore:
             case ev.Registered():
                 if a.phase is _A.PREPARING and not a.registered:
                     a.registered = True
-                    out.append(
-                        cmd.Call(to=a.everyone, message=msg.Prepare(info=a.info, proof=a.proof))
-                    )
+                    prepare = msg.Prepare(info=a.info, proof=a.proof, xor_refused=a.xor_refused)
+                    out.append(cmd.Call(to=a.everyone, message=prepare))
             case msg.PrepareAccepted(endpoint=endpoint, proof=proof):
                 if endpoint in a.endpoints:
                     a.accepted.add(endpoint)
@@ -335,7 +366,8 @@ class CoordinatorCore:
     # -- admission and streaming (Algorithm B.1) -------------------------------------------
 
     def _prepare(self, out: list[cmd.CoordinatorCommand]) -> None:
-        """Start a fresh attempt: bind tau, g, the mode and the required receivers."""
+        """Start a fresh attempt: bind tau, g, the mode, the required receivers and, in mixed
+        mode, their loader classification (what may travel relative)."""
         if not self._transition.can_fire(_X.PREPARE):
             self._transition.fire(_X.PREPARE)  # raises, naming the phase or the guard
         tau, g = self._ids.fresh()
@@ -363,6 +395,11 @@ class CoordinatorCore:
             machine=self._attempt_machine(tau),
             joined=joined,
             proof=self._proof_request(tau, g, joined),
+            xor_refused=(
+                bound_refused(self.config.xor_refused, info.receivers)
+                if info.mode is Mode.MIXED
+                else None
+            ),
         )
         self._fire(_X.PREPARE)
         # Endpoints learn the attempt only after the control plane registered it, so that no

@@ -10,7 +10,9 @@ failure model).  Payload bytes never travel here: they go over a transport.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from dcr.protocol.proof import Proof, ProofRequest
 from dcr.protocol.types import AttemptInfo, CommitRecord
@@ -19,6 +21,7 @@ __all__ = [
     "CALLS",
     "MESSAGES",
     "REPLIES",
+    "XOR_REFUSED_MAX_BYTES",
     "Acked",
     "AttemptFailed",
     "BaselineUpdated",
@@ -47,7 +50,28 @@ __all__ = [
     "StopAndWait",
     "Stopped",
     "WaitForRequests",
+    "refused_size",
 ]
+
+XOR_REFUSED_MAX_BYTES = 1 << 18
+"""The most a set of refused names (``xor_refused``) may take in one control message, as
+counted by :func:`refused_size` (about 4,000 names of 60 bytes).  A receiver whose set is
+larger reports none and a coordinator whose union is larger binds none: the integration
+setup's ``xor_names`` decide instead."""
+
+
+def refused_size(names: Iterable[str]) -> int:
+    """The size of a set of refused names against :data:`XOR_REFUSED_MAX_BYTES`: the UTF-8
+    bytes of every name plus one each."""
+    return sum(len(n.encode("utf-8", "surrogatepass")) + 1 for n in names)
+
+
+def _refused_field() -> Any:
+    """A set of refused canonical names, added to the control vocabulary after its first
+    version: omitted from the frame while ``None`` (so frames of senders that predate it
+    decode unchanged), at most :data:`XOR_REFUSED_MAX_BYTES` (:mod:`dcr.wire.control`)."""
+    return field(default=None, metadata={"optional": True, "max_bytes": XOR_REFUSED_MAX_BYTES})
+
 
 # --- calls: coordinator -> owners and receivers ----------------------------------------------
 
@@ -58,10 +82,19 @@ class Prepare:
 
     ``proof`` asks every endpoint to prove the base version with its acceptance (a sample of
     stored bits, and the fingerprint when requested; :mod:`dcr.protocol.proof`).
+
+    ``xor_refused`` binds the attempt's loader classification: the union of the canonical
+    names whose path through some required receiver's native loader does not preserve stored
+    bits (their status reports).  In mixed mode owners encode every other catalog name
+    relative to the old bits where their projection allows, and these as overwrites; each
+    receiver rejects the prepare (``classification``) when the catalog less this set is not
+    within what its own loader allows.  ``None`` (a required receiver has not reported, or
+    overwrite mode): the integration setup's ``xor_names`` are what may travel relative.
     """
 
     info: AttemptInfo
     proof: ProofRequest | None = None
+    xor_refused: frozenset[str] | None = _refused_field()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,6 +343,11 @@ class EndpointStatus:
     and ``candidate`` says it staged the next version on top of it; a receiver's ``record`` is
     the committed version its storage holds exactly, ``None`` while it must restore one by
     dense refit.
+
+    ``xor_refused`` is a prewarmed receiver's loader classification: the canonical names whose
+    path through its native loader does not preserve stored bits (casts, transforms), which
+    must travel as overwrites.  ``None``: an owner, a receiver not prewarmed yet, or a set
+    larger than :data:`XOR_REFUSED_MAX_BYTES`.
     """
 
     endpoint: str
@@ -317,6 +355,7 @@ class EndpointStatus:
     incarnation: str
     record: CommitRecord | None
     candidate: bool = False
+    xor_refused: frozenset[str] | None = _refused_field()
 
 
 Reply = (

@@ -60,7 +60,11 @@ _INFO = AttemptInfo(
 _COUNTS = (("owner-0", 3), ("owner-1", 0))
 
 EXAMPLES: tuple[msg.Message, ...] = (
-    msg.Prepare(info=_INFO, proof=ProofRequest(seed=(1 << 63) - 1, samples=64, fingerprint=True)),
+    msg.Prepare(
+        info=_INFO,
+        proof=ProofRequest(seed=(1 << 63) - 1, samples=64, fingerprint=True),
+        xor_refused=frozenset({"model.norm.weight", "lm_head.weight"}),
+    ),
     msg.StartStreaming(attempt=1),
     msg.WaitForRequests(attempt=2, epoch=3),
     msg.OpenApply(attempt=2, epoch=3),
@@ -95,7 +99,13 @@ EXAMPLES: tuple[msg.Message, ...] = (
     msg.Retired(attempt=2, endpoint="rx-2"),
     msg.BaselineUpdated(owner="owner-1", record=_RECORD),
     msg.ReceiverReady(receiver="rx-0", record=_RECORD),
-    msg.EndpointStatus(endpoint="rx-0", role="receiver", incarnation="pid-41", record=None),
+    msg.EndpointStatus(
+        endpoint="rx-0",
+        role="receiver",
+        incarnation="pid-41",
+        record=None,
+        xor_refused=frozenset({"model.layers.0.A_log", "model.norm.weight"}),
+    ),
 )
 """One representative value of every class in :data:`~dcr.protocol.messages.MESSAGES`:
 nested records, enums, frozensets, tuples of pairs, optional and defaulted fields."""

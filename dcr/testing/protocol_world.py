@@ -17,7 +17,7 @@ are retried until they arrive.  Everything else may be lost, duplicated or reord
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,10 +156,13 @@ class World:
         payloads: int | dict[str, int] = 2,
         sync: bool = True,
         queue: QueueConfig | None = None,
+        xor_refused: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.owner_names = tuple(owners)
         self.receiver_names = tuple(receivers)
         self.sync = sync
+        self.xor_refused = xor_refused
+        """The receivers' reported loader classifications every coordinator is given."""
         self.base = CommitRecord(version=0, candidate="g0")
         counts = (
             payloads if isinstance(payloads, dict) else dict.fromkeys(self.owner_names, payloads)
@@ -237,6 +240,7 @@ class World:
                 epoch=epoch,
                 sync=self.sync,
                 timeouts=Timeouts(),
+                xor_refused=self.xor_refused,
             ),
             CounterIds(first=100 * epoch, prefix=f"g{epoch}."),
         )

@@ -61,11 +61,13 @@ class _LoggedSide(TrainingSide):
 
         group.build = logged  # type: ignore[method-assign,assignment]
 
-    def stream(self, attempt: int, mode: Mode, rank: int) -> Iterator[Bucket]:
+    def stream(
+        self, attempt: int, mode: Mode, rank: int, *, xor_refused: frozenset[str] | None = None
+    ) -> Iterator[Bucket]:
         if attempt not in self._asked:
             self._asked.add(attempt)
             self.log.append("attempt asks")
-        return super().stream(attempt, mode, rank)
+        return super().stream(attempt, mode, rank, xor_refused=xor_refused)
 
 
 @pytest.mark.parametrize(("ahead", "log"), [

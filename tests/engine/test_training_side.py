@@ -157,3 +157,64 @@ def test_a_failure_of_the_build_ahead_surfaces_in_the_attempt() -> None:
     side.build_ahead(Mode.MIXED, 0)  # does not raise: the failure is the attempt's
     with pytest.raises(LayoutError, match="shard is gone"):
         next(side.stream(7, Mode.MIXED, 0))
+
+
+# -- what travels relative: the prepare's refused set -------------------------------------------
+
+NORM = "model.norm.weight"
+QKV = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _encodings(buckets: list[Bucket]) -> dict[str, set[Encoding]]:
+    """Tensor name -> the encodings of its entries in ``buckets``."""
+    out: dict[str, set[Encoding]] = {}
+    for b in buckets:
+        for i in b.items:
+            out.setdefault(i.name, set()).add(i.encoding)
+    return out
+
+
+def test_mixed_mode_encodes_refused_names_as_overwrites_and_the_others_relative() -> None:
+    side = _side()
+    refused = frozenset({NORM, QKV, "not.in.the.catalog"})
+    got = _encodings(list(side.stream(7, Mode.MIXED, 0, xor_refused=refused)))
+    assert NORM in got and QKV in got and len(got) > 2  # the step changed them all
+    for name, encodings in got.items():
+        if name in refused:
+            assert encodings == {Encoding.OVERWRITE}, name
+        else:
+            assert encodings and Encoding.OVERWRITE not in encodings, (name, encodings)
+    # Nothing refused: every tensor relative (the plan's projections all preserve bits).
+    everything = _encodings(list(_side().stream(7, Mode.MIXED, 0, xor_refused=frozenset())))
+    assert everything.keys() == got.keys()
+    assert all(Encoding.OVERWRITE not in e for e in everything.values())
+    # No set bound: the side's fallback (here, frozenset(): overwrites only).
+    fallback = _encodings(list(_side().stream(7, Mode.MIXED, 0)))
+    assert all(e == {Encoding.OVERWRITE} for e in fallback.values())
+    # Overwrite mode ignores the set.
+    plain = _encodings(list(_side().stream(7, Mode.OVERWRITE, 0, xor_refused=frozenset())))
+    assert all(e == {Encoding.OVERWRITE} for e in plain.values())
+
+
+def test_a_build_ahead_with_another_refused_set_is_rebuilt() -> None:
+    refused = frozenset({NORM})
+    reference = _contents(list(_side().stream(1, Mode.MIXED, 0, xor_refused=refused)))
+    for ahead in (None, frozenset(), frozenset({QKV})):
+        side = _side()
+        builds = _counting(side)
+        side.build_ahead(Mode.MIXED, 0, xor_refused=ahead)
+        got = _contents(list(side.stream(7, Mode.MIXED, 0, xor_refused=refused)))
+        assert builds == [Mode.MIXED, Mode.MIXED], ahead  # built again, with the prepare's set
+        assert got == reference, ahead
+    # The same set (an equal one, not the same object): taken over.
+    side = _side()
+    builds = _counting(side)
+    side.build_ahead(Mode.MIXED, 0, xor_refused=frozenset([NORM]))
+    assert _contents(list(side.stream(7, Mode.MIXED, 0, xor_refused=refused))) == reference
+    assert builds == [Mode.MIXED]
+    # Overwrite mode encodes nothing relative: any set serves it.
+    side = _side()
+    builds = _counting(side)
+    side.build_ahead(Mode.OVERWRITE, 0, xor_refused=refused)
+    list(side.stream(7, Mode.OVERWRITE, 0, xor_refused=None))
+    assert builds == [Mode.OVERWRITE]

@@ -295,3 +295,166 @@ def test_fuzz_damaged_frames_are_rejected_or_canonical() -> None:
     assert {c for k, c in counts if k == "unknown-tag"} == {"type"}
     assert {c for k, c in counts if k in ("missing-field", "extra-field")} == {"schema"}
     assert counts["flip", "accepted"] < counts["flip", "schema"]
+
+
+# -- optional fields added after the first format version (xor_refused) ------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _PrepareBefore:
+    """``Prepare`` as senders that predate ``xor_refused`` declare it."""
+
+    info: Any
+    proof: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _StatusBefore:
+    """``EndpointStatus`` as senders that predate ``xor_refused`` declare it."""
+
+    endpoint: str
+    role: str
+    incarnation: str
+    record: Any
+    candidate: bool = False
+
+
+_OLD = msgspec.msgpack.Encoder(order="deterministic")
+
+
+def _old_frame(tag: str, body: object) -> bytes:
+    """A frame as a sender that predates the field writes it."""
+    return _OLD.encode((FORMAT_VERSION, tag, 4, "c", body))
+
+
+def _refused_examples() -> list[object]:
+    prepare = next(m for m in EXAMPLES if isinstance(m, msg.Prepare))
+    status = next(m for m in EXAMPLES if isinstance(m, msg.EndpointStatus))
+    return [prepare, status]
+
+
+@pytest.mark.parametrize("refused", [None, frozenset(), frozenset({"b.weight", "a.weight", "é"})])
+@pytest.mark.parametrize("kind", [msg.Prepare, msg.EndpointStatus])
+def test_xor_refused_round_trips_with_and_without_the_field(
+    kind: type, refused: frozenset[str] | None
+) -> None:
+    [example] = [m for m in _refused_examples() if type(m) is kind]
+    message = dataclasses.replace(example, xor_refused=refused)
+    data = CODEC.encode(message, epoch=4, sender="c")
+    assert CODEC.decode(data).message == message
+    body = msgspec.msgpack.decode(data)[4]
+    assert ("xor_refused" in body) is (refused is not None)
+    if refused is not None:
+        assert body["xor_refused"] == sorted(refused)
+
+
+def test_frames_of_senders_that_predate_xor_refused_decode_unchanged() -> None:
+    prepare, status = _refused_examples()
+    assert isinstance(prepare, msg.Prepare) and isinstance(status, msg.EndpointStatus)
+    cases = [
+        ("Prepare", _PrepareBefore(info=prepare.info, proof=prepare.proof),
+         dataclasses.replace(prepare, xor_refused=None)),
+        ("EndpointStatus",
+         _StatusBefore(endpoint=status.endpoint, role=status.role,
+                       incarnation=status.incarnation, record=status.record, candidate=True),
+         dataclasses.replace(status, candidate=True, xor_refused=None)),
+    ]  # fmt: skip
+    for tag, before, now in cases:
+        old = _old_frame(tag, before)
+        assert CODEC.decode(old).message == now
+        # A message without the field is sent exactly as before the field existed.
+        assert CODEC.encode(now, epoch=4, sender="c") == old
+
+
+def test_malformed_or_non_canonical_xor_refused_is_rejected() -> None:
+    prepare, _ = _refused_examples()
+    body = _body(dataclasses.replace(prepare, xor_refused=frozenset({"a", "b"})))
+    # _body sorts nested keys; rebuild the body in declaration order, as the codec sends it.
+    info = msgspec.msgpack.decode(_OLD.encode(prepare.info))
+    proof = msgspec.msgpack.decode(_OLD.encode(prepare.proof))
+    assert set(body) == {"info", "proof", "xor_refused"}
+    for value in (None, ["b", "a"], ["a", "a"], ["a", 1], "a", [["a"]], {"a": 1}, 5):
+        frame = _frame(FORMAT_VERSION, "Prepare", 4, "c",
+                       {"info": info, "proof": proof, "xor_refused": value})  # fmt: skip
+        with pytest.raises(ControlMessageRejected) as exc:
+            CODEC.decode(frame)
+        assert exc.value.check == "schema", value
+    good = _frame(FORMAT_VERSION, "Prepare", 4, "c",
+                  {"info": info, "proof": proof, "xor_refused": ["a", "b"]})  # fmt: skip
+    assert CODEC.decode(good).message == dataclasses.replace(prepare, xor_refused=frozenset("ab"))
+
+
+def test_an_xor_refused_over_its_bound_is_rejected_on_both_sides() -> None:
+    prepare, status = _refused_examples()
+    width = 100
+    count = msg.XOR_REFUSED_MAX_BYTES // (width + 1)
+    fits = frozenset(f"{i:0{width}d}" for i in range(count))
+    over = fits | {"x" * width}
+    assert msg.refused_size(fits) <= msg.XOR_REFUSED_MAX_BYTES < msg.refused_size(over)
+    for example in (prepare, status):
+        at_bound = dataclasses.replace(example, xor_refused=fits)
+        data = CODEC.encode(at_bound, epoch=4, sender="c")
+        assert CODEC.decode(data).message == at_bound
+        with pytest.raises(LocalProtocolError) as local:
+            CODEC.encode(dataclasses.replace(example, xor_refused=over), epoch=4, sender="c")
+        assert local.value.check == "encode"
+        # A frame that carries it anyway (built by hand) is refused by the receiving codec.
+        body = msgspec.msgpack.decode(data)[4]
+        body["xor_refused"] = sorted(over)
+        with pytest.raises(ControlMessageRejected) as remote:
+            CODEC.decode(_frame(FORMAT_VERSION, type(example).__name__, 4, "c", body))
+        assert remote.value.check == "schema"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Carrier:
+    """A message that carries a status, as the ZeroMQ channel's ``Hello`` does."""
+
+    name: str
+    status: msg.EndpointStatus | None
+    statuses: tuple[msg.EndpointStatus, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _CarrierBefore:
+    name: str
+    status: _StatusBefore | None
+    statuses: tuple[_StatusBefore, ...] = ()
+
+
+def test_a_status_nested_in_another_message_follows_the_same_rules() -> None:
+    codec = ControlCodec((_Carrier,))
+    _, status = _refused_examples()
+    assert isinstance(status, msg.EndpointStatus)
+    plain = dataclasses.replace(status, xor_refused=None)
+    before = _StatusBefore(endpoint=status.endpoint, role=status.role,
+                           incarnation=status.incarnation, record=status.record)  # fmt: skip
+    old = _OLD.encode(
+        (FORMAT_VERSION, "_Carrier", 4, "c",
+         _CarrierBefore(name="e", status=before, statuses=(before, before)))
+    )  # fmt: skip
+    now = _Carrier(name="e", status=plain, statuses=(plain, plain))
+    assert codec.decode(old).message == now
+    assert codec.encode(now, epoch=4, sender="c") == old
+    for message in (
+        _Carrier(name="e", status=status, statuses=(plain, status)),
+        _Carrier(name="e", status=None),
+    ):
+        assert codec.decode(codec.encode(message, epoch=4, sender="c")).message == message
+    over = frozenset(f"{i:0100d}" for i in range(msg.XOR_REFUSED_MAX_BYTES // 100))
+    with pytest.raises(LocalProtocolError):
+        codec.encode(
+            _Carrier(name="e", status=None,
+                     statuses=(dataclasses.replace(status, xor_refused=over),)),
+            epoch=4, sender="c",
+        )  # fmt: skip
+    # The ZeroMQ channel's Hello carries the endpoint's last status.
+    zmq = pytest.importorskip("dcr.adapters.control.zmq")
+    hello_codec = ControlCodec((*msg.MESSAGES, *zmq.LINK_MESSAGES))
+    for example in (plain, status):
+        hello = zmq.Hello(status=example)
+        data = hello_codec.encode(hello, epoch=4, sender="c")
+        assert hello_codec.decode(data).message == hello
+        assert ("xor_refused" in msgspec.msgpack.decode(data)[4]["status"]) is (
+            example.xor_refused is not None
+        )
