@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from dcr.delta.records import Mode as Mode
     from dcr.delta.records import TensorSpec as TensorSpec
     from dcr.errors import DcrError as DcrError
+    from dcr.fleet.trainer import PublishReport as PublishReport
+    from dcr.fleet.trainer import TrainerContext as TrainerContext
+    from dcr.fleet.trainer import TrainerRank as TrainerRank
+    from dcr.fleet.trainer import committed_version as committed_version
+    from dcr.fleet.trainer import join_trainer as join_trainer
     from dcr.local import LocalRefit as LocalRefit
     from dcr.local import RefitConfig as RefitConfig
     from dcr.local import RefitReport as RefitReport
@@ -49,6 +54,11 @@ _EXPORTS = {
     "FaultReport": "dcr.adapters.faulty",
     "Faults": "dcr.adapters.faulty",
     "Item": "dcr.delta.records",
+    "PublishReport": "dcr.fleet.trainer",
+    "TrainerContext": "dcr.fleet.trainer",
+    "TrainerRank": "dcr.fleet.trainer",
+    "committed_version": "dcr.fleet.trainer",
+    "join_trainer": "dcr.fleet.trainer",
     "Loader": "dcr.apply.loader",
     "LocalRefit": "dcr.local",
     "LocalTrainingGroup": "dcr.delta.group",

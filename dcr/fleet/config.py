@@ -42,6 +42,8 @@ and written to ``<run_dir>/ports.json``, which every role reads.
 from __future__ import annotations
 
 import json
+import os
+import time
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -54,6 +56,7 @@ from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import Timeouts
 
 __all__ = [
+    "SYNTHETIC",
     "CoordinatorSection",
     "EngineSection",
     "FleetConfig",
@@ -96,13 +99,35 @@ class ModelSection:
     ``config.json``.  The synthetic trainer trains synthetic weights of that catalog."""
 
 
+SYNTHETIC = "synthetic"
+"""The trainer kind that trains a synthetic model (``[model]``): the demo's and the benchmarks'."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerSection:
-    """The trainer's parallel layout and construction settings; one owner process per rank."""
+    """The trainer: which one (``kind``), its ranks (one owner each, ``o0 .. o{ranks-1}``) and
+    the owners' construction settings.
 
-    tp: int = 2
-    ep: int = 1
-    dp: int = 2
+    ``kind`` is ``synthetic`` (dcr's synthetic trainer of ``[model]``, laid out as ``tp`` x
+    ``ep`` x ``dp`` ranks), ``fsdp`` (the FSDP2 GRPO trainer of ``dcr rl``), a name another
+    package registered (entry point group ``dcr.trainers``), or ``"package.module:function"``,
+    a trainer of your own that ``dcr fleet`` starts once per rank
+    (:class:`~dcr.fleet.trainer.TrainerContext`).  ``options`` (``[trainer.options]``) are
+    that trainer's settings.
+    """
+
+    kind: str = SYNTHETIC
+    ranks: int | None = None
+    """Trainer processes, one owner each (``o0 .. o{ranks-1}``); the synthetic trainer's is
+    ``tp * ep * dp``, every other trainer's defaults to 1."""
+    tp: int | None = None
+    """Synthetic trainer only: tensor parallelism (default 2)."""
+    ep: int | None = None
+    """Synthetic trainer only: expert parallelism (default 1)."""
+    dp: int | None = None
+    """Synthetic trainer only: data parallelism (default 2)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The trainer kind's own settings (``[trainer.options]``)."""
     chunk_mb: float = 8.0
     bucket_mb: float = 16.0
     build_threads: int = 0
@@ -113,23 +138,83 @@ class TrainerSection:
     timeout_s: float = 120.0
     """torch.distributed collective timeout of the trainer's process group."""
     lockstep: bool = False
-    """Each rank publishes step ``k`` only once every rank computed it and the launcher
-    checked version ``k - 1`` on every receiver (``<run_dir>/go.json``), so that no
-    optimizer step and no check runs beside a refit (benchmarks time refits this way)."""
+    """Synthetic trainer only: each rank publishes step ``k`` only once every rank computed
+    it and the launcher checked version ``k - 1`` on every receiver (``<run_dir>/go.json``),
+    so that no optimizer step and no check runs beside a refit (benchmarks time refits this
+    way)."""
 
     def __post_init__(self) -> None:
         threads = self.build_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
             raise ValueError(f"build_threads must be an integer >= 0, got {self.build_threads!r}")
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"kind must name a trainer, got {self.kind!r}")
+        if not isinstance(self.options, dict):
+            raise ValueError("options must be a table")
+        for key in ("ranks", "tp", "ep", "dp"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):  # fmt: skip
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.synthetic:
+            layout = self.layout
+            if self.ranks is not None and self.ranks != layout[0] * layout[1] * layout[2]:
+                raise ValueError(
+                    f"ranks = {self.ranks}, but the synthetic trainer's tp * ep * dp is "
+                    f"{layout[0] * layout[1] * layout[2]}; give one or the other"
+                )
+            if self.options:
+                raise ValueError("the synthetic trainer takes no [trainer.options]")
+        else:
+            given = [k for k in ("tp", "ep", "dp") if getattr(self, k) is not None]
+            if given or self.lockstep:
+                raise ValueError(
+                    f"{given or ['lockstep']} are the synthetic trainer's; trainer "
+                    f"{self.kind!r} takes its layout from [trainer.options] and its process "
+                    "count from ranks"
+                )
+
+    @property
+    def synthetic(self) -> bool:
+        return self.kind == SYNTHETIC
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """The synthetic trainer's (tp, ep, dp)."""
+        return (self.tp or 2, self.ep or 1, self.dp or 2)
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: one owner process each."""
+        if self.synthetic:
+            tp, ep, dp = self.layout
+            return tp * ep * dp
+        return self.ranks or 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiverSpec:
-    """One serving rank: its name and where it sits in its engine's tensor parallelism."""
+    """One serving rank: its name, where it sits in its engine's tensor parallelism, and the
+    runtime that holds its weights.
+
+    ``runtime`` is ``vllm`` (a worker of an ``[[engine]]``: the launcher starts the engine),
+    ``reference`` (dcr's sharded reference model of the synthetic ``[model]``, for
+    benchmarks), ``torch`` (a torch module of yours, built by ``options.factory =
+    "package.module:function"``), a name another package registered (entry point group
+    ``dcr.receivers``), or ``"package.module:function"`` directly.  Default: ``vllm`` for an
+    engine's workers, else ``reference``.  ``options`` are the runtime's settings.
+    """
 
     name: str
     tp: int = 1
     rank: int = 0
+    runtime: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """The runtime, defaults resolved by :func:`load_fleet`."""
+        return self.runtime or "reference"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +251,11 @@ class EngineSection:
     exact."""
     dtype: str = "bfloat16"
     max_model_len: int | None = None
+    prefix_caching: bool = True
+    """``false``: no prefix cache (a batch's numerics never depend on what earlier requests
+    cached: reproducible rollouts)."""
+    chunked_prefill: bool = True
+    """``false``: a prefill is never split across scheduler steps (reproducible rollouts)."""
     pause_mode: str | None = None
     """How the request gate pauses the engine (``wait``, ``keep``, ``abort``); default: as
     each attempt's RL mode wants."""
@@ -201,6 +291,10 @@ class CoordinatorSection:
             baseline_s=3.0,
         )
     )
+
+
+RELAY_PORT_WAIT_S = 30.0
+"""How long a process waits for a relay node started by hand to record its port."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,8 +344,7 @@ class FleetConfig:
 
     @property
     def world_size(self) -> int:
-        t = self.trainer
-        return t.tp * t.ep * t.dp
+        return self.trainer.world_size
 
     @property
     def owners(self) -> tuple[str, ...]:
@@ -268,19 +361,53 @@ class FleetConfig:
     def store_path(self) -> Path:
         return self.run_dir / str(self.commit_store.get("path", "commit.db"))
 
-    def ports(self) -> dict[str, int]:
-        """Relay ports by node name: the fleet file's, or the launcher's choice."""
-        chosen = {n.name: n.port for n in self.rollout}
-        if self.ports_file.exists():
+    def recorded_ports(self) -> dict[str, int]:
+        """Relay ports chosen at run time (``<run_dir>/ports.json``): by the launcher, or by
+        a relay node started by hand with ``port = 0``."""
+        try:
             written = json.loads(self.ports_file.read_text())
-            chosen.update({k: int(v) for k, v in written.items() if not chosen.get(k)})
-        missing = [k for k, v in chosen.items() if not v]
-        if missing:
-            raise ConfigError(f"no port for relay nodes {missing}: start it with `dcr fleet`")
-        return chosen
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(written, dict):
+            return {}
+        return {str(k): int(v) for k, v in written.items() if isinstance(v, int) and v > 0}
+
+    def ports(self, *, wait_s: float = 0.0) -> dict[str, int]:
+        """Relay ports by node name: the fleet file's, else the one recorded at run time.
+
+        A node whose port is 0 and not recorded yet is waited for up to ``wait_s`` seconds
+        (its ``dcr relay`` may still be starting); then :class:`ConfigError` says what to do.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            chosen = {n.name: n.port for n in self.rollout}
+            recorded = self.recorded_ports()
+            chosen.update({k: v for k, v in recorded.items() if not chosen.get(k)})
+            missing = [k for k, v in chosen.items() if not v]
+            if not missing:
+                return chosen
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"relay nodes {missing} have port = 0 and no running `dcr relay` recorded "
+                    f"the port it bound in {self.ports_file}: start `dcr relay --fleet "
+                    f"{self.path} --node {missing[0]}` first (ports chosen at run time are "
+                    "found on this host only; across hosts give each [[rollout]] a port)",
+                    check="port",
+                )
+            time.sleep(0.2)
 
     def address(self, node: str) -> str:
-        return f"tcp://{self.host}:{self.ports()[node]}"
+        """The relay address of rollout node ``node`` (waits briefly for a port chosen at
+        run time)."""
+        return f"tcp://{self.host}:{self.ports(wait_s=RELAY_PORT_WAIT_S)[node]}"
+
+    def record_port(self, node: str, port: int) -> None:
+        """Record the port relay node ``node`` bound (``ports.json``, merged, atomically)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ports = {**self.recorded_ports(), node: int(port)}
+        tmp = self.ports_file.with_name(f"{self.ports_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(ports))
+        os.replace(tmp, self.ports_file)
 
 
 def _section(cls: type, raw: Any, where: str) -> Any:
@@ -298,8 +425,19 @@ def _section(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"[{where}]: {exc}") from exc
 
 
-def _model(raw: Any, base: Path) -> ModelSection:
-    """``[model]``, its ``rates`` as a tuple and its ``checkpoint`` relative to ``base``."""
+def _model(raw: Any, base: Path, trainer: TrainerSection) -> ModelSection:
+    """``[model]``, its ``rates`` as a tuple and its ``checkpoint`` relative to ``base``.
+
+    Only the synthetic trainer trains ``[model]``; with another trainer the section may only
+    name the ``checkpoint`` whose catalog the fleet serves (or be left out)."""
+    if not trainer.synthetic and isinstance(raw, dict):
+        extra = sorted(set(raw) - {"checkpoint"})
+        if extra:
+            raise ConfigError(
+                f"[model] keys {extra} describe the synthetic trainer's model; trainer "
+                f"{trainer.kind!r} trains its own (only [model] checkpoint may be given: the "
+                "checkpoint whose tensors the fleet serves)"
+            )
     model: ModelSection = _section(ModelSection, raw, "model")
     if not isinstance(model.rates, tuple):
         if not isinstance(model.rates, list):
@@ -354,15 +492,17 @@ def load_fleet(path: str | Path) -> FleetConfig:
     if not isinstance(enabled, bool):
         raise ConfigError(f"[proof] enabled must be true or false, got {enabled!r}")
     proof = _section(ProofConfig, proof_raw, "proof") if enabled else None
+    trainer: TrainerSection = _section(TrainerSection, raw.get("trainer"), "trainer")
+    engines = _engines(raw.get("engine", []), path.parent)
     cfg = FleetConfig(
         path=path,
         run_dir=run_dir,
         name=str(top.get("name", path.stem)),
         host=str(top.get("host", "127.0.0.1")),
-        model=_model(raw.get("model"), path.parent),
-        trainer=_section(TrainerSection, raw.get("trainer"), "trainer"),
-        rollout=tuple(nodes),
-        engines=_engines(raw.get("engine", []), path.parent),
+        model=_model(raw.get("model"), path.parent, trainer),
+        trainer=trainer,
+        rollout=_runtimes(tuple(nodes), engines),
+        engines=engines,
         coordinator=coordinator,
         queue=_section(QueueConfig, raw.get("queue"), "queue"),
         proof=proof,
@@ -372,6 +512,37 @@ def load_fleet(path: str | Path) -> FleetConfig:
     )
     _check(cfg)
     return cfg
+
+
+def _runtimes(
+    nodes: tuple[RolloutNode, ...], engines: tuple[EngineSection, ...]
+) -> tuple[RolloutNode, ...]:
+    """Each receiver's ``runtime`` with its default: ``vllm`` for an engine's workers, else
+    ``reference``; an engine's workers must be ``vllm`` and only they may be."""
+    hosted = {r for e in engines for r in e.receivers}
+    out = []
+    for node in nodes:
+        receivers = []
+        for r in node.receivers:
+            where = f"receiver {r.name!r} ([[rollout]] {node.name!r})"
+            if not isinstance(r.options, dict):
+                raise ConfigError(f"{where}: options must be a table")
+            runtime = r.runtime or ("vllm" if r.name in hosted else "reference")
+            if not isinstance(runtime, str) or not runtime:
+                raise ConfigError(f"{where}: runtime must name a receiver runtime, got {runtime!r}")
+            if r.name in hosted and runtime != "vllm":
+                raise ConfigError(
+                    f"{where}: runtime = {runtime!r}, but it is a worker of an [[engine]] "
+                    "(runtime 'vllm')"
+                )
+            if runtime == "vllm" and r.name not in hosted:
+                raise ConfigError(
+                    f"{where}: runtime 'vllm' needs an [[engine]] that lists it among its "
+                    "receivers (the launcher starts the engine)"
+                )
+            receivers.append(replace(r, runtime=runtime))
+        out.append(replace(node, receivers=tuple(receivers)))
+    return tuple(out)
 
 
 def _transport(raw: Any) -> dict[str, Any]:
@@ -441,4 +612,13 @@ def _check(cfg: FleetConfig) -> None:
         raise ConfigError(f"{cfg.path}: rollout node names must be unique")
     if cfg.model.refits < 1 or not all(0 < r <= 1 for r in (cfg.model.rate, *cfg.model.rates)):
         raise ConfigError("[model] needs refits >= 1 and every rate in (0, 1]")
+    if not cfg.trainer.synthetic:
+        reference = [r.name for r in cfg.receivers if r.kind == "reference"]
+        if reference:
+            raise ConfigError(
+                f"receivers {reference} run dcr's reference model of the synthetic trainer's "
+                f"[model], but the trainer is {cfg.trainer.kind!r}: give them the runtime "
+                "that serves your model (runtime = 'vllm' with an [[engine]], 'torch' with "
+                "options.factory, or your own)"
+            )
     _check_engines(cfg)

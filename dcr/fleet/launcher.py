@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from dcr.errors import ConfigError
 from dcr.fleet.checks import check_fingerprints, proof_from_json
 from dcr.fleet.config import EngineSection, FleetConfig, free_port
 from dcr.fleet.events import EventReader
@@ -68,7 +69,9 @@ class Fault:
 
 def _relayed(cfg: FleetConfig) -> bool:
     """Whether the fleet's payloads travel through relay processes (not object storage)."""
-    return cfg.transport.get("kind") == "relay"
+    from dcr.fleet.runtime import relayed
+
+    return relayed(cfg)
 
 
 def default_faults(cfg: FleetConfig) -> list[Fault]:
@@ -222,12 +225,16 @@ class Launcher:
         faults: Sequence[Fault] = (),
         say: Callable[[str], None] = lambda line: None,
         deadline_s: float = 3600.0,
+        watch: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = FleetModel(cfg)
         self.faults = list(faults)
         self.say = say
         self.deadline_s = deadline_s
+        self.watch = watch
+        """Called with every event any process of the fleet reports (progress of a trainer
+        of your own, say)."""
         self.procs: dict[str, _Proc] = {}
         self.rows: dict[int, RefitRow] = {}
         self.mismatches: list[str] = []
@@ -253,6 +260,12 @@ class Launcher:
         self._last: dict[str, dict[str, Any]] = {}
         """Process -> its latest event (what a timeout reports)."""
         self._fingerprints: dict[tuple[str, int], dict[str, Proof]] = {}
+        self.checks = cfg.trainer.synthetic
+        """Whether receivers are checked bit for bit against the versions computed here
+        (the synthetic trainer's); another trainer's versions are known only to it, and its
+        receivers are proved against its owners by the protocol instead."""
+        self._trained: dict[str, int] = {}
+        """Owner -> the version it reported ``trained`` at (its last step)."""
         """(engine, version) -> its ranks' fingerprints of that version reported so far."""
 
     # -- processes ---------------------------------------------------------------------------
@@ -278,18 +291,19 @@ class Launcher:
         import anyio
 
         from dcr.adapters.commit.s3 import S3CommitStore
+        from dcr.adapters.registry import load
         from dcr.adapters.transport.objstore import ObjectStoreTransport
-        from dcr.fleet.runtime import OBJECT_STORES, make_store, make_transport
+        from dcr.fleet.runtime import make_store, make_transport, transport_class
 
         async def clear() -> None:
-            if self.cfg.transport.get("kind") in OBJECT_STORES:
+            if issubclass(transport_class(self.cfg), ObjectStoreTransport):
                 transport = make_transport(self.cfg)
                 try:
                     if isinstance(transport, ObjectStoreTransport):
                         await transport.purge()
                 finally:
                     await transport.aclose()
-            if self.cfg.commit_store.get("kind") == "s3":
+            if issubclass(load("commit_store", self.cfg.commit_store["kind"]), S3CommitStore):
                 store = make_store(self.cfg)
                 try:
                     if isinstance(store, S3CommitStore):
@@ -313,7 +327,7 @@ class Launcher:
 
     def _spawn(self, proc: _Proc) -> None:
         log = self._log_of(proc).open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **proc.env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **proc.env}
         proc.popen = subprocess.Popen(
             proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=proc.group,
@@ -335,12 +349,18 @@ class Launcher:
         argv = [sys.executable, "-m", "dcr.integrations.vllm", "--model", model,
                 "--tp", str(len(engine.receivers)), "--dtype", engine.dtype,
                 "--fleet", str(self.cfg.path), "--receivers", ",".join(engine.receivers),
-                "--report-fingerprints", "--stop-with-parent",
+                "--stop-with-parent",
                 "--ready-file", str(ready)]  # fmt: skip
+        if self.checks:
+            argv.append("--report-fingerprints")
         if engine.plain_weights:
             argv.append("--plain-weights")
         if engine.max_model_len is not None:
             argv += ["--max-model-len", str(engine.max_model_len)]
+        if not engine.prefix_caching:
+            argv.append("--no-prefix-cache")
+        if not engine.chunked_prefill:
+            argv.append("--no-chunked-prefill")
         if engine.checkpoint_version is not None:
             argv += ["--checkpoint-version", str(engine.checkpoint_version)]
         if engine.pause_mode is not None:
@@ -360,15 +380,60 @@ class Launcher:
             self.cfg.host, 0, self.cfg.world_size + 1, is_master=True, wait_for_workers=False
         )
         port = str(self._trainer_store.port)
+        # A trainer of your own may also form its group the usual way (env://): rank 0
+        # hosts that store.
+        master = str(free_port(self.cfg.host))
         for rank, name in enumerate(self.cfg.owners):
             argv = self._argv("owner", "--rank", str(rank), "--store-port", port)
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(self.cfg.world_size), "LOCAL_WORLD_SIZE":
+                   str(self.cfg.world_size), "MASTER_ADDR": self.cfg.host, "MASTER_PORT": master,
+                   "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
             if name in self.procs:
                 self.procs[name].argv = argv
+                self.procs[name].env = env
                 self._spawn(self.procs[name])
             else:
-                self._add(name, "owner", argv)
+                self._add(name, "owner", argv, env=env)
+
+    def preflight(self) -> None:
+        """Check, before any process starts, that every kind the fleet file names can be
+        loaded: the trainer, each receiver runtime (a ``torch`` runtime's factory too), each
+        engine's checkpoint against the fleet's catalog; raises :class:`~dcr.errors.
+        ConfigError` naming the key, the value and what was expected."""
+        from dcr.adapters.registry import load_factory
+        from dcr.catalog import check_catalog, read_catalog
+        from dcr.fleet.trainer import trainer_kind
+
+        trainer_kind(self.cfg)
+        for r in self.cfg.receivers:
+            if r.kind == "vllm":
+                continue
+            try:
+                load_factory("receiver", r.kind)
+                factory = r.options.get("factory")
+                if r.kind == "torch" and isinstance(factory, str):
+                    load_factory("receiver", factory)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{self.cfg.path}: receiver {r.name!r} runtime = {r.kind!r}: {exc}"
+                ) from exc
+        if self.cfg.trainer.synthetic and any(r.kind == "reference" for r in self.cfg.receivers):
+            self.model.require_synthetic()
+        fleet_checkpoint = self.cfg.model.checkpoint
+        for e in self.cfg.engines:
+            model = e.model or fleet_checkpoint
+            if model is None or fleet_checkpoint is None or model == fleet_checkpoint:
+                continue
+            check_catalog(
+                read_catalog(fleet_checkpoint),
+                read_catalog(model),
+                expected_from=f"[model] checkpoint {self.cfg.model.checkpoint}",
+                found_from=f"[[engine]] {e.name!r} model {model}",
+            )
 
     def start(self) -> None:
+        self.preflight()
         self._prepare_run_dir()
         for node in self.cfg.rollout if _relayed(self.cfg) else ():
             self._add(f"relay-{node.name}", "relay", self._argv("relay", "--node", node.name))
@@ -457,6 +522,8 @@ class Launcher:
         return self._expected[version]
 
     def _on_event(self, e: dict[str, Any]) -> None:
+        if self.watch is not None:
+            self.watch(e)
         who, kind = e["who"], e["event"]
         self._last[who] = e
         if kind == "active":
@@ -492,6 +559,8 @@ class Launcher:
             elif "proof" in e:
                 self._check_fingerprint(who, int(e["version"]), proof_from_json(e["proof"]))
             self._checked.setdefault(int(e["version"]), set()).add(who)
+        elif kind == "trained" and who in self.cfg.owners:
+            self._trained[who] = int(e["version"])
         elif kind == "stepped":
             self._stepped.setdefault(int(e["version"]), set()).add(who)
         elif kind in ("restarted", "dense-failed", "replaced"):
@@ -578,14 +647,24 @@ class Launcher:
 
     # -- the run -----------------------------------------------------------------------------
 
+    def target(self) -> int | None:
+        """The trainer's last version: ``[model] refits`` for the synthetic trainer; for any
+        other, the version every rank reported ``trained`` at (``None`` until all did)."""
+        if self.cfg.trainer.synthetic:
+            return self.cfg.model.refits
+        if set(self._trained) < set(self.cfg.owners):
+            return None
+        return max(self._trained.values())
+
     def done(self) -> bool:
-        last = self.cfg.model.refits
+        last = self.target()
+        if last is None or self._committed < last:
+            return False
+        receivers = {r.name for r in self.cfg.receivers}
+        if not self.checks:
+            return receivers <= self._checked.get(last, set())
         row = self.rows.get(last)
-        return (
-            self._committed >= last
-            and row is not None
-            and set(row.checks) >= {r.name for r in self.cfg.receivers}
-        )
+        return row is not None and set(row.checks) >= receivers
 
     def run(self, *, before_stop: Callable[[], None] | None = None) -> dict[str, Any]:
         """Start the fleet, run it to the last version, stop it; returns the report.
@@ -630,7 +709,7 @@ class Launcher:
         )
         return (
             f"the fleet did not finish within {self.deadline_s:.0f} s: version "
-            f"{self._committed} of {self.cfg.model.refits} committed, active coordinator "
+            f"{self._committed} of {self.target() or '?'} committed, active coordinator "
             f"{self._active}; latest events: {last}; logs and events in {self.cfg.run_dir}"
         )
 
@@ -645,7 +724,7 @@ class Launcher:
 
     def report(self, seconds: float) -> dict[str, Any]:
         rows = []
-        for v in range(1, self.cfg.model.refits + 1):
+        for v in range(1, (self.target() or self._committed) + 1):
             row = self._row(v)
             row.payload_bytes = sum(self._sizes.get(a["attempt"], 0) for a in row.attempts)
             seen = [
@@ -654,12 +733,15 @@ class Launcher:
             if seen:
                 row.cross = (sum(c for c, _ in seen), sum(p for _, p in seen))
             rows.append(row.as_dict())
-        exact = not self.mismatches and all(r["bit_exact"] for r in rows)
+        if not self.checks:
+            for r in rows:
+                r["bit_exact"] = None  # nothing here to check against: the protocol proved them
+        exact = not self.mismatches and all(r["bit_exact"] is not False for r in rows)
         return {
             "processes": len(self.procs),
             "starts": sum(p.starts for p in self.procs.values()),
             "sigkills": [{"version": v, "process": n} for v, n in self.kills],
-            "checkpoint_bytes": self.model.checkpoint_bytes,
+            "checkpoint_bytes": self.model.checkpoint_bytes if self.checks else None,
             "bit_exact": exact,
             "mismatches": self.mismatches,
             "seconds": round(seconds, 2),

@@ -162,8 +162,8 @@ class FleetModel:
 
     @cached_property
     def plan(self) -> TrainingPlan:
-        t = self.fleet.trainer
-        layout = TrainLayout(tp=t.tp, ep=t.ep, dp=t.dp)
+        tp, ep, dp = self.fleet.trainer.layout
+        layout = TrainLayout(tp=tp, ep=ep, dp=dp)
         family = self.family if self.family in FAMILIES else None
         return build_plan(self.catalog, layout, family=family, config=self.config)
 
@@ -188,11 +188,16 @@ class FleetModel:
 
     @cached_property
     def xor_names(self) -> frozenset[str]:
-        """Names every receiver's loader path preserves bit for bit (mixed mode XORs them).
+        """Names the reference ranks' loader paths preserve bit for bit: the fallback of a
+        synthetic fleet's integration setup, for a prepare that binds no refused set.
 
-        Classification depends on the module structure, not on sizes, so it is computed on
-        a narrow copy of the model with the same layers and tensor names.  A checkpoint the
-        reference ranks cannot model XORs nothing: every record is an overwrite.
+        A fleet's prepares bind what travels relative from the receivers' own reports (the
+        ``xor_refused`` of their status, their loader classification at prewarm), so owners
+        need not know the serving side; this prediction only stands in for a prepare that
+        binds none.  Classification depends on the module structure, not on sizes, so it is
+        computed on a narrow copy of the model with the same layers and tensor names.  A
+        checkpoint the reference ranks cannot model XORs nothing: every record is an
+        overwrite.
         """
         if self.synthetic_problem is not None:
             return frozenset()

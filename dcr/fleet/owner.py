@@ -24,41 +24,27 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from dcr.adapters.transport.base import Transport
 from dcr.delta.bits import bits
 from dcr.delta.dist import DistTrainingGroup
-from dcr.engine.owner import OwnerService, open_owner
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.events import EventLog, FaultPoints
 from dcr.fleet.model import FleetModel
-from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
+from dcr.fleet.trainer import TrainerContext, join_trainer
 from dcr.models.synthetic import held_by
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["run_owner"]
+__all__ = ["synthetic_trainer"]
 
 LOCKSTEP_WAIT_S = 3600.0
 """Longest wait for the launcher's go in lockstep (its checks of a large model included)."""
-
-
-def _join_trainer(cfg: FleetConfig, rank: int, store_port: int) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    timeout = timedelta(seconds=cfg.trainer.timeout_s)
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        cfg.host, store_port, cfg.world_size, is_master=False, timeout=timeout
-    )
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=cfg.world_size, timeout=timeout
-    )
 
 
 def _optimizer_step(model: FleetModel, weights: dict[str, torch.Tensor], step: int) -> None:
@@ -120,88 +106,54 @@ async def _go(cfg: FleetConfig, version: int) -> None:
             await anyio.sleep(0.02)
 
 
-async def run_owner(cfg: FleetConfig, rank: int, store_port: int) -> None:
-    """Run trainer rank ``rank`` and its owner: publish every step, then keep serving (dense
-    refits of joining receivers) until cancelled."""
+async def synthetic_trainer(ctx: TrainerContext) -> None:
+    """Trainer kind ``synthetic``: run trainer rank ``ctx.rank`` of the synthetic model,
+    publish every step through :func:`~dcr.fleet.trainer.join_trainer`, then keep serving
+    (dense refits of joining receivers) until cancelled."""
     torch.set_num_threads(1)
-    name = f"o{rank}"
-    log = EventLog(cfg.events_dir, name)
+    cfg, rank = ctx.fleet, ctx.rank
     model = FleetModel(cfg)
-    store = make_store(cfg)
-    control = make_control(cfg, store)
-    transport = TimedSends(make_transport(cfg))
-    try:
-        await anyio.to_thread.run_sync(_join_trainer, cfg, rank, store_port)
-        record = (await store.read()).record
-        # The committed version is where a (re)started trainer resumes, from its checkpoint.
-        checkpoint = _checkpoint_path(cfg, rank)
-        shards = await anyio.to_thread.run_sync(_resume, model, rank, record.version, checkpoint)
-        group = await anyio.to_thread.run_sync(
-            lambda: DistTrainingGroup(
-                model.plan, rank, shards, config=model.build, timeout_s=cfg.trainer.timeout_s
+    await anyio.to_thread.run_sync(ctx.init_process_group)
+    record = await ctx.committed()
+    # The committed version is where a (re)started trainer resumes, from its checkpoint.
+    checkpoint = _checkpoint_path(cfg, rank)
+    shards = await anyio.to_thread.run_sync(_resume, model, rank, record.version, checkpoint)
+    group = await anyio.to_thread.run_sync(
+        lambda: DistTrainingGroup(
+            model.plan, rank, shards, config=model.build, timeout_s=cfg.trainer.timeout_s
+        )
+    )
+    timed: list[TimedSends] = []
+
+    def wrap(inner: Transport) -> Transport:
+        timed.append(TimedSends(inner))
+        return timed[0]
+
+    def on_sent(key: PayloadKey, size: int) -> None:
+        trainer.log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size,
+                         start=timed[0].started(key))  # fmt: skip
+
+    async with join_trainer(
+        group, cfg, version=record.version, side=TimedTrainingSide, transport=wrap,
+        on_sent=on_sent,
+    ) as trainer:  # fmt: skip
+        # The trainer's weights; the group copied them into its trackers.  Each step works
+        # on a copy, and the published copy is donated: at commit it becomes the owner's
+        # baseline instead of being copied into it, and it is never written again (two
+        # copies of the shards per rank: the baseline and the next step's).
+        weights, shards = shards, {}
+        for step in range(record.version + 1, cfg.model.refits + 1):
+            candidate = {k: t.clone() for k, t in weights.items()}
+            await anyio.to_thread.run_sync(_optimizer_step, model, candidate, step)
+            if cfg.trainer.lockstep:
+                trainer.log.emit("stepped", version=step)
+                await _go(cfg, step)
+            committed = await trainer.publish(candidate, donate=True)
+            weights = candidate
+            if cfg.trainer.lockstep:
+                group.discard()
+            await anyio.to_thread.run_sync(
+                _save_checkpoint, checkpoint, committed.version, weights
             )
-        )
-        integration = model.integration()
-        traffic = {"payloads": 0, "bytes": 0}
-        faults = FaultPoints(cfg.run_dir / "faults.json", name, log)
-
-        def on_sent(key: PayloadKey, size: int) -> None:
-            traffic["payloads"] += 1
-            traffic["bytes"] += size
-            log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size,
-                     start=transport.started(key))  # fmt: skip
-            info = service.core.attempt
-            if info is not None and info.attempt == key.attempt:
-                faults.reached("sent", info.base.version + 1, role="owner")
-
-        service = OwnerService(
-            name=name,
-            rank=rank,
-            side=TimedTrainingSide(group, integration.xor_names, log),
-            integration=integration,
-            control=control,
-            transport=transport,
-            store=store,
-            baseline=record,
-            sends_in_flight=cfg.trainer.sends_in_flight,
-            on_sent=on_sent,
-        )
-        log.emit("started", role="owner", rank=rank, version=record.version,
-                 incarnation=service.incarnation)  # fmt: skip
-        async with open_owner(service):
-            # The trainer's weights; the group copied them into its trackers.  Each step
-            # works on a copy, and the published copy is donated: at commit it becomes the
-            # owner's baseline instead of being copied into it, and it is never written
-            # again (two copies of the shards per rank: the baseline and the next step's).
-            weights, shards = shards, {}
-            for step in range(record.version + 1, cfg.model.refits + 1):
-                candidate = {k: t.clone() for k, t in weights.items()}
-                await anyio.to_thread.run_sync(_optimizer_step, model, candidate, step)
-                traffic.update(payloads=0, bytes=0)
-                if cfg.trainer.lockstep:
-                    log.emit("stepped", version=step)
-                    await _go(cfg, step)
-                log.emit("publish", version=step)
-                committed = await service.publish(candidate, donate=True)
-                weights = candidate
-                if cfg.trainer.lockstep:
-                    group.discard()
-                await anyio.to_thread.run_sync(
-                    _save_checkpoint, checkpoint, committed.version, weights
-                )
-                log.emit(
-                    "committed",
-                    version=committed.version,
-                    candidate=committed.candidate,
-                    payload_bytes=traffic["bytes"],
-                    payloads=traffic["payloads"],
-                    stage_s=group.exchange.seconds,
-                )
-            log.emit("trained", version=cfg.model.refits)
-            await anyio.sleep_forever()
-    finally:
-        with anyio.CancelScope(shield=True):
-            await transport.aclose()
-            await control.aclose()
-            await store.close()
-        log.close()
+        trainer.log.emit("trained", version=cfg.model.refits)
+        await ctx.serve_forever()

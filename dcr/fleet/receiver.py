@@ -19,26 +19,38 @@ checkpoint, the record it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import anyio
 import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply.loader import Loader
 from dcr.apply.proof import receiver_proof
 from dcr.apply.receiver import Receiver
+from dcr.catalog import read_catalog
+from dcr.delta.records import TensorSpec
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
+from dcr.engine.setup import Integration
+from dcr.errors import ConfigError
 from dcr.fleet.checks import holds_request, proof_to_json
-from dcr.fleet.config import FleetConfig
-from dcr.fleet.events import EventLog, FaultPoints
+from dcr.fleet.config import FleetConfig, ReceiverSpec
+from dcr.fleet.events import NAMES_SHOWN, EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.timing import time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
 
-__all__ = ["run_receiver"]
+__all__ = [
+    "ReceiverContext",
+    "reference_runtime",
+    "run_receiver",
+    "runtime_receiver",
+    "torch_runtime",
+]
 
 
 async def _preload(
@@ -60,6 +72,83 @@ async def _preload(
         lambda: loader.load_weights((n, run.tensor(n, 0)) for n in model.catalog)
     )
     return record
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverContext:
+    """What a receiver runtime (``runtime`` of a ``[[rollout]]`` receiver) is given to build
+    the serving rank of receiver ``spec.name``."""
+
+    fleet: FleetConfig
+    spec: ReceiverSpec
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The receiver's ``options`` table."""
+        return self.spec.options
+
+
+def reference_runtime(ctx: ReceiverContext) -> Loader:
+    """Receiver runtime ``reference``: dcr's sharded reference rank of the synthetic trainer's
+    ``[model]`` (vLLM-like fused and padded layouts), empty until restored; for benchmarks
+    and tests."""
+    model = FleetModel(ctx.fleet)
+    return ShardedReferenceLoader(model.receiver_model(ctx.spec))
+
+
+def torch_runtime(ctx: ReceiverContext) -> Loader:
+    """Receiver runtime ``torch``: a torch module of yours, built by ``options.factory =
+    "package.module:function"`` (called with the :class:`ReceiverContext`), loaded by name like
+    ``load_state_dict`` (:class:`~dcr.adapters.loaders.torch_module.TorchModuleLoader`)."""
+    factory = ctx.options.get("factory")
+    if not isinstance(factory, str) or ":" not in factory:
+        raise ConfigError(
+            f"receiver {ctx.spec.name!r}: runtime 'torch' needs options.factory = "
+            f"'package.module:function' returning a torch.nn.Module, got {factory!r}",
+            check="runtime",
+        )
+    from dcr.adapters.registry import load_factory
+
+    module = load_factory("receiver", factory)(ctx)
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(
+            f"receiver {ctx.spec.name!r}: {factory} returned a {type(module).__name__}, not a "
+            "torch.nn.Module",
+            check="runtime",
+        )
+    return TorchModuleLoader(module)
+
+
+def runtime_receiver(cfg: FleetConfig, spec: ReceiverSpec) -> Receiver:
+    """The prewarmed receiver of ``spec`` built by its ``runtime``: a function of
+    :class:`ReceiverContext` returning the rank's native :class:`~dcr.apply.loader.Loader`.
+
+    The catalog is the ``[model] checkpoint``'s when the fleet names one, else the loader
+    module's own parameters and buffers (a torch module's names are its checkpoint names)."""
+    from dcr.adapters.registry import load_factory
+
+    try:
+        build = load_factory("receiver", spec.kind)
+    except ConfigError as exc:
+        raise ConfigError(f"receiver {spec.name!r}: runtime = {spec.kind!r}: {exc}") from exc
+    loader = build(ReceiverContext(fleet=cfg, spec=spec))
+    if not isinstance(loader, Loader):
+        raise ConfigError(
+            f"receiver {spec.name!r}: runtime {spec.kind!r} returned a "
+            f"{type(loader).__name__}, not a dcr Loader",
+            check="runtime",
+        )
+    if cfg.model.checkpoint is not None:
+        catalog = read_catalog(cfg.model.checkpoint)
+    else:
+        module = loader.module
+        catalog = {
+            n: TensorSpec.of(n, t.detach())
+            for n, t in [*module.named_parameters(), *module.named_buffers()]
+        }
+    receiver = Receiver(loader, catalog)
+    receiver.prewarm()
+    return receiver
 
 
 async def run_receiver(
@@ -88,12 +177,16 @@ async def run_receiver(
     model = FleetModel(cfg)
     log = EventLog(cfg.events_dir, name)
     preloaded = None
-    if receiver is None:
+    if receiver is None and spec.kind == "reference":
         rank = model.receiver_model(spec)
         if cfg.model.preloaded and held is None:
             held = preloaded = await _preload(cfg, model, rank)
         receiver = Receiver(ShardedReferenceLoader(rank), model.catalog)
         await anyio.to_thread.run_sync(receiver.prewarm)
+    elif receiver is None:
+        receiver = await anyio.to_thread.run_sync(runtime_receiver, cfg, spec)
+        if report == "digests":
+            report = "fingerprint"  # digests compare a reference rank's own layout
     module = receiver.loader.module
     engine_hooks = hooks if hooks is not None else ReceiverHooks()
     store = make_store(cfg)
@@ -137,10 +230,17 @@ async def run_receiver(
         if restoring is not None and service.core.dense_job == key.attempt:
             faults.reached("dense", restoring.version, role="receiver", also=(relay,))
 
+    # What this receiver admits: its own catalog (its checkpoint's, its module's, or the
+    # synthetic model's), payloads of the fleet's owners.
+    integration = Integration(
+        catalog=receiver.catalog,
+        xor_names=model.xor_names if cfg.trainer.synthetic else frozenset(),
+        owner_ids={owner: i for i, owner in enumerate(cfg.owners)},
+    )
     service = ReceiverService(
         name=name,
         receiver=receiver,
-        integration=model.integration(),
+        integration=integration,
         control=control,
         transport=transport,
         held=held,
@@ -148,9 +248,12 @@ async def run_receiver(
         hooks=replace(engine_hooks, holds=holds),
         on_applied=applied,
     )
+    refused = service.refused()  # its loader classification: what must travel as overwrites
     log.emit(
-        "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation
-    )
+        "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation,
+        relative=None if refused is None else len(receiver.catalog) - len(refused),
+        refused=None if refused is None else sorted(refused)[:NAMES_SHOWN],
+    )  # fmt: skip
     if preloaded is not None:
         await holds(preloaded)
     try:

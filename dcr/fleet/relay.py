@@ -25,9 +25,14 @@ async def run_relay(cfg: FleetConfig, node: str) -> None:
     if node not in tree:
         raise SystemExit(f"the fleet file names no rollout node {node!r}")
     parent = tree[node]
+    # Its port: the fleet file's, the launcher's choice, or (started by hand with port = 0)
+    # any free one, recorded for the processes of this host.
+    chosen = next(n.port for n in cfg.rollout if n.name == node) or cfg.recorded_ports().get(
+        node, 0
+    )
     relay = RelayNode(
         node,
-        bind=cfg.address(node),
+        bind=f"tcp://{cfg.host}:{chosen}",
         parent=cfg.address(parent) if parent is not None else None,
         config=_options(RelayConfig, opts, "transport"),
     )
@@ -35,6 +40,8 @@ async def run_relay(cfg: FleetConfig, node: str) -> None:
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(relay.serve)
+            if not chosen:
+                cfg.record_port(node, int(relay.address.rsplit(":", 1)[1]))
             log.emit("started", role="relay", node=node, parent=parent, address=relay.address)
             reported: dict[int, tuple[int, int]] = {}
             last_state: dict[str, object] = {}

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dcr import ports as fleet_ports
 from dcr.errors import ConfigError
-from dcr.fleet import config as fleet_config
 from dcr.fleet.config import free_ports, load_fleet
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_transport
@@ -79,9 +79,12 @@ def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, n
     assert needle in str(info.value)
 
 
-def test_roles_need_the_ports_the_launcher_chose(tmp_path: Path) -> None:
+def test_roles_need_the_ports_the_launcher_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = load_fleet(write(tmp_path, MINIMAL))
-    with pytest.raises(ConfigError, match="dcr fleet"):
+    monkeypatch.setattr("dcr.fleet.config.RELAY_PORT_WAIT_S", 0.0)
+    with pytest.raises(ConfigError, match="start `dcr relay"):
         make_transport(cfg)
     cfg.run_dir.mkdir()
     cfg.ports_file.write_text('{"a": 41234}')
@@ -114,14 +117,14 @@ def test_free_ports_lie_outside_the_ports_the_os_hands_out(
 ) -> None:
     # A port the OS hands out for outgoing connections or port-0 binds could be taken by
     # any process before the relay node binds it (or rebinds it after a restart).
-    lo, _ = fleet_config._ephemeral_range()
+    lo, _ = fleet_ports._ephemeral_range()
     ports = free_ports(12)
     assert len(set(ports)) == 12 and all(_bindable(p) for p in ports)
     if lo - 10000 >= 1000:
         assert all(10000 <= p < lo for p in ports)
     # An OS whose ephemeral range leaves no room: any free ports, still distinct.
-    monkeypatch.setattr(fleet_config, "_ephemeral_range", lambda: (1024, 65535))
+    monkeypatch.setattr(fleet_ports, "_ephemeral_range", lambda: (1024, 65535))
     anywhere = free_ports(5)
     assert len(set(anywhere)) == 5 and all(0 < p < 65536 for p in anywhere)
-    monkeypatch.setattr(fleet_config, "_ephemeral_range", lambda: (1024, 60000))
+    monkeypatch.setattr(fleet_ports, "_ephemeral_range", lambda: (1024, 60000))
     assert all(p > 60000 for p in free_ports(3))

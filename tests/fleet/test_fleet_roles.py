@@ -1,0 +1,80 @@
+"""Roles started by hand from a fleet file: relay ports chosen at run time, and errors that
+say what is wrong in one line instead of a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dcr.errors import ConfigError
+from dcr.fleet.config import load_fleet
+
+
+def _fleet(directory: Path, trainer: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "fleet.toml"
+    path.write_text(f"""[fleet]
+run_dir = "run"
+{trainer}
+[[rollout]]
+name = "node0"
+port = 0
+receivers = [{{ name = "r0", runtime = "torch", options = {{ factory = "m:f" }} }}]
+""")
+    return path
+
+
+def test_a_relay_port_left_at_zero_says_how_to_start_the_node(tmp_path: Path) -> None:
+    cfg = load_fleet(_fleet(tmp_path))
+    with pytest.raises(ConfigError, match=r"start `dcr relay --fleet .* --node node0` first"):
+        cfg.ports()
+
+
+def test_a_relay_started_by_hand_records_the_port_it_bound(tmp_path: Path) -> None:
+    cfg = load_fleet(_fleet(tmp_path))
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "dcr.cli", "relay", "--fleet", str(cfg.path), "--node", "node0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        address = cfg.address("node0")  # waits for the node to record its port
+        port = int(address.rsplit(":", 1)[1])
+        assert address == f"tcp://127.0.0.1:{port}" and port > 0
+        assert json.loads(cfg.ports_file.read_text()) == {"node0": port}
+        events = cfg.events_dir / "relay-node0.jsonl"
+        deadline = time.monotonic() + 60
+        while not events.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = json.loads(events.read_text().splitlines()[0])
+        assert started["event"] == "started" and started["address"] == address
+    finally:
+        relay.terminate()
+        relay.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "expected"),
+    [
+        ('[trainer]\nkind = "no_such_module:train"\nranks = 1\n',
+         "[trainer] kind = 'no_such_module:train': cannot import 'no_such_module:train'"),
+        ('[trainer]\nkind = "nope"\nranks = 1\n',
+         "no trainer named 'nope'; available: fsdp, synthetic"),
+    ],
+)  # fmt: skip
+def test_a_role_that_cannot_start_says_why_in_one_line(
+    tmp_path: Path, trainer: str, expected: str
+) -> None:
+    path = _fleet(tmp_path, trainer)
+    done = subprocess.run(
+        [sys.executable, "-m", "dcr.cli", "owner", "--fleet", str(path), "--rank", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dcr owner: ConfigError:"), done.stderr
+    assert expected in lines[0]
