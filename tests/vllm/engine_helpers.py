@@ -116,7 +116,9 @@ class EngineServer:
         checkpoint_version: int | None = None,
         name: str = "engine",
         plain_weights: bool = True,
+        options: Sequence[str] = (),
     ) -> EngineServer:
+        """``options``: further command-line options (``--no-prefix-cache``, ...)."""
         directory.mkdir(parents=True, exist_ok=True)
         ready = directory / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
@@ -128,6 +130,7 @@ class EngineServer:
             argv += ["--fleet", str(fleet), "--receivers", ",".join(receivers)]
         if checkpoint_version is not None:
             argv += ["--checkpoint-version", str(checkpoint_version)]
+        argv += list(options)
         log = directory / f"{name}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(
@@ -156,6 +159,43 @@ class EngineServer:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             result: dict[str, Any] = json.loads(response.read())
             return result
+
+    def request(
+        self, path: str, data: bytes | None = None, timeout_s: float = 300.0
+    ) -> tuple[int, dict[str, Any]]:
+        """``POST`` raw ``data`` to ``path`` (``GET`` when ``None``): the status and the JSON
+        answer, error answers included."""
+        request = urllib.request.Request(
+            self.url + path, data=data, method="GET" if data is None else "POST"
+        )
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            with exc:
+                body = exc.read()
+            try:
+                return exc.code, json.loads(body)
+            except ValueError:
+                return exc.code, {"error": body.decode(errors="replace")}
+
+    def generate_batch(self, requests: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``POST /generate_batch``: one answer per request, in request order."""
+        results: list[dict[str, Any]] = self._call(
+            "/generate_batch", {"requests": list(requests)}, timeout_s=600.0
+        )["results"]
+        return results
+
+    def load(self, checkpoint: Path, version: int) -> dict[str, Any]:
+        """``POST /dcr/load``: the engine's weights become the checkpoint's."""
+        return self._call(
+            "/dcr/load", {"checkpoint": str(checkpoint), "version": version}, timeout_s=600.0
+        )
+
+    def digest(self) -> str:
+        """``GET /dcr/digest``: SHA-256 of every worker's parameters and buffers."""
+        return str(self._call("/dcr/digest", None, timeout_s=120.0)["sha256"])
 
     def generate(self, prompt: Sequence[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
         body = {"prompt_token_ids": list(prompt), "max_tokens": max_tokens, **kw}

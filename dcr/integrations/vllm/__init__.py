@@ -8,6 +8,9 @@
   request gate (:mod:`~dcr.integrations.vllm.engine`, :mod:`~dcr.integrations.vllm.gate`);
 * :func:`generate`, :func:`weight_spans` -- which committed version produced which output
   tokens of a request (:mod:`~dcr.integrations.vllm.versions`);
+* :func:`generate_batch`, :func:`load_checkpoint`, :func:`weights_digest` -- reproducible
+  seeded batches, dense reloads of a reference engine's weights from full checkpoints, and
+  the SHA-256 of an engine's weights (:mod:`~dcr.integrations.vllm.engine`);
 * ``python -m dcr.integrations.vllm`` -- an engine process serving HTTP
   (:mod:`~dcr.integrations.vllm.server`).
 
@@ -20,10 +23,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dcr.integrations.vllm.engine import BatchRequest as BatchRequest
+    from dcr.integrations.vllm.engine import DenseLoad as DenseLoad
     from dcr.integrations.vllm.engine import EngineReceivers as EngineReceivers
     from dcr.integrations.vllm.engine import Generation as Generation
+    from dcr.integrations.vllm.engine import WeightsDigest as WeightsDigest
     from dcr.integrations.vllm.engine import generate as generate
+    from dcr.integrations.vllm.engine import generate_batch as generate_batch
     from dcr.integrations.vllm.engine import join_fleet as join_fleet
+    from dcr.integrations.vllm.engine import load_checkpoint as load_checkpoint
+    from dcr.integrations.vllm.engine import weights_digest as weights_digest
     from dcr.integrations.vllm.gate import EngineGate as EngineGate
     from dcr.integrations.vllm.gate import GateCycle as GateCycle
     from dcr.integrations.vllm.versions import WeightSpan as WeightSpan
@@ -36,14 +45,20 @@ PLAIN_WEIGHTS = "dcr_plain"
 """``load_format`` that keeps a CPU engine's weights plain (see :mod:`.plain`)."""
 
 _EXPORTS = {
+    "BatchRequest": "dcr.integrations.vllm.engine",
+    "DenseLoad": "dcr.integrations.vllm.engine",
     "EngineGate": "dcr.integrations.vllm.gate",
     "EngineReceivers": "dcr.integrations.vllm.engine",
     "GateCycle": "dcr.integrations.vllm.gate",
     "Generation": "dcr.integrations.vllm.engine",
     "WeightSpan": "dcr.integrations.vllm.versions",
+    "WeightsDigest": "dcr.integrations.vllm.engine",
     "generate": "dcr.integrations.vllm.engine",
+    "generate_batch": "dcr.integrations.vllm.engine",
     "join_fleet": "dcr.integrations.vllm.engine",
+    "load_checkpoint": "dcr.integrations.vllm.engine",
     "weight_spans": "dcr.integrations.vllm.versions",
+    "weights_digest": "dcr.integrations.vllm.engine",
 }
 
 __all__ = ["EXTENSION", "PLAIN_WEIGHTS", *sorted(_EXPORTS)]

@@ -14,12 +14,41 @@ the receivers restore it by dense refit, the engine paused meanwhile), and has e
 join through ``collective_rpc``.  A worker that cannot take in-place refits (weights repacked
 by the CPU backend) makes it raise :class:`~dcr.errors.LoaderPathUnsupported` with every
 worker left as it was.
+
+For runs that must be reproducible bit for bit (an RL loop whose delta-refit run and
+dense-reload run must sample the same tokens):
+
+* :func:`generate_batch` runs a batch of seeded requests whose requests all enter the
+  scheduler at one step, on an otherwise idle engine, so the same weights and the same batch
+  give the same tokens and log probabilities in any engine process;
+* :func:`load_checkpoint` replaces the weights of an engine outside any fleet (a reference
+  engine) by a full checkpoint, through the workers' own ``model.load_weights``, and labels
+  them with :func:`~dcr.integrations.vllm.versions.dense_record` of its version;
+* :func:`weights_digest` is a SHA-256 over the stored bits of every worker's parameters and
+  buffers, computed in the workers.
+
+Why batches are admitted together: vLLM's engine core handles the requests it has received
+between two scheduler steps, so requests added one after another (``AsyncLLM.add_request``
+sends each on its own) can start at different steps, or join requests already decoding;
+and on CPU the bits of a bf16 GEMM row can depend on how many rows the step computes (the
+kernel blocks the problem by its size), so the tokens a seeded request samples depend on
+which other requests shared its steps.  Two further engine settings keep a batch
+reproducible: without the prefix cache (``enable_prefix_caching=False``) every prompt token
+is computed in the batch's own steps, whatever earlier batches left cached (a cache hit
+skips tokens and so changes the steps' row counts), and vLLM 0.32 on CPU fails
+a seeded request whose prefill is split across steps (chunked prefill rewinds the request's
+generator, which a CPU generator cannot), which :func:`generate_batch` refuses to risk unless
+chunked prefill is off or the batch fits one step's token budget.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +60,32 @@ import numpy as np
 from dcr.errors import ConfigError
 from dcr.integrations.vllm.gate import EngineGate, GateServer, PauseMode, serving
 from dcr.integrations.vllm.join import JoinSpec, error_from_wire
-from dcr.integrations.vllm.versions import WeightSpan, weight_spans
+from dcr.integrations.vllm.versions import WeightSpan, dense_record, weight_spans
 from dcr.protocol.types import CommitRecord
 
-__all__ = ["EngineReceivers", "Generation", "generate", "join_fleet", "parameter_bits"]
+__all__ = [
+    "MAX_SEED",
+    "PARTIAL_LOAD",
+    "BatchRequest",
+    "DenseLoad",
+    "EngineReceivers",
+    "Generation",
+    "WeightsDigest",
+    "check_batch",
+    "gate_of",
+    "generate",
+    "generate_batch",
+    "join_fleet",
+    "load_checkpoint",
+    "parameter_bits",
+    "weights_digest",
+]
+
+MAX_SEED = 2**63 - 1
+"""Largest per-request sampling seed (torch generators take 64-bit seeds)."""
+
+PARTIAL_LOAD = "partial-load"
+"""``check`` of the error raised when a dense load failed after workers began writing."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +147,11 @@ async def generate(
         final = out
         if progress is not None and out.outputs and not out.finished:
             await progress(len(out.outputs[0].token_ids))
+    return _generation(rid, final)
+
+
+def _generation(rid: str, final: Any) -> Generation:
+    """The :class:`Generation` of request ``rid`` from its last (finished) ``RequestOutput``."""
     if final is None or not final.outputs:
         raise ConfigError(f"request {rid} finished without output", check="generate")
     completion = final.outputs[0]
@@ -112,6 +168,189 @@ async def generate(
         finish_reason=completion.finish_reason,
         spans=weight_spans(completion),
     )
+
+
+# -- batches ------------------------------------------------------------------------------
+
+_REQUEST_FIELDS = ("prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "ignore_eos")
+_REQUIRED_FIELDS = ("prompt_token_ids", "max_tokens", "temperature", "seed")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchRequest:
+    """One request of a batch (:func:`generate_batch`): a token prompt, sampled with its own
+    seed.
+
+    ``temperature`` 0 samples greedily; otherwise tokens are drawn at ``temperature`` from
+    the ``top_p`` nucleus by a generator seeded with ``seed`` (vLLM's per-request
+    ``SamplingParams(seed=...)``), so the draws depend on the request alone.  Each token's
+    log probability is reported (``logprobs=0``: the sampled token's), as vLLM computes it:
+    from the model's raw logits, before temperature and top-p.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        prompt = self.prompt_token_ids
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ConfigError("prompt_token_ids must be a non-empty list of token ids")
+        if not all(type(t) is int and t >= 0 for t in prompt):
+            raise ConfigError("prompt_token_ids must hold non-negative integers only")
+        object.__setattr__(self, "prompt_token_ids", tuple(prompt))
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if type(self.ignore_eos) is not bool:
+            raise ConfigError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @classmethod
+    def from_dict(cls, raw: object) -> BatchRequest:
+        """A request from its JSON form: ``{"prompt_token_ids", "max_tokens", "temperature",
+        "seed"}`` and optionally ``"top_p"`` (1.0) and ``"ignore_eos"`` (false); any other key
+        is refused (:class:`~dcr.errors.ConfigError`)."""
+        if not isinstance(raw, dict):
+            raise ConfigError("a request must be a JSON object")
+        unknown = sorted(set(raw) - set(_REQUEST_FIELDS))
+        if unknown:
+            raise ConfigError(f"unknown request fields {unknown}; known: {list(_REQUEST_FIELDS)}")
+        missing = [k for k in _REQUIRED_FIELDS if k not in raw]
+        if missing:
+            raise ConfigError(f"missing request fields {missing}")
+        return cls(**raw)
+
+    def sampling_params(self) -> Any:
+        """vLLM ``SamplingParams`` of the request (imports vLLM)."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+        )
+
+
+def check_batch(engine: Any, requests: Sequence[BatchRequest]) -> None:
+    """Refuse (:class:`~dcr.errors.ConfigError`) a batch ``engine`` cannot run as one: a token
+    id outside the model's vocabulary, a request longer than the model's context, or -- on a
+    CPU engine with chunked prefill -- seeded sampled requests whose prompts and outputs
+    together could exceed one step's token budget (vLLM 0.32 then splits a prefill across
+    steps, whose rewind of the request's generator fails on CPU and stops the engine)."""
+    config = engine.vllm_config
+    vocab = int(config.model_config.get_vocab_size())
+    max_len = int(config.model_config.max_model_len)
+    for i, r in enumerate(requests):
+        top = max(r.prompt_token_ids)
+        if top >= vocab:
+            raise ConfigError(
+                f"request {i}: token id {top} outside the model's vocabulary of {vocab}"
+            )
+        if len(r.prompt_token_ids) + r.max_tokens > max_len:
+            raise ConfigError(
+                f"request {i}: {len(r.prompt_token_ids)} prompt tokens + max_tokens "
+                f"{r.max_tokens} exceed the model's context of {max_len} tokens"
+            )
+    scheduler = config.scheduler_config
+    seeded = any(r.temperature > 0 for r in requests)
+    if seeded and scheduler.enable_chunked_prefill and _on_cpu(config):
+        need = sum(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+        budget = int(scheduler.max_num_batched_tokens)
+        threshold = int(getattr(scheduler, "long_prefill_token_threshold", 0) or 0)
+        longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+        if need > budget or 0 < threshold < longest:
+            raise ConfigError(
+                f"the batch needs up to {need} tokens in one step, more than the engine's "
+                f"budget of {budget}: vLLM would split a seeded request's prefill across steps, "
+                "which fails on CPU; start the engine with chunked prefill off "
+                "(--no-chunked-prefill, enable_chunked_prefill=False) or send smaller batches"
+            )
+
+
+def _on_cpu(config: Any) -> bool:
+    return str(getattr(config.device_config, "device_type", "")) == "cpu"
+
+
+async def generate_batch(
+    engine: Any,
+    requests: Iterable[BatchRequest],
+    *,
+    gate: EngineGate | None = None,
+    admitted: Callable[[], Awaitable[None]] | None = None,
+) -> list[Generation]:
+    """Run ``requests`` on ``engine`` (a vLLM ``AsyncLLM``) as one batch; their
+    :class:`Generation` s in request order.
+
+    Every request of the batch enters the scheduler at the same step: under ``gate``'s lock
+    (by default :func:`gate_of` the engine) the engine is paused until the requests in flight
+    finished, all requests are added, and it resumes (:meth:`EngineGate.admit`).  With the
+    same weights and engine settings, the same batch then gives the same tokens and log
+    probabilities, bit for bit, in any engine process and after any restart -- provided no
+    other request arrives while the batch runs (one joining it changes its steps), the prefix
+    cache is off or empty, and the engine's threads are fixed (``OMP_NUM_THREADS``).  While
+    a refit holds the gate closed the requests wait and all start when it reopens (with the
+    requests it froze, in ``"keep"`` mode).  Raises :class:`~dcr.errors.ConfigError` for a
+    batch the engine cannot run as one (:func:`check_batch`) before adding any request; when
+    the call is cancelled or fails, the batch's requests are aborted.  ``admitted`` is
+    awaited once the engine holds every request of the batch, before they finish (a caller
+    that must know the batch runs on the weights the engine holds now, before it starts a
+    refit).
+    """
+    batch = list(requests)
+    if not batch:
+        return []
+    check_batch(engine, batch)
+    params = [r.sampling_params() for r in batch]
+    gate = gate if gate is not None else gate_of(engine)
+    stem = uuid.uuid4().hex
+    ids = [f"batch-{stem}-{i}" for i in range(len(batch))]
+    queues: list[Any] = []
+
+    async def add() -> None:
+        for rid, request, p in zip(ids, batch, params, strict=True):
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            queues.append(await engine.add_request(rid, prompt, p))
+
+    try:
+        await gate.admit(add)
+        if admitted is not None:
+            await admitted()
+        finals = [await _finished(q) for q in queues]
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            if queues:
+                await engine.abort([q.request_id for q in queues], internal=True)
+        raise
+    finally:
+        for q in queues:
+            q.close()
+    return [_generation(rid, final) for rid, final in zip(ids, finals, strict=True)]
+
+
+async def _finished(queue: Any) -> Any:
+    """The last output of a request from its output collector (``AsyncLLM.add_request``)."""
+    while True:
+        out = queue.get_nowait() or await queue.get()
+        if out.finished:
+            return out
 
 
 @dataclass(slots=True)
@@ -151,6 +390,141 @@ def parameter_bits(
         name: np.frombuffer(data, dtype=numpy_bits_dtype(getattr(torch, dtype))).reshape(shape)
         for name, (dtype, shape, data) in raw.items()
     }
+
+
+# -- the engine's gate, dense loads, digests ------------------------------------------------
+
+_GATES: weakref.WeakKeyDictionary[Any, EngineGate] = weakref.WeakKeyDictionary()
+
+
+def _workers(engine: Any) -> int:
+    return int(engine.vllm_config.parallel_config.world_size)
+
+
+def gate_of(engine: Any) -> EngineGate:
+    """The request gate of ``engine``: its receivers' while :func:`join_fleet`'s block runs,
+    else a gate without receivers made on first use (one per engine), so batches and dense
+    loads on one engine never interleave."""
+    gate = _GATES.get(engine)
+    if gate is None:
+        gate = EngineGate(engine, _workers(engine), receivers=False)
+        _GATES[engine] = gate
+    return gate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DenseLoad:
+    """A full checkpoint loaded into a running engine (:func:`load_checkpoint`)."""
+
+    record: CommitRecord
+    """The record the engine's weights are labelled with now (``dense-<version>``)."""
+    tensors: int
+    """Checkpoint tensors each worker passed to ``model.load_weights``."""
+    seconds: float
+    """Wall-clock seconds of the whole load: check, pause (requests in flight finished),
+    load, cache reset, resume."""
+    load_seconds: float
+    """Seconds the slowest worker spent reading the files and in ``model.load_weights``."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.record.version,
+            "candidate": self.record.candidate,
+            "tensors": self.tensors,
+            "seconds": self.seconds,
+            "load_seconds": self.load_seconds,
+        }
+
+
+def _raise_failed(results: Sequence[Mapping[str, Any]]) -> None:
+    for worker, result in enumerate(results):
+        if "error" in result:
+            raise error_from_wire(result["error"], worker)
+
+
+async def load_checkpoint(
+    engine: Any, path: str | Path, version: int, *, gate: EngineGate | None = None
+) -> DenseLoad:
+    """Load the full Hugging Face checkpoint directory ``path`` (safetensors and
+    ``config.json``, the tensors of the checkpoint the engine was started from) into the
+    running ``engine`` through every worker's own ``model.load_weights``, and label its
+    weights :func:`~dcr.integrations.vllm.versions.dense_record` ``(version)``.
+
+    For engines outside any fleet (a reference run that reloads full checkpoints), started
+    with the worker extension and, on CPU, the plain-weights load format.  First every worker
+    checks the checkpoint without writing anything (``dcr_check_checkpoint``: readable
+    safetensors headers, the same tensor names, shapes and dtypes and the same model type as
+    the checkpoint the engine serves, weights not repacked); a failed check raises its error
+    (:class:`~dcr.errors.CheckpointError`, :class:`~dcr.errors.ConfigError`,
+    :class:`~dcr.errors.LoaderPathUnsupported`) and the engine serves on, unchanged.  Then,
+    under ``gate`` (by default :func:`gate_of` the engine; one whose workers are receivers
+    refuses with ``check="fleet"``), the engine pauses until the requests in flight finished,
+    the workers load (``dcr_load_checkpoint``), the prefix and KV caches are dropped, the
+    weights are labelled and the engine resumes.  A failure once the workers began writing
+    raises :class:`~dcr.errors.ConfigError` with ``check=`` :data:`PARTIAL_LOAD`: the engine
+    serves weights no version describes (labelled
+    :data:`~dcr.integrations.vllm.versions.UNCONFIRMED`) until a load succeeds.
+    """
+    record = dense_record(version)
+    gate = gate if gate is not None else gate_of(engine)
+    gate.require_no_receivers()
+    directory = str(Path(path).resolve())
+    t0 = time.monotonic()
+    _raise_failed(await engine.collective_rpc("dcr_check_checkpoint", args=(directory,)))
+    async with gate.replacing() as swap:
+        swap.writing()
+        results = await engine.collective_rpc("dcr_load_checkpoint", args=(directory,))
+        if not any(r.get("written", True) for r in results):
+            swap.unchanged()
+            _raise_failed(results)
+        for worker, result in enumerate(results):
+            if "error" in result:
+                cause = error_from_wire(result["error"], worker)
+                raise ConfigError(
+                    f"loading {directory} failed after the workers began writing ({cause}); "
+                    "the engine's weights hold no known version until a load succeeds",
+                    tensor=cause.tensor,
+                    check=PARTIAL_LOAD,
+                ) from cause
+        swap.done(record)
+    return DenseLoad(
+        record=record,
+        tensors=int(results[0]["tensors"]),
+        seconds=time.monotonic() - t0,
+        load_seconds=max(float(r["seconds"]) for r in results),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WeightsDigest:
+    """SHA-256 of the stored bits of an engine's weights (:func:`weights_digest`)."""
+
+    sha256: str
+    ranks: tuple[str, ...]
+    """Each worker rank's digest, in rank order."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sha256": self.sha256, "ranks": len(self.ranks), "rank_sha256": list(self.ranks)}
+
+
+async def weights_digest(engine: Any) -> WeightsDigest:
+    """The digest of every parameter and buffer of every worker of ``engine``, computed inside
+    the workers (no tensor bytes cross processes).
+
+    Each worker rank ``r`` computes ``d_r`` = SHA-256 over its model's parameters and buffers
+    (``named_parameters`` and ``named_buffers`` with ``remove_duplicate=False``, so a tied
+    tensor counts under each of its names), in sorted name order, each as the UTF-8 bytes of
+    ``"<name>\\0<dtype>\\0<d0>,<d1>,...\\0"`` (torch dtype name such as ``bfloat16``, shape in
+    decimal, empty for a scalar), then the byte count of its data as an 8-byte little-endian
+    integer, then its data: the stored bytes of the contiguous tensor, in row-major order.
+    The engine's digest is SHA-256 over ``d_0 || d_1 || ...`` (the 32-byte digests in rank
+    order).  Two engines have equal digests exactly when they have the same tensor
+    parallelism and every worker holds the same names, dtypes, shapes and stored bits (up to
+    SHA-256 collisions): the ``final_weights_sha256`` of a run.
+    """
+    ranks = tuple(str(h) for h in await engine.collective_rpc("dcr_digest"))
+    combined = hashlib.sha256(b"".join(bytes.fromhex(h) for h in ranks)).hexdigest()
+    return WeightsDigest(sha256=combined, ranks=ranks)
 
 
 async def _committed(fleet: Path) -> CommitRecord:
@@ -245,11 +619,17 @@ async def join_fleet(
             with anyio.CancelScope(shield=True):
                 await engine.resume_generation()
         raise
+    before = _GATES.get(engine)
+    _GATES[engine] = gate  # batches on this engine go through the receivers' gate
     try:
         async with serving(server):
             yield EngineReceivers(
                 engine=engine, names=tuple(names), gate=gate, server=server, held=held
             )
     finally:
+        if before is None:
+            _GATES.pop(engine, None)
+        else:
+            _GATES[engine] = before
         with anyio.CancelScope(shield=True):
             await engine.collective_rpc("dcr_leave")

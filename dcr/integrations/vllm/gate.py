@@ -18,22 +18,28 @@ whether the attempt is synchronous, so that by default the engine pauses as the 
 wants: ``"wait"`` in synchronous RL (the rollout batch finishes on the weights it started
 with), ``"keep"`` in asynchronous RL (the engine keeps its requests and the gate stays closed
 only for decode and apply).
+
+The gate's lock also orders what the engine process itself does to the engine:
+:meth:`EngineGate.admit` adds a batch of requests so that all of them enter the scheduler at
+one step (see :func:`~dcr.integrations.vllm.engine.generate_batch`), and an engine outside any
+fleet (a reference engine: a gate with ``receivers=False``) replaces its weights by a dense
+load under :meth:`EngineGate.replacing` and labels them with :meth:`EngineGate.label`.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
 
 from dcr.errors import ConfigError, DcrError, LocalProtocolError, RemoteProtocolError
-from dcr.integrations.vllm.versions import label_of
+from dcr.integrations.vllm.versions import UNCONFIRMED, label_of
 from dcr.protocol.types import CommitRecord
 
 __all__ = [
@@ -43,8 +49,11 @@ __all__ = [
     "GateCycle",
     "GateServer",
     "PauseMode",
+    "Replacement",
     "serving",
 ]
+
+T = TypeVar("T")
 
 PauseMode = Literal["wait", "keep", "abort"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "keep", "abort")
@@ -98,11 +107,16 @@ class EngineGate:
     when no attempt is running (a rank joining without a confirmed version, or one whose
     proof of the base version failed).  Ranks start closed; :meth:`join` says what each one
     holds when it starts.
+
+    ``receivers=False`` makes the gate of an engine whose workers host no receivers (a
+    reference engine): no rank closes or opens it; the engine process labels the weights
+    (:meth:`label`) and replaces them by dense loads (:meth:`replacing`).
     """
 
     engine: Any
     ranks: int
     pause_mode: PauseMode | None = None
+    receivers: bool = True
     cycles: list[GateCycle] = field(default_factory=list)
     record: CommitRecord | None = None
     """The committed record the engine's weights are labelled with (``None`` until every
@@ -119,7 +133,7 @@ class EngineGate:
             raise ConfigError(f"an engine gate needs at least one rank, got {self.ranks}")
         if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
-        self._closed = set(range(self.ranks))
+        self._closed = set(range(self.ranks)) if self.receivers else set()
 
     @property
     def closed(self) -> bool:
@@ -204,9 +218,134 @@ class EngineGate:
                 )
                 self._paused = False
 
+    # -- what the engine process does under the gate's lock --------------------------------
+
+    async def admit(self, add: Callable[[], Awaitable[T]]) -> T:
+        """Run ``add`` -- which adds requests to the engine -- so that all it adds enter the
+        scheduler at one step, and return what it returns.
+
+        While the gate is open the engine is paused for it in ``"wait"`` mode (requests in
+        flight finish first, so the added ones start on an idle engine, together and alone)
+        and resumed right after: the engine core handles the adds, then the resume, in the
+        order they were sent, so its first step after the resume schedules all of them.
+        While the gate is closed (a refit), the added requests wait with every other queued
+        request and start when it reopens.  The gate's lock is held throughout: no rank closes
+        or opens the gate, no dense load starts, and no other batch is added in between.
+        """
+        async with self._lock:
+            if self._paused:
+                return await add()
+            with anyio.CancelScope(shield=True):  # never left paused by a cancellation
+                await self.engine.pause_generation(mode="wait", clear_cache=False)
+            try:
+                return await add()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.engine.resume_generation()
+
+    async def label(self, record: CommitRecord) -> None:
+        """An engine without receivers holds ``record`` (the checkpoint it was started from):
+        requests report it from now on."""
+        self.require_no_receivers()
+        async with self._lock:
+            await self.engine.update_weight_version(label_of(record))
+            self.record = record
+
+    @asynccontextmanager
+    async def replacing(self) -> AsyncIterator[Replacement]:
+        """Hold the engine of a gate without receivers paused while the block replaces its
+        weights (a dense load through the workers).
+
+        The engine pauses in ``"wait"`` mode (requests in flight finish on the old weights;
+        new ones queue).  The block reports through the :class:`Replacement` it gets what the
+        weights hold; when it ends -- normally or not -- the prefix and KV caches are dropped
+        if the weights changed, the engine is labelled with the new record (or
+        :data:`~dcr.integrations.vllm.versions.UNCONFIRMED` when a failed load left them
+        unknown) and generation resumes.  A successful replacement is kept as a
+        :class:`GateCycle` in :attr:`cycles`.
+        """
+        self.require_no_receivers()
+        async with self._lock:
+            requested = time.time()
+            with anyio.CancelScope(shield=True):  # never left paused by a cancellation
+                await self.engine.pause_generation(mode="wait", clear_cache=False)
+            self._paused = True
+            paused_at = time.time()
+            swap = Replacement(record=self.record)
+            try:
+                yield swap
+            finally:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        if swap.changed:
+                            self.record = swap.record
+                            await self.engine.reset_prefix_cache(
+                                reset_running_requests=True, reset_connector=True
+                            )
+                            label = UNCONFIRMED if swap.record is None else label_of(swap.record)
+                            await self.engine.update_weight_version(label)
+                    finally:
+                        await self.engine.resume_generation()
+                        self._paused = False
+                    if swap.changed and swap.record is not None:
+                        self.cycles.append(
+                            GateCycle(
+                                requested=requested,
+                                paused=paused_at,
+                                opened=time.time(),
+                                record=swap.record,
+                            )
+                        )
+
+    def require_no_receivers(self) -> None:
+        """Raise :class:`~dcr.errors.ConfigError` (``check="fleet"``) when receiver ranks
+        drive this gate: only an engine outside any fleet takes weights from its process."""
+        if self.receivers:
+            raise ConfigError(
+                "the engine's workers are receivers of a fleet: its weights change only by "
+                "refits of that fleet",
+                check="fleet",
+            )
+
     def _check(self, rank: int) -> None:
+        if not self.receivers:
+            raise ConfigError(
+                f"rank {rank} called the gate of an engine whose workers host no receivers",
+                check="gate",
+            )
         if not 0 <= rank < self.ranks:
             raise ConfigError(f"rank {rank} outside the engine's {self.ranks} ranks")
+
+
+@dataclass(slots=True)
+class Replacement:
+    """What the weights of an engine hold while :meth:`EngineGate.replacing` holds it paused.
+
+    The block calls :meth:`writing` before anything may write into the weights and
+    :meth:`done` once they hold a record exactly; :meth:`unchanged` undoes :meth:`writing`
+    when nothing was written after all.
+    """
+
+    record: CommitRecord | None
+    """What the weights hold: the record the engine was labelled with before, the new one,
+    or ``None`` while (or after) a write of unknown outcome."""
+    changed: bool = False
+    _before: CommitRecord | None = None
+
+    def __post_init__(self) -> None:
+        self._before = self.record
+
+    def writing(self) -> None:
+        """The weights are being written: they hold no known record until :meth:`done`."""
+        self.changed, self.record = True, None
+
+    def unchanged(self) -> None:
+        """Nothing was written: the weights still hold what they held before."""
+        self.changed, self.record = False, self._before
+
+    def done(self, record: CommitRecord) -> None:
+        """The weights now hold ``record`` exactly."""
+        self.changed, self.record = True, record
 
 
 # -- worker <-> engine calls ---------------------------------------------------------------

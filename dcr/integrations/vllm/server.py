@@ -1,4 +1,5 @@
-"""``python -m dcr.integrations.vllm``: a vLLM engine process whose workers are fleet receivers.
+"""``python -m dcr.integrations.vllm``: a vLLM engine process whose workers are fleet receivers
+(or, without ``--fleet``, a reference engine whose weights are reloaded from full checkpoints).
 
 It starts an ``AsyncLLM`` with the dcr worker extension (and, with ``--plain-weights``, the
 CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as receivers
@@ -13,18 +14,50 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
     request that straddled a refit.  While the request gate is closed, requests wait.  With
     ``"stream": true`` the answer is JSON lines: ``{"tokens": n}`` as tokens come, then
     ``{"result": {...}}``.
+``POST /generate_batch``
+    ``{"requests": [{"prompt_token_ids": [...], "max_tokens": 16, "temperature": 1.0,
+    "top_p": 1.0, "seed": 7, "ignore_eos": false}, ...]}`` (``top_p`` and ``ignore_eos``
+    optional; at most 1024 requests) -> ``{"results": [...]}``, one ``/generate`` answer per
+    request, in request order.  With ``"stream": true`` the answer is JSON lines:
+    ``{"accepted": n}`` once the engine holds every request of the batch (it then runs on
+    the weights the engine holds now), then ``{"results": [...]}`` (or ``{"error"}``).
+    The requests are sampled, each with its own seed, and enter
+    the scheduler together (the engine pauses until the requests in flight finished, takes
+    them all, resumes; see :func:`~dcr.integrations.vllm.engine.generate_batch`): with the
+    same weights, the same batch gives the same tokens and log probabilities in any engine
+    process.  A malformed batch answers 400 and adds nothing.
 ``POST /abort``
     ``{"request_id": ...}``: the request ends now; its answer says what it generated, with
     ``finish_reason`` ``"abort"`` and its weight versions.
+``POST /dcr/load``
+    ``{"checkpoint": DIR, "version": n}``: only without ``--fleet``.  Loads the full
+    checkpoint directory ``DIR`` (as this process sees it) through the workers' own
+    ``model.load_weights`` once requests in flight finished, drops the caches and labels the
+    weights ``(n, dense-<n>)`` -> ``{"version", "candidate", "tensors", "seconds",
+    "load_seconds"}`` (see :func:`~dcr.integrations.vllm.engine.load_checkpoint`).  A missing
+    or malformed checkpoint, or one whose tensors differ from those of ``--model``, answers
+    400 and leaves the weights as they were; an engine whose workers are fleet receivers or
+    whose weights were repacked (no ``--plain-weights`` on CPU) answers 409; a failure after
+    writing began answers 500 (the weights then report no version until a load succeeds).
+``GET /dcr/digest``
+    ``{"sha256", "ranks", "rank_sha256"}``: SHA-256 over the stored bits of every parameter
+    and buffer of every worker, computed in the workers (defined in
+    :func:`~dcr.integrations.vllm.engine.weights_digest`).
 ``GET /dcr/state``
     the engine's gate (closed, by which ranks, each closing's drain and closed seconds, the
-    record the weights are labelled with) and each worker's receiver status.
+    record the weights are labelled with; without ``--fleet``, each dense load's) and each
+    worker's receiver status.
 ``GET /dcr/parameters``
     every parameter and buffer of every worker, as base64 of its stored bytes (read through
     ``collective_rpc``), for bit-for-bit comparisons.
 ``GET /health``
 
-Without ``--fleet`` the engine serves the checkpoint as loaded (a reference engine).
+Bodies are limited to 16 MiB.  Without ``--fleet`` the engine serves the checkpoint as
+loaded (a reference engine); ``--checkpoint-version N`` labels those weights ``(N,
+dense-N)``, so requests report version ``N`` until the next ``/dcr/load``.
+``--no-prefix-cache`` and ``--no-chunked-prefill`` turn those vLLM features off: for
+reproducible batches, a batch's numerics must not depend on what earlier requests left in
+the prefix cache, and on CPU a seeded request must not have its prefill split across steps.
 ``--catalog DIR`` gives the receivers the catalog of that checkpoint directory instead of the
 fleet file's.  Once it serves, the process writes ``{"url", "pid"}`` to ``--ready-file`` if
 given.  SIGTERM or SIGINT stop it: the receivers leave, the engine shuts down.  With
@@ -53,10 +86,16 @@ from typing import Any
 
 import anyio
 
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
 from dcr.integrations.vllm.gate import PAUSE_MODES, PauseMode
 
-__all__ = ["ServerOptions", "main", "serve"]
+__all__ = ["MAX_BATCH", "MAX_BODY_BYTES", "ServerOptions", "main", "serve"]
+
+MAX_BATCH = 1024
+"""Most requests one ``POST /generate_batch`` may carry."""
+
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body the server reads (larger ones answer 413)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,6 +115,10 @@ class ServerOptions:
     """Checkpoint directory whose catalog the receivers take (default: the fleet file's)."""
     report_fingerprints: bool = False
     pause_mode: PauseMode | None = None
+    prefix_caching: bool = True
+    """``False``: the engine runs without vLLM's prefix cache."""
+    chunked_prefill: bool = True
+    """``False``: the engine never splits a prefill across scheduler steps."""
     host: str = "127.0.0.1"
     port: int = 0
     ready_file: str | None = None
@@ -85,6 +128,50 @@ def _bad_request(message: str) -> Any:
     from aiohttp import web
 
     return web.json_response({"error": message}, status=400)
+
+
+def _error(message: str, status: int) -> Any:
+    from aiohttp import web
+
+    return web.json_response({"error": message}, status=status)
+
+
+def _batch_requests(body: object) -> list[Any]:
+    """The requests of a ``/generate_batch`` body, each checked strictly."""
+    from dcr.integrations.vllm.engine import BatchRequest
+
+    if not isinstance(body, dict):
+        raise ConfigError("the request body must be a JSON object")
+    unknown = sorted(set(body) - {"requests"})
+    if unknown:
+        raise ConfigError(f'unknown fields {unknown}: the body is {{"requests": [...]}}')
+    raw = body.get("requests")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("requests must be a non-empty list of request objects")
+    if len(raw) > MAX_BATCH:
+        raise ConfigError(f"a batch holds at most {MAX_BATCH} requests, got {len(raw)}")
+    out = []
+    for i, item in enumerate(raw):
+        try:
+            out.append(BatchRequest.from_dict(item))
+        except ConfigError as exc:
+            raise ConfigError(f"request {i}: {exc.message}") from exc
+    return out
+
+
+def _load_request(body: object) -> tuple[str, int]:
+    """``(checkpoint, version)`` of a ``/dcr/load`` body, checked strictly."""
+    if not isinstance(body, dict):
+        raise ConfigError("the request body must be a JSON object")
+    unknown = sorted(set(body) - {"checkpoint", "version"})
+    if unknown:
+        raise ConfigError(f'unknown fields {unknown}: the body is {{"checkpoint", "version"}}')
+    checkpoint, version = body.get("checkpoint"), body.get("version")
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise ConfigError("checkpoint must be a non-empty string: a checkpoint directory")
+    if type(version) is not int or version < 0:
+        raise ConfigError(f"version must be a non-negative integer, got {version!r}")
+    return checkpoint, version
 
 
 def _int_list(raw: object, what: str) -> list[int]:
@@ -101,7 +188,17 @@ async def serve(options: ServerOptions) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from dcr.integrations.vllm import EXTENSION, PLAIN_WEIGHTS
-    from dcr.integrations.vllm.engine import EngineReceivers, generate, join_fleet
+    from dcr.integrations.vllm.engine import (
+        PARTIAL_LOAD,
+        EngineReceivers,
+        gate_of,
+        generate,
+        generate_batch,
+        join_fleet,
+        load_checkpoint,
+        weights_digest,
+    )
+    from dcr.integrations.vllm.versions import dense_record
 
     load_format = "auto"
     if options.plain_weights:
@@ -120,6 +217,9 @@ async def serve(options: ServerOptions) -> None:
             load_format=load_format,
             # One worker lives in the engine-core process (one process less to start).
             distributed_executor_backend="uni" if options.tensor_parallel_size == 1 else "mp",
+            # None: vLLM's default for the model and platform.
+            enable_prefix_caching=None if options.prefix_caching else False,
+            enable_chunked_prefill=None if options.chunked_prefill else False,
         )
     )
     receivers: EngineReceivers | None = None
@@ -162,6 +262,55 @@ async def serve(options: ServerOptions) -> None:
         await response.write_eof()
         return response
 
+    async def generate_batch_route(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            stream = isinstance(body, dict) and body.pop("stream", False)
+            if not isinstance(stream, bool):
+                raise ConfigError("stream must be true or false")
+            batch = _batch_requests(body)
+            gate = receivers.gate if receivers is not None else gate_of(engine)
+            if not stream:
+                results = await generate_batch(engine, batch, gate=gate)
+                return web.json_response({"results": [g.as_dict() for g in results]})
+        except (ValueError, ConfigError) as exc:
+            return _bad_request(str(exc))  # type: ignore[no-any-return]
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+
+        async def admitted() -> None:
+            await response.write(json.dumps({"accepted": len(batch)}).encode() + b"\n")
+
+        line: dict[str, Any]
+        try:
+            results = await generate_batch(engine, batch, gate=gate, admitted=admitted)
+            line = {"results": [g.as_dict() for g in results]}
+        except ConfigError as exc:
+            line = {"error": str(exc)}
+        await response.write(json.dumps(line).encode() + b"\n")
+        await response.write_eof()
+        return response
+
+    async def load_route(request: web.Request) -> web.Response:
+        if receivers is not None:
+            message = "the engine's workers are fleet receivers: its weights change by refits"
+            return _error(message, 409)  # type: ignore[no-any-return]
+        try:
+            checkpoint, version = _load_request(await request.json())
+        except (ValueError, ConfigError) as exc:
+            return _bad_request(str(exc))  # type: ignore[no-any-return]
+        try:
+            loaded = await load_checkpoint(engine, checkpoint, version, gate=gate_of(engine))
+        except LoaderPathUnsupported as exc:
+            return _error(str(exc), 409)  # type: ignore[no-any-return]
+        except DcrError as exc:
+            status = {PARTIAL_LOAD: 500, "fleet": 409}.get(exc.check or "", 400)
+            return _error(str(exc), status)  # type: ignore[no-any-return]
+        return web.json_response(loaded.as_dict())
+
+    async def digest_route(request: web.Request) -> web.Response:
+        return web.json_response((await weights_digest(engine)).as_dict())
+
     async def abort_route(request: web.Request) -> web.Response:
         try:
             body = await request.json()
@@ -177,6 +326,8 @@ async def serve(options: ServerOptions) -> None:
         state: dict[str, Any] = {"weight_version": await engine.get_weight_version()}
         if receivers is not None:
             state.update(receivers.state(), workers=await receivers.status())
+        else:
+            state.update(gate_of(engine).state())
         return web.json_response(state)
 
     async def parameters_route(request: web.Request) -> web.Response:
@@ -200,9 +351,12 @@ async def serve(options: ServerOptions) -> None:
     async def health_route(request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/generate", generate_route)
+    app.router.add_post("/generate_batch", generate_batch_route)
     app.router.add_post("/abort", abort_route)
+    app.router.add_post("/dcr/load", load_route)
+    app.router.add_get("/dcr/digest", digest_route)
     app.router.add_get("/dcr/state", state_route)
     app.router.add_get("/dcr/parameters", parameters_route)
     app.router.add_get("/health", health_route)
@@ -221,6 +375,8 @@ async def serve(options: ServerOptions) -> None:
                         report_fingerprints=options.report_fingerprints,
                     )
                 )
+            elif options.checkpoint_version is not None:
+                await gate_of(engine).label(dense_record(options.checkpoint_version))
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
             site = web.TCPSite(runner, options.host, options.port)
@@ -239,7 +395,8 @@ async def serve(options: ServerOptions) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dcr.integrations.vllm",
-        description="a vLLM engine whose workers are dcr receivers of a fleet, over HTTP",
+        description="a vLLM engine over HTTP whose workers are dcr receivers of a fleet "
+        "(--fleet) or, without one, a reference engine that loads full checkpoints (/dcr/load)",
     )
     p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallelism: workers and receivers")
@@ -255,7 +412,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint-version",
         type=int,
-        help="the version whose checkpoint --model is; if committed, join without a dense refit",
+        help="the version whose checkpoint --model is; with --fleet: if committed, join without "
+        "a dense refit; without: requests report it (as (N, dense-N)) until /dcr/load",
     )
     p.add_argument(
         "--catalog",
@@ -273,6 +431,18 @@ def _parser() -> argparse.ArgumentParser:
         help="kill this process and its engine once the process that started it is gone",
     )
     p.add_argument("--pause-mode", choices=PAUSE_MODES, help="how the gate pauses the engine")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="run without vLLM's prefix cache (a batch's numerics then never depend on what "
+        "earlier requests cached)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="never split a prefill across steps (on CPU, vLLM 0.32 fails seeded requests "
+        "whose prefill it splits)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port")
     p.add_argument("--ready-file", help="write {url, pid} here once serving")
@@ -322,6 +492,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         catalog=args.catalog,
         report_fingerprints=args.report_fingerprints,
         pause_mode=args.pause_mode,
+        prefix_caching=not args.no_prefix_cache,
+        chunked_prefill=not args.no_chunked_prefill,
         host=args.host,
         port=args.port,
         ready_file=args.ready_file,

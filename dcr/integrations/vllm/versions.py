@@ -5,6 +5,10 @@ while generation is paused, just before it resumes), and vLLM reports on every f
 request the contiguous spans of output tokens that each label produced.  A request that
 straddles a refit -- frozen in flight while the gate was closed, resumed on the new weights --
 reports two spans, and the first token of the second span is where the weights changed.
+
+An engine outside any fleet (a reference engine) labels its weights the same way, with
+:func:`dense_record` of the checkpoint version it loaded in full, so a run that refits by
+deltas and a run that reloads full checkpoints report comparable versions.
 """
 
 from __future__ import annotations
@@ -16,14 +20,26 @@ from typing import Any
 from dcr.errors import ConfigError
 from dcr.protocol.types import CommitRecord
 
-__all__ = ["WeightSpan", "label_of", "record_of", "weight_spans"]
+__all__ = ["UNCONFIRMED", "WeightSpan", "dense_record", "label_of", "record_of", "weight_spans"]
 
 _PREFIX = "dcr:"
+
+UNCONFIRMED = "unconfirmed"
+"""The weight-version label of weights no record describes (a dense load that failed after
+it began writing); requests report version ``None`` for the tokens they produced."""
 
 
 def label_of(record: CommitRecord) -> str:
     """The engine's weight-version label of a commit record: ``dcr:<version>:<candidate>``."""
     return f"{_PREFIX}{record.version}:{record.candidate}"
+
+
+def dense_record(version: int) -> CommitRecord:
+    """The record of weights loaded in full from the checkpoint of ``version`` by an engine
+    outside any fleet: candidate ``dense-<version>`` (no commit store names one)."""
+    if type(version) is not int or version < 0:
+        raise ConfigError(f"a checkpoint version must be a non-negative integer, got {version!r}")
+    return CommitRecord(version=version, candidate=f"dense-{version}")
 
 
 def record_of(label: str) -> CommitRecord | None:

@@ -14,6 +14,11 @@ tree of its host for payloads, decode and in-place apply in this process.  Its r
 hooks call the engine process's gate (:mod:`dcr.integrations.vllm.gate`), so writes into the
 weights happen only while that gate holds the engine paused.
 
+Outside any fleet, the same extension serves a reference engine: ``dcr_check_checkpoint`` and
+``dcr_load_checkpoint`` load a full checkpoint through the model's own ``load_weights``
+(:func:`~dcr.integrations.vllm.engine.load_checkpoint`), and ``dcr_digest`` hashes the stored
+bits of the worker's weights (:func:`~dcr.integrations.vllm.engine.weights_digest`).
+
 vLLM resolves the extension class before the worker loads its model, so importing this
 module is also where every worker learns the plain-weights load format
 (:mod:`dcr.integrations.vllm.plain`).
@@ -21,23 +26,27 @@ module is also where every worker learns the plain-weights load format
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcr.alloc import keep_freed_memory
-from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
+from dcr.errors import CheckpointError, ConfigError, DcrError, LoaderPathUnsupported
 from dcr.integrations.vllm import plain  # noqa: F401  (registers the load format here)
 from dcr.integrations.vllm.join import JoinSpec, error_to_wire
 from dcr.protocol.types import CommitRecord
 
 if TYPE_CHECKING:
     from dcr.apply.receiver import Receiver
+    from dcr.delta.records import TensorSpec
     from dcr.fleet.config import FleetConfig
 
 __all__ = ["DcrWorkerExtension"]
@@ -88,6 +97,8 @@ class DcrWorkerExtension:
     ``collective_rpc`` (every worker runs each call, and each serves its own rank)."""
 
     _dcr_hosted: _Hosted | None = None
+    _dcr_catalog: dict[str, TensorSpec] | None = None
+    """The catalog of the checkpoint the engine was started from (read on first use)."""
 
     def dcr_join(self, spec: Mapping[str, Any]) -> dict[str, Any]:
         """Prewarm a receiver around this worker's model and start serving the fleet.
@@ -155,6 +166,101 @@ class DcrWorkerExtension:
             out[name] = (dtype_name(data.dtype), tuple(data.shape), bits(data).tobytes())
         return out
 
+    def dcr_digest(self) -> str:
+        """SHA-256 (hex) of this worker's parameters and buffers, as
+        :func:`~dcr.integrations.vllm.engine.weights_digest` defines it: in sorted name order
+        (``remove_duplicate=False``), for each ``"<name>\\0<dtype>\\0<shape, comma-separated>\\0"``
+        in UTF-8, the data's byte count (8 bytes, little-endian), then its stored bytes."""
+        import torch
+
+        from dcr.delta.bits import dtype_name
+
+        model = self._dcr_model()
+        tensors = dict(
+            [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+        )
+        digest = hashlib.sha256()
+        for name in sorted(tensors):
+            data = tensors[name].detach().cpu().contiguous()
+            shape = ",".join(str(d) for d in data.shape)
+            raw = data.reshape(-1).view(torch.uint8).numpy()
+            digest.update(f"{name}\0{dtype_name(data.dtype)}\0{shape}\0".encode())
+            digest.update(struct.pack("<Q", raw.nbytes))
+            digest.update(raw.data)
+        return digest.hexdigest()
+
+    def dcr_check_checkpoint(self, path: str) -> dict[str, Any]:
+        """Check, without writing anything, that this worker can load the full checkpoint
+        directory ``path`` (:meth:`dcr_load_checkpoint`).  Returns ``{"tensors"}`` or
+        ``{"error"}``."""
+        try:
+            return {"tensors": len(self._dcr_checkpoint_files(path)[1])}
+        except DcrError as exc:
+            return {"error": error_to_wire(exc)}
+
+    def dcr_load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Load the full Hugging Face checkpoint directory ``path`` into this worker's model
+        through its own ``model.load_weights``, as the engine's dense load does.
+
+        The directory's ``*.safetensors`` files are read with the ``safetensors`` library
+        (never ``torch.load``: nothing is unpickled), one tensor at a time, in file order.
+        Before anything is written the checkpoint is checked: this worker hosts no fleet
+        receiver (whose refits own the weights), its weights were not repacked by the CPU
+        backend (:func:`~dcr.adapters.loaders.vllm.find_repacked`: the engine must run the
+        plain-weights load format on CPU), the headers are valid, and the names, shapes and
+        dtypes of the tensors and the model type equal those of the checkpoint the engine
+        was started from.  Returns ``{"tensors", "seconds", "written": true}``, or
+        ``{"error", "written"}`` (``written``: whether the failure came after writing began).
+        """
+        try:
+            files, catalog = self._dcr_checkpoint_files(path)
+        except DcrError as exc:
+            return {"error": error_to_wire(exc), "written": False}
+        from vllm.config import set_current_vllm_config
+
+        from dcr.adapters.loaders.vllm import VllmLoader
+
+        model = self._dcr_model()
+        count = 0
+
+        def weights() -> Iterator[tuple[str, Any]]:
+            nonlocal count
+            from safetensors import safe_open
+
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                        count += 1
+                        yield name, f.get_tensor(name)
+
+        t0 = time.monotonic()
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                loaded = VllmLoader(model).load_weights(weights())
+            if count != len(catalog):
+                raise CheckpointError(
+                    f"{path}: {count} tensors read, the catalog lists {len(catalog)}",
+                    check="missing",
+                )
+            if loaded is not None:
+                missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+                if missing:
+                    raise ConfigError(
+                        f"{path}: load_weights did not load {len(missing)} parameters "
+                        f"({', '.join(missing[:3])})",
+                        tensor=missing[0],
+                        check="catalog",
+                    )
+        except DcrError as exc:
+            return {"error": error_to_wire(exc), "written": True}
+        except Exception as exc:  # a file that changed under the check (safetensors' errors)
+            error = CheckpointError(f"{path}: cannot be read: {exc!r}", check="read")
+            return {"error": error_to_wire(error), "written": True}
+        return {"tensors": count, "seconds": time.monotonic() - t0, "written": True}
+
     def dcr_repacked(self) -> dict[str, str]:
         """Modules whose compute weights are no longer their plain parameters (see
         :func:`~dcr.adapters.loaders.vllm.find_repacked`)."""
@@ -167,6 +273,61 @@ class DcrWorkerExtension:
     def _dcr_model(self) -> Any:
         get_model: Callable[[], Any] = self.get_model  # type: ignore[attr-defined]
         return get_model()
+
+    def _dcr_checkpoint_files(self, path: str) -> tuple[list[Path], dict[str, TensorSpec]]:
+        """The safetensors files of checkpoint ``path`` and its catalog, once it is known that
+        this worker can load it (see :meth:`dcr_load_checkpoint`); raises the
+        :class:`~dcr.errors.DcrError` that says why not."""
+        from dcr.adapters.loaders.vllm import VllmLoader
+        from dcr.catalog import INDEX_FILE, check_catalog, read_catalog, read_config
+
+        if self._dcr_hosted is not None:
+            raise ConfigError(
+                f"this worker hosts receiver {self._dcr_hosted.name!r} of a fleet: its weights "
+                "change only by refits of that fleet",
+                check="fleet",
+            )
+        VllmLoader(self._dcr_model()).check_ready()
+        directory = Path(path)
+        catalog = read_catalog(directory)
+        config = read_config(directory)
+        started: str = self.model_config.model  # type: ignore[attr-defined]
+        if self._dcr_catalog is None:
+            try:
+                self._dcr_catalog = read_catalog(started)
+            except CheckpointError as exc:
+                raise ConfigError(
+                    f"the checkpoint the engine was started from ({started}) cannot be read "
+                    f"to check {directory} against it: {exc}",
+                    check="catalog",
+                ) from exc
+        check_catalog(
+            self._dcr_catalog,
+            catalog,
+            expected_from=f"the engine's checkpoint {started}",
+            found_from=str(directory),
+        )
+        hf = self.model_config.hf_config  # type: ignore[attr-defined]
+        for key, want in (
+            ("model_type", getattr(hf, "model_type", None)),
+            ("architectures", getattr(hf, "architectures", None)),
+        ):
+            found = config.get(key)
+            if (
+                want is not None
+                and found is not None
+                and list(_as_list(found)) != list(_as_list(want))
+            ):
+                raise ConfigError(
+                    f"{directory}: {key} {found!r} differs from the engine's model ({want!r})",
+                    check="config",
+                )
+        if (directory / INDEX_FILE).exists():
+            names = sorted(set(_index_files(directory / INDEX_FILE)))
+            files = [directory / n for n in names]
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+        return files, catalog
 
     def _dcr_prewarm(self, cfg: FleetConfig, threads: int | None) -> tuple[Receiver, Any]:
         """A receiver around this worker's model over the fleet's catalog, prewarmed; raises
@@ -286,3 +447,15 @@ class DcrWorkerExtension:
                 "seconds": report.seconds,
             },
         }
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _index_files(index: Path) -> list[str]:
+    """The file names a sharded checkpoint's index maps tensors to (read_catalog checked it)."""
+    import json
+
+    weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return list(weight_map.values())
