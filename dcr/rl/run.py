@@ -1,0 +1,530 @@
+"""``dcr rl``: a GRPO loop on CPU with real parts, refitted by dcr or by dense reloads.
+
+One run writes version 0 of a small Qwen3 policy (:mod:`dcr.rl.policy`), then:
+
+* ``--refit delta`` writes a fleet file and runs it with the fleet launcher
+  (:class:`~dcr.fleet.launcher.Launcher`): two trainer ranks of the FSDP2 GRPO trainer
+  (``[trainer] kind = "fsdp"``), one vLLM CPU engine whose workers are dcr receivers
+  (``[[engine]]``, TP 1 or 2), a coordinator, and the relay tree (or object storage: a
+  directory, or S3 on a SeaweedFS server started here).  ``--faults`` SIGKILLs the engine
+  mid-refit twice and a trainer rank once; the launcher restarts them and they recover.
+* ``--refit dense`` is the reference: the same trainer and engine, no fleet; after every step
+  the ranks write the full checkpoint and the engine loads it through vLLM's own loader.
+
+Rank 0 reports every step (reward, KL, loss, a digest of the sampled tokens, staleness,
+refit seconds and bytes); the run prints a line per step as it goes, a table at the end, and
+with ``--json`` one object.  The same seed gives the same run: delta and dense runs agree on
+every step's numbers and tokens and on the final weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dcr.errors import ConfigError
+from dcr.fleet.events import EventReader
+from dcr.rl.config import RLConfig
+from dcr.rl.loop import MODES, REFITS, RunSpec
+
+__all__ = ["TRANSPORTS", "RLOptions", "format_rl_table", "plot_rl", "run_rl"]
+
+TRANSPORTS = ("relay", "s3", "directory")
+
+MARKER = ".dcr-rl-run"
+"""A file in every run directory ``dcr rl`` made: only such a directory is cleared."""
+
+ENGINE_ENV = {
+    # One compute thread per worker, no CPU binding: the same kernels and reduction order in
+    # every engine process, so sampling is a function of the weights and the batch.
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLOptions:
+    """What ``dcr rl`` runs (its command-line options)."""
+
+    steps: int = 20
+    refit: str = "delta"
+    transport: str = "relay"
+    mode: str = "sync"
+    tp: int = 1
+    faults: bool = False
+    seed: int = 0
+    max_staleness: int | None = None
+    """Default: 1 in asynchronous mode, 0 in synchronous mode."""
+    directory: Path = Path("out/rl")
+    rl: RLConfig = field(default_factory=RLConfig)
+    deadline_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.refit not in REFITS:
+            raise ConfigError(f"--refit is one of {REFITS}, got {self.refit!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"--transport is one of {TRANSPORTS}, got {self.transport!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode is one of {MODES}, got {self.mode!r}")
+        if self.tp not in (1, 2):
+            raise ConfigError(f"--tp is 1 or 2, got {self.tp}")
+        if self.faults and self.refit != "delta":
+            raise ConfigError("--faults kills processes of a dcr fleet: it needs --refit delta")
+        if self.faults and self.steps < 4:
+            raise ConfigError("--faults needs at least 4 steps (three kills from step 2 on)")
+
+    @property
+    def staleness(self) -> int:
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.mode == "async" else 0
+
+
+def _fresh(directory: Path) -> None:
+    """Clear ``directory`` for a new run -- only if it is empty or a previous run's."""
+    if directory.exists():
+        if any(directory.iterdir()) and not (directory / MARKER).exists():
+            raise ConfigError(
+                f"{directory} is not empty and not a dcr rl run directory: choose another --dir"
+            )
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    (directory / MARKER).write_text("made by dcr rl; cleared by the next run in this directory\n")
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    raise ConfigError(f"cannot write {value!r} to a fleet file")
+
+
+def _table(name: str, values: dict[str, Any]) -> str:
+    lines = [f"[{name}]"]
+    lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def faults_plan(steps: int) -> list[tuple[int, str, str]]:
+    """``--faults``: ``(version, target, point)``: the engine (its receiver ``r0``) killed
+    after applying a payload of two refits, a trainer rank (owner ``o1``) killed after sending
+    a payload of one refit in between."""
+    first, last = 2, steps - 1 if steps > 4 else steps
+    middle = max(first + 1, (first + last) // 2)
+    if middle >= last:
+        middle, last = first + 1, first + 2
+    return [(first, "r0", "applied"), (middle, "o1", "sent"), (last, "r0", "applied")]
+
+
+def _fleet_file(
+    opts: RLOptions, spec: RunSpec, checkpoint: Path, directory: Path, s3: dict[str, Any] | None
+) -> Path:
+    receivers = [f"r{r}" for r in range(opts.tp)]
+    transport: dict[str, Any] = {"kind": opts.transport}
+    if opts.transport == "directory":
+        transport["path"] = str(directory / "objects")
+    elif opts.transport == "s3":
+        assert s3 is not None
+        transport.update(s3)
+    options = spec.to_dict()
+    rl = options.pop("rl")
+    trainer = {"kind": "fsdp", "ranks": 2, "chunk_mb": 4.0, "bucket_mb": 4.0, "timeout_s": 1800.0}
+    coordinator = {
+        "standbys": 0,
+        "sync": opts.mode == "sync",
+        "join_wait_s": 600.0,
+        "dense_timeout_s": 600.0,
+    }
+    timeouts = {
+        "prepare_s": 600.0,
+        "arrival_s": 300.0,
+        "gate_s": 600.0,
+        "flush_s": 600.0,
+        "commit_s": 5.0,
+        "stop_s": 60.0,
+        "baseline_s": 3.0,
+    }
+    rollout = [{"name": r, "tp": opts.tp, "rank": i} for i, r in enumerate(receivers)]
+    engine = {
+        "name": "e0",
+        "receivers": receivers,
+        "plain_weights": True,
+        "checkpoint_version": 0,
+        "pause_mode": "wait",
+        "max_model_len": 64,
+        "prefix_caching": False,
+        "chunked_prefill": False,
+        "stop_s": 30.0,
+        "env": ENGINE_ENV,
+    }
+    text = "\n".join(
+        [
+            "# The fleet of `dcr rl --refit delta`: written and run by dcr rl.",
+            _table("fleet", {"name": "rl", "run_dir": "run"}),
+            _table("model", {"checkpoint": str(checkpoint)}),
+            _table("trainer", trainer),
+            _table("trainer.options", options),
+            _table("trainer.options.rl", rl),
+            _table("coordinator", coordinator),
+            _table("coordinator.timeouts", timeouts),
+            _table("transport", transport),
+            _table("[rollout]", {"name": "node0", "receivers": rollout}),
+            _table("[engine]", engine),
+        ]
+    )
+    path = directory / "fleet.toml"
+    path.write_text(text)
+    return path
+
+
+def _spec(opts: RLOptions, directory: Path, checkpoint: Path, ready: Path) -> RunSpec:
+    return RunSpec(
+        steps=opts.steps,
+        seed=opts.seed,
+        mode=opts.mode,
+        max_staleness=opts.staleness,
+        refit=opts.refit,
+        checkpoint=str(checkpoint),
+        engine_ready=str(ready),
+        state_dir=str(directory / "trainer"),
+        events_dir=str(directory / "run" / "events"),
+        rl=opts.rl.to_dict(),
+    )
+
+
+@contextlib.contextmanager
+def _s3(opts: RLOptions, directory: Path) -> Iterator[dict[str, Any] | None]:
+    """``--transport s3``: a SeaweedFS server on 127.0.0.1 for the run (stopped after), its
+    bucket, and its credentials in this process's environment (the fleet's processes
+    inherit them)."""
+    if opts.transport != "s3":
+        yield None
+        return
+    from dcr.adapters.s3server import SeaweedServer
+
+    with SeaweedServer(directory / "seaweed") as server:
+        saved = dict(os.environ)
+        os.environ.update(server.endpoint.environ())
+        try:
+            bucket = server.endpoint.create_bucket("dcr-rl")
+            yield {"bucket": bucket, "prefix": "rl", "endpoint_url": server.endpoint.url,
+                   "addressing_style": "path"}  # fmt: skip
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+class _Steps:
+    """The per-step rows of a run, from rank 0's events (``rl-step``, ``rl-refit``), and the
+    live line of each step."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.refits: dict[int, dict[str, Any]] = {}
+        self.done = False
+
+    def on_event(self, e: dict[str, Any]) -> None:
+        kind = e.get("event")
+        if kind == "rl-step":
+            self.steps[int(e["step"])] = e
+        elif kind == "rl-refit":
+            step = int(e["step"])
+            self.refits[step] = e
+            self.say(_line(self.row(step)))
+        elif kind == "rl-done":
+            self.done = True
+        elif kind == "rl-waiting":
+            self.say(f"  {e['message']}")
+        elif kind == "rl-resumed":
+            self.say(f"  trainer resumed at version {e['version']} (saved state {e['saved']})")
+        elif kind == "rl-replayed":
+            self.say(f"  trainer replayed step {e['step']} from its stored rollouts")
+
+    def row(self, step: int) -> dict[str, Any]:
+        s, r = self.steps.get(step, {}), self.refits.get(step, {})
+        return {
+            "step": step,
+            "version": step,
+            "reward": s.get("reward"),
+            "kl": s.get("kl"),
+            "loss": s.get("loss"),
+            "tokens_sha256": s.get("tokens_sha256"),
+            "refit_s": r.get("refit_s"),
+            "gate_closed_s": r.get("gate_closed_s"),
+            "dense_refit_s": r.get("dense_refit_s"),
+            "payload_bytes": r.get("payload_bytes"),
+            "changed_elements": r.get("changed_elements"),
+            "staleness": s.get("staleness"),
+        }
+
+    def rows(self, steps: int) -> list[dict[str, Any]]:
+        return [self.row(k) for k in range(1, steps + 1)]
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _line(row: dict[str, Any]) -> str:
+    return (
+        f"step {row['step']:>3}  reward {_num(row['reward'], '.4f')}  kl {_num(row['kl'], '.2e')}"
+        f"  loss {_num(row['loss'], '+.4f')}  refit {_num(row['refit_s'], '.3f')} s"
+        f"  gate {_num(row['gate_closed_s'], '.3f')} s  {_num(row['payload_bytes'], ',')} B"
+        f"  changed {_num(row['changed_elements'], ',')}  staleness {_num(row['staleness'], 'd')}"
+        f"  tokens {str(row['tokens_sha256'])[:12]}"
+    )
+
+
+def _run_delta(
+    opts: RLOptions, directory: Path, checkpoint: Path, say: Callable[[str], None]
+) -> dict[str, Any]:
+    from dcr.fleet.config import load_fleet
+    from dcr.fleet.launcher import Fault, Launcher
+    from dcr.rl.engine import EngineClient
+
+    ready = directory / "run" / "engine-e0.ready.json"
+    spec = _spec(opts, directory, checkpoint, ready)
+    steps = _Steps(say)
+    final: dict[str, Any] = {}
+    with _s3(opts, directory) as s3:
+        cfg = load_fleet(_fleet_file(opts, spec, checkpoint, directory, s3))
+        faults = [
+            Fault(version=v, target=t, after=point)
+            for v, t, point in (faults_plan(opts.steps) if opts.faults else [])
+        ]
+        launcher = Launcher(cfg, faults=faults, say=say, deadline_s=opts.deadline_s,
+                            watch=steps.on_event)  # fmt: skip
+
+        def before_stop() -> None:
+            final.update(EngineClient(ready, wait_s=300.0).digest())
+
+        report = launcher.run(before_stop=before_stop)
+    killed = [{"step": k["version"], "role": _role(k["process"])} for k in report["sigkills"]]
+    return {"rows": steps.rows(opts.steps), "killed": killed, "digest": final, "fleet": report}
+
+
+def _role(process: str) -> str:
+    if process.startswith("engine-"):
+        return "engine"
+    if process.startswith("o"):
+        return "trainer"
+    return process
+
+
+@dataclass(slots=True)
+class _Proc:
+    popen: subprocess.Popen[bytes]
+    group: bool
+
+    def stop(self, grace_s: float) -> None:
+        if self.popen.poll() is None:
+            self._signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(grace_s)
+        self._signal(signal.SIGKILL)
+        self.popen.wait()
+
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if self.group:
+                os.killpg(self.popen.pid, signum)
+            elif self.popen.poll() is None:
+                self.popen.send_signal(signum)
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str], *, group: bool) -> _Proc:
+    with log.open("ab") as out:
+        popen = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=group,
+        )  # fmt: skip
+    return _Proc(popen=popen, group=group)
+
+
+def _run_dense(
+    opts: RLOptions, directory: Path, checkpoint: Path, say: Callable[[str], None]
+) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from dcr.rl.engine import EngineClient
+
+    run = directory / "run"
+    (run / "logs").mkdir(parents=True)
+    ready = run / "engine.ready.json"
+    spec = _spec(opts, directory, checkpoint, ready)
+    spec_file = run / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    steps = _Steps(say)
+    reader = EventReader(run / "events")
+    procs: list[_Proc] = []
+    world = 2
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    start = time.monotonic()
+    try:
+        engine_argv = [
+            sys.executable, "-m", "dcr.integrations.vllm", "--model", str(checkpoint),
+            "--tp", str(opts.tp), "--plain-weights", "--checkpoint-version", "0",
+            "--max-model-len", "64", "--no-prefix-cache", "--no-chunked-prefill",
+            "--stop-with-parent", "--ready-file", str(ready),
+        ]  # fmt: skip
+        engine = _spawn(engine_argv, run / "logs" / "engine.log", ENGINE_ENV, group=True)
+        procs.append(engine)
+        say(f"started the engine (pid {engine.popen.pid}, TP {opts.tp})")
+        for rank in range(world):
+            argv = [sys.executable, "-m", "dcr.rl.fleet", "--spec", str(spec_file), "--rank",
+                    str(rank), "--world", str(world), "--store-port", str(store.port)]  # fmt: skip
+            env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+            procs.append(_spawn(argv, run / "logs" / f"rank{rank}.log", env, group=False))
+        say(f"started {world} trainer ranks (dense refits: full checkpoints, vLLM's loader)")
+        while not steps.done:
+            if time.monotonic() - start > opts.deadline_s:
+                raise TimeoutError(f"the dense run did not finish within {opts.deadline_s:.0f} s")
+            for e in reader.poll():
+                steps.on_event(e)
+            for i, p in enumerate(procs):
+                code = p.popen.poll()
+                if code is not None and not (i > 0 and code == 0):
+                    name = "the engine" if i == 0 else f"trainer rank {i - 1}"
+                    raise ConfigError(
+                        f"{name} exited with {code}; see the logs in {run / 'logs'}"
+                    )
+            time.sleep(0.05)
+        digest = EngineClient(ready, wait_s=300.0).digest()
+    finally:
+        for p in reversed(procs):
+            p.stop(30.0)
+    return {"rows": steps.rows(opts.steps), "killed": [], "digest": digest, "fleet": None}
+
+
+def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Run the RL loop; returns ``{"steps": [...], "killed": [...], "final_weights_sha256",
+    ...}`` (see ``dcr rl --help``)."""
+    from dcr.rl.policy import write_initial_checkpoint
+
+    directory = opts.directory.resolve()
+    _fresh(directory)
+    checkpoint = directory / "checkpoint-v0"
+    write_initial_checkpoint(checkpoint, seed=opts.seed, config=opts.rl)
+    say(f"version 0: {checkpoint} ({opts.refit} refits, {opts.mode}, TP {opts.tp}, "
+        f"{opts.transport if opts.refit == 'delta' else 'full checkpoints'})")  # fmt: skip
+    start = time.monotonic()
+    runner = _run_delta if opts.refit == "delta" else _run_dense
+    out = runner(opts, directory, checkpoint, say)
+    return {
+        "refit": opts.refit,
+        "mode": opts.mode,
+        "transport": opts.transport if opts.refit == "delta" else None,
+        "tp": opts.tp,
+        "seed": opts.seed,
+        "steps": out["rows"],
+        "killed": out["killed"],
+        "final_weights_sha256": out["digest"].get("sha256"),
+        "seconds": round(time.monotonic() - start, 2),
+        "directory": str(directory),
+    }
+
+
+def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = None) -> str:
+    """The per-step table (beside a dense run's refit seconds and agreement when given)."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"dcr rl: {result['refit']} refits, {result['mode']}, TP {result['tp']}")
+    for col in ("step", "reward", "KL", "loss", "refit s", "gate s", "payload B", "changed",
+                "stale", "tokens"):  # fmt: skip
+        table.add_column(col, justify="right")
+    if against is not None:
+        table.add_column("dense refit s", justify="right")
+        table.add_column("= dense", justify="center")
+    dense = {r["step"]: r for r in against["steps"]} if against is not None else {}
+    for row in result["steps"]:
+        cells = [
+            str(row["step"]), _num(row["reward"], ".4f"), _num(row["kl"], ".2e"),
+            _num(row["loss"], "+.4f"), _num(row["refit_s"], ".3f"),
+            _num(row["gate_closed_s"], ".3f"), _num(row["payload_bytes"], ","),
+            _num(row["changed_elements"], ","), _num(row["staleness"], "d"),
+            str(row["tokens_sha256"])[:10],
+        ]  # fmt: skip
+        if against is not None:
+            d = dense.get(row["step"], {})
+            same = all(d.get(k) == row[k] for k in ("reward", "kl", "loss", "tokens_sha256"))
+            cells += [_num(d.get("refit_s"), ".3f"), "✓" if same else "✗"]
+        table.add_row(*cells)
+    buf = StringIO()
+    console = Console(file=buf, width=160)
+    console.print(table)
+    console.print(f"final weights sha256 {result['final_weights_sha256']}")
+    if result["killed"]:
+        console.print("killed: " + ", ".join(f"{k['role']} at step {k['step']}"
+                                              for k in result["killed"]))  # fmt: skip
+    if against is not None:
+        same = result["final_weights_sha256"] == against["final_weights_sha256"]
+        console.print(f"final weights equal the dense run's: {'✓' if same else '✗'}")
+    return buf.getvalue()
+
+
+def plot_rl(result: dict[str, Any], path: Path, against: dict[str, Any] | None = None) -> None:
+    """Reward, KL and refit seconds per step (beside a dense run's when given) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    runs = [(result, f"{result['refit']} refit")]
+    if against is not None:
+        runs.append((against, f"{against['refit']} refit"))
+    for run, label in runs:
+        steps = [r["step"] for r in run["steps"]]
+        style = "-o" if run is result else "--s"
+        for ax, key in zip(axes, ("reward", "kl", "refit_s"), strict=True):
+            ax.plot(steps, [r[key] if r[key] is not None else float("nan") for r in run["steps"]],
+                    style, label=label, markersize=3)  # fmt: skip
+    for k in result["killed"]:
+        for ax in axes:
+            ax.axvline(k["step"], color="red", alpha=0.3, linewidth=1)
+    axes[0].set_title("mean reward")
+    axes[1].set_title("KL to the initial policy (k3)")
+    axes[2].set_title("refit seconds (publish -> live in the engine)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.suptitle(
+        f"dcr rl: {result['mode']}, TP {result['tp']}"
+        + (f", {len(result['killed'])} SIGKILLs (red)" if result["killed"] else "")
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def options_with(opts: RLOptions, **changes: Any) -> RLOptions:
+    """``opts`` with ``changes`` (for callers that vary one run)."""
+    return replace(opts, **changes)
