@@ -10,11 +10,13 @@ STAMP   := $(VENV)/.installed-dev
 JOBS    ?= 2
 PYTEST  ?= -q --durations=15 -n $(JOBS)
 
-.PHONY: help venv venv-vllm venv-megatron envs demo test test-main test-fast test-vllm test-megatron lint bench soak docs clean
+.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-vllm test-megatron lint bench soak docs clean
 
 help:
-	@echo "make demo       run the main job (dcr demo) in .venv; ARGS=--faults injects failures"
-	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, Megatron)"
+	@echo "make demo       the RL loop (dcr rl) in .venv-vllm: a dense reference run, then the same"
+	@echo "                run refitted by dcr with SIGKILLs, compared step by step; a plot in out/"
+	@echo "make demo-fleet the synthetic large-model fleet (dcr demo) in .venv; ARGS=--faults"
+	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, RL, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
 	@echo "make envs       build .venv, .venv-vllm and .venv-megatron side by side"
 	@echo "                (tests run on JOBS=2 pytest-xdist workers; JOBS=0: one process)"
@@ -51,7 +53,17 @@ venv-megatron: $(MEGATRON_STAMP)
 envs:
 	$(MAKE) --no-print-directory -j3 --output-sync=target venv venv-vllm venv-megatron
 
-demo: $(STAMP)
+# The RL loop: 20 GRPO steps refitted densely (the reference), then the same seeded run
+# refitted by dcr while the engine is SIGKILLed mid-refit twice and a trainer rank once.
+DEMO_STEPS ?= 20
+demo: venv-vllm
+	mkdir -p out
+	.venv-vllm/bin/dcr rl --steps $(DEMO_STEPS) --refit dense --dir out/rl-dense --json \
+		> out/rl-dense.json
+	.venv-vllm/bin/dcr rl --steps $(DEMO_STEPS) --faults --dir out/rl-delta \
+		--against out/rl-dense.json --plot out/rl.png $(ARGS)
+
+demo-fleet: $(STAMP)
 	$(BIN)/dcr demo $(ARGS)
 
 lint: $(STAMP)
@@ -66,7 +78,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST) -m "not heavy"
 
 test-vllm: venv-vllm
-	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm
+	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm tests/rl
 
 test-megatron: venv-megatron
 	.venv-megatron/bin/python -m pytest $(PYTEST) tests/megatron

@@ -7,7 +7,8 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
 * keeps a table of endpoints from their status reports (what each holds, which incarnation);
 * restores every joining receiver -- started, restarted, or behind the committed record -- by
   a dense refit that the owners send over the transport (:class:`~dcr.protocol.messages.
-  DenseRefit`), so a receiver never needs a shared filesystem or a state dict;
+  DenseRefit`), so a receiver never needs a shared filesystem or a state dict, and reopens
+  its request gate at the restored record (a restarted rollout engine serves again at once);
 * runs one transition (:class:`~dcr.engine.coordinator.CoordinatorService`) each time every
   owner has staged the next version, with the receivers that hold the committed record as
   the required ones, and takes over a transition a replaced coordinator left unfinished;
@@ -30,6 +31,8 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -53,7 +56,11 @@ from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import bound_refused
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
 
-__all__ = ["FleetCoordinator", "run_coordinator"]
+__all__ = ["SILENT_S", "FleetCoordinator", "run_coordinator"]
+
+SILENT_S = 30.0
+"""How long the active coordinator waits for a member that never reported before it says so
+(and again every as long while it stays silent)."""
 
 T = TypeVar("T")
 
@@ -126,7 +133,12 @@ class FleetCoordinator:
 
     async def _coordinate(self, link: CoordinatorLink, tg: TaskGroup) -> None:
         staged_since: float | None = None
+        active_since = anyio.current_time()
+        said = -math.inf
         while True:
+            now = anyio.current_time()
+            if now - active_since >= SILENT_S and now - said >= SILENT_S:
+                said = now if self._say_silent() else said
             state = await self._store_op(self.store.read)
             old = self._unfinished(state)
             staged = self._owners_staged(state.record)
@@ -145,6 +157,28 @@ class FleetCoordinator:
                 with anyio.move_on_after(0.1):
                     await self._wake.wait()
                 self._wake = anyio.Event()
+
+    def _say_silent(self) -> bool:
+        """Say which members of the fleet file never reported (a trainer with fewer ranks
+        than ``[trainer]`` names, a receiver never started): a fleet waiting on a member that
+        does not exist waits forever otherwise, without a word.  True when it said so."""
+        owners = sorted(o for o in self.owners if o not in self.statuses)
+        receivers = sorted(r for r in self.receivers if r not in self.statuses)
+        if not owners and not receivers:
+            return False
+        parts = []
+        if owners:
+            parts.append(
+                f"owners {owners} (the fleet file names {len(self.owners)} trainer ranks "
+                f"{', '.join(self.owners)}: [trainer] ranks, or tp * ep * dp of the synthetic "
+                "trainer; is every rank started and joined with this fleet file?)"
+            )
+        if receivers:
+            parts.append(f"receivers {receivers} (started with this fleet file?)")
+        message = "waiting for members that never reported: " + "; ".join(parts)
+        self.log.emit("waiting", owners=owners, receivers=receivers, message=message)
+        print(f"dcr coordinator: {message}", file=sys.stderr, flush=True)
+        return True
 
     def _joining(self, record: CommitRecord) -> set[str]:
         """Receivers not (yet) holding ``record``: starting, restoring or behind."""
@@ -354,6 +388,13 @@ class FleetCoordinator:
                 if job is not None and job.record == reply.record:
                     self._release(self._jobs.pop(reply.receiver))
                     self.log.emit("restored", receiver=reply.receiver, version=reply.record.version)
+                    # It holds the committed version exactly: it serves again now (a rollout
+                    # engine that restarted must not wait for the next transition, which may
+                    # need its rollouts), and joins at the next prepare.
+                    reopen = msg.ReopenGate(
+                        attempt=job.job, epoch=self._current_epoch(), record=reply.record
+                    )
+                    self._spawn(partial(self._call, reply.receiver, reopen))
             elif isinstance(reply, msg.AttemptFailed):
                 self._on_job_failed(reply)
             elif isinstance(reply, msg.SendsDone) and self._on_job_sent(reply):

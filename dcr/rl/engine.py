@@ -214,12 +214,17 @@ class EngineClient:
         """``{"sha256", ...}`` of the stored bits of every worker's parameters and buffers."""
         return self.call("/dcr/digest")
 
-    def gate_closed_s(self, version: int) -> float | None:
+    def gate_closed_s(self, version: int, *, wait_s: float = 10.0) -> float | None:
         """Seconds the engine's gate admitted no request for the refit to ``version`` (every
-        closing that ended at that version), or ``None`` when the engine does not say."""
-        cycles = self.state().get("cycles")
-        if not isinstance(cycles, list):
-            return None
-        closed = [float(c["closed_s"]) for c in cycles
-                  if isinstance(c, dict) and c.get("version") == version]  # fmt: skip
-        return sum(closed) if closed else None
+        closing that ended at that version), or ``None`` when the engine does not say.  The
+        gate reopens just after the commit: wait (up to ``wait_s``) for it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            cycles = self.state().get("cycles")
+            if not isinstance(cycles, list):
+                return None
+            closed = [float(c["closed_s"]) for c in cycles
+                      if isinstance(c, dict) and c.get("version") == version]  # fmt: skip
+            if closed or time.monotonic() > deadline:
+                return sum(closed) if closed else None
+            time.sleep(0.05)

@@ -78,3 +78,32 @@ def test_a_role_that_cannot_start_says_why_in_one_line(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dcr owner: ConfigError:"), done.stderr
     assert expected in lines[0]
+
+
+def test_a_coordinator_waiting_on_members_that_never_report_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fleet file naming 2 trainer ranks and a receiver, none of which ever starts: the
+    active coordinator names them, and what to check, instead of waiting without a word."""
+    import anyio
+
+    from dcr.fleet import coordinator
+
+    path = _fleet(tmp_path, '[trainer]\nkind = "m:f"\nranks = 2\n')
+    text = path.read_text().replace("port = 0", "port = 1")  # no relay node is needed here
+    path.write_text(text)
+    cfg = load_fleet(path)
+    monkeypatch.setattr(coordinator, "SILENT_S", 0.5)
+
+    async def main() -> None:
+        with anyio.move_on_after(5):
+            await coordinator.run_coordinator(cfg)
+
+    anyio.run(main, backend="asyncio")
+    lines = (cfg.events_dir / "coordinator.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    waiting = [e for e in events if e["event"] == "waiting"]
+    assert waiting and waiting[0]["owners"] == ["o0", "o1"] and waiting[0]["receivers"] == ["r0"]
+    assert "[trainer] ranks" in waiting[0]["message"]
+    err = capsys.readouterr().err
+    assert "dcr coordinator: waiting for members that never reported: owners ['o0', 'o1']" in err
