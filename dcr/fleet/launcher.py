@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -405,7 +405,8 @@ class Launcher:
         from dcr.catalog import check_catalog, read_catalog
         from dcr.fleet.trainer import trainer_kind
 
-        trainer_kind(self.cfg)
+        trainer = trainer_kind(self.cfg)
+        trained = self._trainer_catalog(trainer)
         for r in self.cfg.receivers:
             if r.kind == "vllm":
                 continue
@@ -421,16 +422,33 @@ class Launcher:
         if self.cfg.trainer.synthetic and any(r.kind == "reference" for r in self.cfg.receivers):
             self.model.require_synthetic()
         fleet_checkpoint = self.cfg.model.checkpoint
-        for e in self.cfg.engines:
-            model = e.model or fleet_checkpoint
-            if model is None or fleet_checkpoint is None or model == fleet_checkpoint:
+        served = [(f"[model] checkpoint = {fleet_checkpoint!r}", fleet_checkpoint)]
+        served += [(f"[[engine]] {e.name!r} model = {e.model!r}", e.model)
+                   for e in self.cfg.engines]  # fmt: skip
+        for where, checkpoint in served:
+            if checkpoint is None:
                 continue
-            check_catalog(
-                read_catalog(fleet_checkpoint),
-                read_catalog(model),
-                expected_from=f"[model] checkpoint {self.cfg.model.checkpoint}",
-                found_from=f"[[engine]] {e.name!r} model {model}",
-            )
+            found = read_catalog(checkpoint)
+            if trained is not None:
+                check_catalog(trained[1], found, expected_from=trained[0], found_from=where)
+            elif fleet_checkpoint is not None and checkpoint != fleet_checkpoint:
+                check_catalog(
+                    read_catalog(fleet_checkpoint), found,
+                    expected_from=f"[model] checkpoint = {fleet_checkpoint!r}", found_from=where,
+                )  # fmt: skip
+
+    def _trainer_catalog(self, trainer: Any) -> tuple[str, Mapping[str, Any]] | None:
+        """What the trainer kind says it trains (its ``catalog(ctx)``, when it has one)."""
+        catalog = getattr(trainer, "catalog", None)
+        if not callable(catalog):
+            return None
+        from dcr.fleet.trainer import TrainerContext
+
+        ctx = TrainerContext(
+            fleet=self.cfg, rank=0, world_size=self.cfg.world_size,
+            options=dict(self.cfg.trainer.options),
+        )  # fmt: skip
+        return f"[trainer] kind = {self.cfg.trainer.kind!r}", catalog(ctx)
 
     def start(self) -> None:
         self.preflight()

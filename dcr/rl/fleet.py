@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from dcr.catalog import read_catalog
+from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
 from dcr.fleet.events import EventLog
 from dcr.fleet.trainer import TrainerContext, TrainerRank, join_trainer
@@ -155,6 +157,15 @@ async def fsdp_trainer(ctx: TrainerContext) -> None:
     finally:
         if log is not None:
             log.close()
+
+
+def _catalog(ctx: TrainerContext) -> Mapping[str, TensorSpec]:
+    """What the ``fsdp`` trainer serves: the tensors of its version-0 checkpoint (the launcher
+    checks them against every engine's before starting anything)."""
+    return read_catalog(RunSpec.from_dict(dict(ctx.options)).checkpoint)
+
+
+fsdp_trainer.catalog = _catalog  # type: ignore[attr-defined]
 
 
 def _init_dense_group(rank: int, world: int, host: str, port: int, timeout_s: float) -> None:

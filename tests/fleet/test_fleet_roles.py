@@ -107,3 +107,50 @@ def test_a_coordinator_waiting_on_members_that_never_report_says_so(
     assert "[trainer] ranks" in waiting[0]["message"]
     err = capsys.readouterr().err
     assert "dcr coordinator: waiting for members that never reported: owners ['o0', 'o1']" in err
+
+
+def test_a_trainer_and_an_engine_that_serve_other_tensors_are_refused_before_starting(
+    tmp_path: Path,
+) -> None:
+    """The ``fsdp`` trainer says what it trains (its version-0 checkpoint); an engine serving
+    another checkpoint would fail every refit: the launcher refuses the fleet file before any
+    process starts, naming both."""
+    from dcr.fleet.launcher import Launcher
+    from dcr.models.families import random_state_dict, tiny_config
+    from dcr.models.hf import write_checkpoint
+
+    small = tiny_config("llama")
+    wide = tiny_config("llama", intermediate_size=2 * small["intermediate_size"])
+    trained = write_checkpoint(
+        tmp_path / "trained", small, "llama", random_state_dict(small, "llama")
+    )
+    served = write_checkpoint(tmp_path / "served", wide, "llama", random_state_dict(wide, "llama"))
+    path = tmp_path / "fleet.toml"
+    path.write_text(f"""[fleet]
+run_dir = "run"
+[trainer]
+kind = "fsdp"
+ranks = 2
+[trainer.options]
+steps = 2
+checkpoint = "{trained}"
+engine_ready = "{tmp_path / 'ready.json'}"
+state_dir = "{tmp_path / 'state'}"
+events_dir = "{tmp_path / 'events'}"
+[[rollout]]
+name = "node0"
+receivers = [{{ name = "r0" }}]
+[[engine]]
+name = "e0"
+receivers = ["r0"]
+model = "{served}"
+""")
+    launcher = Launcher(load_fleet(path))
+    try:
+        with pytest.raises(ConfigError) as caught:
+            launcher.start()
+    finally:
+        launcher.stop()  # nothing to stop unless the check failed to refuse
+    message = str(caught.value)
+    assert "[trainer] kind = 'fsdp'" in message and "[[engine]] 'e0'" in message
+    assert not launcher.procs and not (tmp_path / "run").exists()

@@ -121,8 +121,9 @@ class VllmLoader(Loader):
         except DcrError:
             raise
         except _VENDOR_ERRORS as exc:
+            detail = str(exc) or "no message"
             raise LoaderPathUnsupported(
-                f"vLLM load_weights failed: {exc}",
+                f"vLLM load_weights failed: {type(exc).__name__}: {detail}",
                 tensor=current[0] if current else None,
                 check="native-loader",
             ) from exc

@@ -363,6 +363,23 @@ class EngineReceivers:
     server: GateServer
     held: CommitRecord | None
     """What the engine's weights held when it joined (``None``: restored by dense refit)."""
+    prewarm: tuple[dict[str, Any], ...] = ()
+    """Each worker's prewarm: how many tensors its loader keeps bit for bit (they travel
+    relative to the old bits) and which it transforms (they travel as overwrites)."""
+
+    def describe(self) -> list[str]:
+        """One line per worker: what its prewarm decided and why."""
+        lines = []
+        for name, p in zip(self.names, self.prewarm, strict=False):
+            refused = p.get("refused") or []
+            lines.append(
+                f"receiver {name}: {p.get('names')} tensors, {p.get('xor_allowed')} kept bit for "
+                f"bit by vLLM's loader (sent relative to the old bits), "
+                f"{p.get('transforming')} transformed (sent as overwrites"
+                + (f": {', '.join(refused)}" if refused else "")
+                + f"), {p.get('skipped')} held by other ranks; prewarm {p.get('seconds', 0):.2f} s"
+            )
+        return lines
 
     async def status(self) -> list[dict[str, Any] | None]:
         """Each worker's receiver: phase, held record, gate, applied payloads, seconds."""
@@ -624,8 +641,9 @@ async def join_fleet(
     try:
         async with serving(server):
             yield EngineReceivers(
-                engine=engine, names=tuple(names), gate=gate, server=server, held=held
-            )
+                engine=engine, names=tuple(names), gate=gate, server=server, held=held,
+                prewarm=tuple(r.get("prewarm", {}) for r in results),
+            )  # fmt: skip
     finally:
         if before is None:
             _GATES.pop(engine, None)

@@ -375,6 +375,8 @@ async def serve(options: ServerOptions) -> None:
                         report_fingerprints=options.report_fingerprints,
                     )
                 )
+                for line in receivers.describe():
+                    print(f"dcr: {line}", file=sys.stderr, flush=True)
             elif options.checkpoint_version is not None:
                 await gate_of(engine).label(dense_record(options.checkpoint_version))
             await runner.setup()

@@ -337,7 +337,13 @@ class DcrWorkerExtension:
         from dcr.catalog import uncovered_parameters
         from dcr.fleet.model import FleetModel
 
-        source = cfg.model.checkpoint or "the fleet file's [model]"
+        source = cfg.model.checkpoint or (
+            f"the fleet file's [model] (the synthetic trainer's {cfg.model.family} model)"
+        )
+        hint = (
+            "; is the catalog the checkpoint this engine serves? name it with [model] "
+            "checkpoint in the fleet file, join_fleet(checkpoint=...) or --catalog DIR"
+        )
         config = ApplyConfig() if threads is None else ApplyConfig(threads=threads)
         receiver = Receiver(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
         try:
@@ -347,7 +353,7 @@ class DcrWorkerExtension:
                 raise
             raise ConfigError(
                 f"the catalog of {source} does not fit the engine's model: vLLM cannot load "
-                f"{exc.tensor!r} ({exc.message})",
+                f"{exc.tensor!r} ({exc.message}){hint}",
                 tensor=exc.tensor,
                 check="catalog",
             ) from exc
@@ -356,7 +362,7 @@ class DcrWorkerExtension:
             raise ConfigError(
                 f"the catalog of {source} does not fill {len(uncovered)} parameters of the "
                 f"engine's model ({', '.join(uncovered[:3])}{' ...' if len(uncovered) > 3 else ''})"
-                ": the model has tensors the catalog lacks, which no refit would update",
+                f": the model has tensors the catalog lacks, which no refit would update{hint}",
                 tensor=uncovered[0],
                 check="catalog",
             )
@@ -444,6 +450,7 @@ class DcrWorkerExtension:
                 "transforming": report.transforming,
                 "skipped": report.skipped,
                 "xor_allowed": report.xor_allowed,
+                "refused": sorted(set(receiver.catalog) - receiver.xor_allowed())[:16],
                 "seconds": report.seconds,
             },
         }
