@@ -23,14 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dcr.errors import ConfigError
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from dcr.adapters.commit.base import CommitStore
 
-__all__ = ["AdapterContext", "dataclass_options", "known_options"]
+__all__ = ["AdapterContext", "construct", "dataclass_options", "known_options"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,5 +108,19 @@ def dataclass_options(cls: type, options: Mapping[str, Any], where: str) -> Any:
     raw = known_options(options, (f.name for f in fields(cls)), where)
     try:
         return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{where}]: {exc}") from exc
+
+
+def construct(
+    cls: Callable[..., T], options: Mapping[str, Any], where: str, *, required: Iterable[str] = ()
+) -> T:
+    """``cls(**options)`` for section ``where``: a missing required key, or a value the
+    constructor refuses, raises :class:`ConfigError` naming the section."""
+    missing = [k for k in required if k not in options]
+    if missing:
+        raise ConfigError(f"[{where}] needs a {' and a '.join(missing)}")
+    try:
+        return cls(**options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"[{where}]: {exc}") from exc

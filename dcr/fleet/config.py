@@ -348,7 +348,13 @@ class FleetConfig:
 
     @property
     def owners(self) -> tuple[str, ...]:
+        """Owner names, one per trainer rank: ``o0 .. o{ranks-1}``."""
         return tuple(f"o{rank}" for rank in range(self.world_size))
+
+    @property
+    def owner_ids(self) -> dict[str, int]:
+        """Owner name -> the owner id its payload headers carry (its rank)."""
+        return {owner: rank for rank, owner in enumerate(self.owners)}
 
     @property
     def ports_file(self) -> Path:

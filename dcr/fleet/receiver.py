@@ -235,7 +235,7 @@ async def run_receiver(
     integration = Integration(
         catalog=receiver.catalog,
         xor_names=model.xor_names if cfg.trainer.synthetic else frozenset(),
-        owner_ids={owner: i for i, owner in enumerate(cfg.owners)},
+        owner_ids=cfg.owner_ids,
     )
     service = ReceiverService(
         name=name,

@@ -302,7 +302,7 @@ async def join_trainer(
         integration = Integration(
             catalog=group.catalog,
             xor_names=frozenset(),
-            owner_ids={owner: i for i, owner in enumerate(cfg.owners)},
+            owner_ids=cfg.owner_ids,
         )
         traffic = _Traffic()
         # Planned faults of ``dcr fleet --faults``: the rank stops here so the launcher's

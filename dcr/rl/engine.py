@@ -67,23 +67,21 @@ class EngineClient:
                     ) from None
                 time.sleep(self.retry_s)
 
-    def _request(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        url = self._url or self.url()
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url + path, data=data, method="POST" if data else "GET")
-        request.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(request, timeout=self.call_timeout_s) as response:
-            result: dict[str, Any] = json.loads(response.read())
-            return result
-
-    def call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``GET`` (no body) or ``POST`` ``path``; retried through engine restarts.  An answer
-        the engine refused (4xx, 5xx) raises :class:`~dcr.errors.ConfigError` with its
-        message."""
+    def _open(self, path: str, body: dict[str, Any] | None) -> Any:
+        """The engine's open answer to ``GET`` (no body) or ``POST`` ``path``, the connection
+        retried through engine restarts (a restarted engine listens elsewhere: its ready file
+        says where) until ``wait_s``.  An answer the engine refused (4xx, 5xx) raises
+        :class:`~dcr.errors.ConfigError` with its message."""
         deadline = time.monotonic() + self.wait_s
+        data = None if body is None else json.dumps(body).encode()
         while True:
+            url = self._url or self.url()
+            request = urllib.request.Request(
+                url + path, data=data, method="POST" if data is not None else "GET"
+            )
+            request.add_header("Content-Type", "application/json")
             try:
-                return self._request(path, body)
+                return urllib.request.urlopen(request, timeout=self.call_timeout_s)
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")[:2000]
                 raise ConfigError(
@@ -95,9 +93,15 @@ class EngineClient:
                         f"the engine did not answer {path} within {self.wait_s:.0f} s: {exc}",
                         check="engine",
                     ) from exc
-                self._url = None  # a restarted engine listens elsewhere
+                self._url = None
                 time.sleep(self.retry_s)
-                self.url()
+
+    def call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``GET`` (no body) or ``POST`` ``path``: the engine's JSON answer (see
+        :meth:`_open`)."""
+        with self._open(path, body) as response:
+            result: dict[str, Any] = json.loads(response.read())
+            return result
 
     def generate_batch(
         self,
@@ -127,31 +131,8 @@ class EngineClient:
 
     def stream(self, path: str, body: dict[str, Any]) -> Any:
         """``POST`` ``path`` and yield the JSON lines of the answer as they come (the
-        connection retried through an engine restart until the first line arrives)."""
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            url = self._url or self.url()
-            request = urllib.request.Request(
-                url + path, data=json.dumps(body).encode(), method="POST"
-            )
-            request.add_header("Content-Type", "application/json")
-            try:
-                response = urllib.request.urlopen(request, timeout=self.call_timeout_s)
-                break
-            except urllib.error.HTTPError as exc:
-                detail = exc.read().decode(errors="replace")[:2000]
-                raise ConfigError(
-                    f"the engine answered {exc.code} to {path}: {detail}", check="engine"
-                ) from exc
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    raise EngineUnavailable(
-                        f"the engine did not answer {path} within {self.wait_s:.0f} s: {exc}",
-                        check="engine",
-                    ) from exc
-                self._url = None
-                time.sleep(self.retry_s)
-                self.url()
+        connection retried through an engine restart until it opens)."""
+        response = self._open(path, body)
 
         def lines() -> Any:
             with response:

@@ -35,7 +35,7 @@ import anyio.lowlevel
 import msgspec
 
 from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
-from dcr.adapters.context import known_options
+from dcr.adapters.context import construct, known_options
 from dcr.adapters.transport.s3 import S3Backend, S3Options
 from dcr.errors import CommitStoreError, ConfigError, TransportError
 from dcr.protocol.types import CommitRecord
@@ -139,12 +139,7 @@ class S3CommitStore(CommitStore):
     def from_config(cls, options: Mapping[str, Any], context: AdapterContext) -> Self:
         """The record object every process of the fleet opens (``bucket`` is required)."""
         opts = known_options(options, cls.OPTIONS, context.section)
-        if "bucket" not in opts:
-            raise ConfigError(f"[{context.section}] needs a bucket")
-        try:
-            return cls(**opts)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[{context.section}]: {exc}") from exc
+        return construct(cls, opts, context.section, required=("bucket",))
 
     def _serial(self) -> anyio.Lock:
         """The lock that runs this store's transactions one at a time (one per event loop:

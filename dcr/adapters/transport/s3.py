@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
+from dcr.adapters.context import construct
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.objstore import (
     ObjectBackend,
@@ -444,9 +445,4 @@ class S3Transport(ObjectStoreTransport):
         required); ``node_cache`` as :func:`~dcr.adapters.transport.objstore.fleet_settings`
         says."""
         opts = fleet_settings(options, context, own=[f.name for f in fields(S3Options)])
-        if "bucket" not in opts:
-            raise ConfigError(f"[{context.section}] needs a bucket")
-        try:
-            return cls(**opts)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[{context.section}]: {exc}") from exc
+        return construct(cls, opts, context.section, required=("bucket",))
