@@ -592,9 +592,9 @@ def _rl(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dcr.errors import ConfigError
-    from dcr.rl.run import RLOptions, format_rl_table, plot_rl, run_rl
+    from dcr.rl.run import RLOptions, compare_runs, format_rl_table, plot_rl, run_rl
 
-    console = Console(stderr=True, quiet=args.json)
+    console = Console(stderr=True)  # progress on stderr: stdout stays the JSON
     against = json.loads(Path(args.against).read_text()) if args.against else None
     try:
         opts = RLOptions(
@@ -609,13 +609,15 @@ def _rl(args: argparse.Namespace) -> int:
     if args.plot:
         plot_rl(result, Path(args.plot), against)
         result["plot"] = str(Path(args.plot).resolve())
+    if against is not None:
+        result["against"] = compare_runs(result, against)
     if args.json:
         print(json.dumps(result))
     else:
         print(format_rl_table(result, against), end="")
         if args.plot:
             print(f"plot: {result['plot']}")
-    if against is not None and result["final_weights_sha256"] != against["final_weights_sha256"]:
+    if against is not None and not result["against"]["equal"]:
         return 1
     return 0
 

@@ -18,7 +18,7 @@ def examples() -> list[str]:
     return [b for b in blocks if "from dcr import" in b and "StateDictSource" in b and "w1" in b]
 
 
-RUNNABLE = 4
+RUNNABLE = 5
 
 
 def test_there_are_runnable_examples():

@@ -1,17 +1,16 @@
-"""``dcr owner``: one trainer rank and its owner, as its own process.
+"""Trainer kind ``synthetic``: the demo's and the benchmarks' trainer, one rank per process.
 
-The trainer ranks form a torch.distributed process group (gloo on CPU, rendezvous through a
-TCP store the launcher holds); each holds only its own shards.  After each optimizer step the
-rank hands the new version to its owner with one call (:meth:`OwnerService.publish`), which
-returns once the version is committed and the owner's baseline moved to it.  The residual
-change-flag OR-reduce and the residual gather run in the trainer's own group
-(:class:`~dcr.delta.dist.DistTrainingGroup`).
-
-The demo trainer is synthetic (:class:`~dcr.models.synthetic.SyntheticRun`): step ``k``
-updates about ``rate`` of the elements, deterministically.  Like a real trainer it writes a
-checkpoint of its shards after each committed step (``<run_dir>/trainer/o<rank>.npz``, bit
-patterns only), and a rank restarted after a crash resumes from it at the committed version
-(replaying the steps the checkpoint is missing, at most one when it died mid-write).
+``dcr fleet`` starts it once per rank (``dcr owner --rank r``) when ``[trainer] kind`` is
+``synthetic`` (the default).  The ranks form a torch.distributed process group (gloo on CPU,
+rendezvous through a TCP store the launcher holds); each holds only its own shards of the
+synthetic ``[model]`` (:class:`~dcr.models.synthetic.SyntheticRun`, laid out by ``[trainer]
+tp``, ``ep`` and ``dp``), and step ``k`` updates about ``rate`` of the elements,
+deterministically.  Each rank joins the fleet like any trainer
+(:func:`~dcr.fleet.trainer.join_trainer`) and publishes every step.  Like a real trainer it
+writes a checkpoint of its shards after each committed step (``<run_dir>/trainer/
+o<rank>.npz``, bit patterns only), and a rank restarted after a crash resumes from it at the
+committed version (replaying the steps the checkpoint is missing, at most one when it died
+mid-write).
 
 Besides ``sent`` and ``committed`` the rank reports what the refit benchmark measures
 (:mod:`dcr.fleet.timing`): ``publish`` when it hands a version over, the intervals of each

@@ -1,15 +1,23 @@
 """``dcr receiver``: one serving rank of a rollout engine, as its own process.
 
+What holds the rank's weights is its ``runtime`` (``[[rollout]]`` receivers): ``reference``
+(dcr's sharded reference model of the synthetic ``[model]``), ``torch`` (a torch module a
+factory of yours builds, :func:`torch_runtime`), a runtime another package registered
+(entry point group ``dcr.receivers``) or ``"package.module:function"`` returning a
+:class:`~dcr.apply.loader.Loader` (:class:`ReceiverContext` is its argument).  An engine's
+workers (runtime ``vllm``) run the same function inside the engine instead.
+
 It starts empty, restores the committed version by a dense refit the owners send over the
 transport (nothing is read from a shared filesystem) -- or, with ``[model] preloaded`` in a
-fresh fleet, loads version 0 itself as an engine started from the first checkpoint would --,
-joins at the next prepare, and then takes every refit in place through its native loader.
-Each time its storage holds a committed record exactly it reports digests of every
-parameter's bits (``holds`` events), which the launcher compares with a dense load of that
-version.  On object storage it reports each payload fetch (``fetched``, for the refit
-benchmark).  A planned ``flip`` fault
-flips one stored bit right after such a report (silent memory corruption), which the proof
-of the base version must catch at the next prepare.
+fresh fleet, a reference rank loads version 0 itself as an engine started from the first
+checkpoint would --, serves it, joins at the next prepare, and then takes every refit in
+place through its native loader.  Each time its storage holds a committed record exactly it
+reports it (``holds`` events): digests of every parameter's bits for a reference rank, the
+fingerprint of its stored bits for other runtimes, which the launcher checks against the
+versions of the synthetic trainer.  On object storage it reports each payload fetch
+(``fetched``, for the refit benchmark).  A planned ``flip`` fault flips one stored bit right
+after such a report (silent memory corruption), which the proof of the base version must
+catch at the next prepare.
 
 The same function runs a receiver hosted by a serving engine (a vLLM worker, see
 :mod:`dcr.integrations.vllm`): the engine passes its own prewarmed receiver, the request-gate

@@ -37,7 +37,15 @@ from dcr.fleet.events import EventReader
 from dcr.rl.config import RLConfig
 from dcr.rl.loop import MODES, REFITS, RunSpec
 
-__all__ = ["TRANSPORTS", "RLOptions", "format_rl_table", "plot_rl", "run_rl"]
+__all__ = [
+    "COMPARED",
+    "TRANSPORTS",
+    "RLOptions",
+    "compare_runs",
+    "format_rl_table",
+    "plot_rl",
+    "run_rl",
+]
 
 TRANSPORTS = ("relay", "s3", "directory")
 
@@ -448,6 +456,29 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
     }
 
 
+COMPARED = ("reward", "kl", "loss", "tokens_sha256")
+"""What two runs of the same seed must agree on at every step (and the final weights)."""
+
+
+def compare_runs(result: dict[str, Any], against: dict[str, Any]) -> dict[str, Any]:
+    """Whether ``result`` and ``against`` (a dense run, say) agree: every step's reward, KL,
+    loss and token digest, and the final weights' digest."""
+    theirs = {r["step"]: r for r in against["steps"]}
+    differ = [
+        r["step"] for r in result["steps"]
+        if any(theirs.get(r["step"], {}).get(k) != r[k] or r[k] is None for k in COMPARED)
+    ]  # fmt: skip
+    final = result["final_weights_sha256"] == against["final_weights_sha256"]
+    return {
+        "refit": against.get("refit"),
+        "steps_compared": len(result["steps"]),
+        "steps_differing": differ,
+        "final_weights_equal": final,
+        "equal": final and not differ and len(theirs) == len(result["steps"]),
+        "refit_s": [theirs.get(r["step"], {}).get("refit_s") for r in result["steps"]],
+    }
+
+
 def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = None) -> str:
     """The per-step table (beside a dense run's refit seconds and agreement when given)."""
     from io import StringIO
@@ -473,7 +504,7 @@ def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = Non
         ]  # fmt: skip
         if against is not None:
             d = dense.get(row["step"], {})
-            same = all(d.get(k) == row[k] for k in ("reward", "kl", "loss", "tokens_sha256"))
+            same = all(d.get(k) == row[k] for k in COMPARED)
             cells += [_num(d.get("refit_s"), ".3f"), "✓" if same else "✗"]
         table.add_row(*cells)
     buf = StringIO()
@@ -511,7 +542,8 @@ def plot_rl(result: dict[str, Any], path: Path, against: dict[str, Any] | None =
             ax.axvline(k["step"], color="red", alpha=0.3, linewidth=1)
     axes[0].set_title("mean reward")
     axes[1].set_title("KL to the initial policy (k3)")
-    axes[2].set_title("refit seconds (publish -> live in the engine)")
+    axes[2].set_title("refit seconds (publish -> live in the engine; log)")
+    axes[2].set_yscale("log")
     for ax in axes:
         ax.set_xlabel("step")
         ax.legend()
