@@ -625,13 +625,18 @@ def _rl(args: argparse.Namespace) -> int:
 def _fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from dcr.errors import DcrError
     from dcr.fleet.config import load_fleet
     from dcr.fleet.launcher import Launcher, fault_plan
 
-    cfg = load_fleet(args.fleet)
     console = Console(stderr=True, quiet=args.json)
-    launcher = Launcher(cfg, faults=fault_plan(cfg, args.faults, args.seed), say=console.print)
-    report = launcher.run()
+    try:
+        cfg = load_fleet(args.fleet)
+        launcher = Launcher(cfg, faults=fault_plan(cfg, args.faults, args.seed), say=console.print)
+        report = launcher.run()
+    except DcrError as exc:
+        _err(f"dcr fleet: {type(exc).__name__}: {exc}")
+        return 2
     print(json.dumps(report) if args.json else json.dumps(report, indent=1))
     return 0 if report["bit_exact"] else 1
 

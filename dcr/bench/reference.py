@@ -36,6 +36,7 @@ import anyio
 
 from dcr.errors import ConfigError, TransportError
 from dcr.fleet.config import FleetConfig, free_port, load_fleet
+from dcr.fleet.runtime import LAUNCHED
 from dcr.protocol.types import PayloadKey
 
 __all__ = ["ReferenceResult", "main", "run_reference", "split"]
@@ -177,7 +178,8 @@ class _Proc:
         with log.open("ab") as err:
             self.popen = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"),
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                     LAUNCHED: "1"},
             )  # fmt: skip
         self.log = log
 

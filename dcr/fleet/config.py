@@ -45,7 +45,7 @@ import json
 import os
 import time
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -480,7 +480,13 @@ def load_fleet(path: str | Path) -> FleetConfig:
         coordinator = CoordinatorSection(
             **{f.name: getattr(coordinator, f.name) for f in fields(CoordinatorSection)
                if f.name != "timeouts"},
-            timeouts=_section(Timeouts, timeouts, "coordinator.timeouts"),
+            # A partial table changes only the deadlines it names (the fleet's defaults stay).
+            timeouts=_section(
+                Timeouts,
+                {**asdict(CoordinatorSection().timeouts), **timeouts}
+                if isinstance(timeouts, dict) else timeouts,
+                "coordinator.timeouts",
+            ),
         )  # fmt: skip
     nodes = []
     for i, node in enumerate(raw.get("rollout", [])):

@@ -270,7 +270,9 @@ class FleetCoordinator:
         c = self.config.coordinator
         base = old.base if old is not None else state.record
         members = self.members(base)
-        fingerprint = self.config.proof is not None and bool(self._unverified & set(members))
+        proof = self.config.proof
+        unverified = bool(self._unverified & set(members))
+        fingerprint = proof is not None and proof.fingerprint_on_join and unverified
         reports = self.refused_reports()
         service = CoordinatorService(
             owners=self.owners,

@@ -41,6 +41,7 @@ from dcr.fleet.checks import check_fingerprints, proof_from_json
 from dcr.fleet.config import EngineSection, FleetConfig, free_port
 from dcr.fleet.events import EventReader
 from dcr.fleet.model import FleetModel
+from dcr.fleet.runtime import LAUNCHED
 from dcr.protocol.proof import Proof
 
 __all__ = ["Fault", "Launcher", "RefitRow", "default_faults", "fault_plan", "random_faults"]
@@ -327,7 +328,8 @@ class Launcher:
 
     def _spawn(self, proc: _Proc) -> None:
         log = self._log_of(proc).open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **proc.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", LAUNCHED: "1",
+               **proc.env}  # fmt: skip
         proc.popen = subprocess.Popen(
             proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=proc.group,

@@ -30,7 +30,6 @@ import anyio
 import numpy as np
 import torch
 
-from dcr.adapters.transport.base import Transport
 from dcr.delta.bits import bits
 from dcr.delta.dist import DistTrainingGroup
 from dcr.fleet.config import FleetConfig
@@ -38,7 +37,6 @@ from dcr.fleet.model import FleetModel
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
 from dcr.fleet.trainer import TrainerContext, join_trainer
 from dcr.models.synthetic import held_by
-from dcr.protocol.types import PayloadKey
 
 __all__ = ["synthetic_trainer"]
 
@@ -122,20 +120,9 @@ async def synthetic_trainer(ctx: TrainerContext) -> None:
             model.plan, rank, shards, config=model.build, timeout_s=cfg.trainer.timeout_s
         )
     )
-    timed: list[TimedSends] = []
-
-    def wrap(inner: Transport) -> Transport:
-        timed.append(TimedSends(inner))
-        return timed[0]
-
-    def on_sent(key: PayloadKey, size: int) -> None:
-        trainer.log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size,
-                         start=timed[0].started(key))  # fmt: skip
-
     async with join_trainer(
-        group, cfg, version=record.version, side=TimedTrainingSide, transport=wrap,
-        on_sent=on_sent,
-    ) as trainer:  # fmt: skip
+        group, cfg, version=record.version, side=TimedTrainingSide, transport=TimedSends
+    ) as trainer:
         # The trainer's weights; the group copied them into its trackers.  Each step works
         # on a copy, and the published copy is donated: at commit it becomes the owner's
         # baseline instead of being copied into it, and it is never written again (two

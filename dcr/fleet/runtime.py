@@ -29,6 +29,7 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig
 
 __all__ = [
+    "LAUNCHED",
     "adapter_context",
     "die_with_parent",
     "make_control",
@@ -141,10 +142,15 @@ def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
     return transport_class(cfg).from_config(opts, adapter_context(cfg, "transport", node=node))
 
 
+LAUNCHED = "DCR_LAUNCHED"
+"""Set (to ``1``) in the environment of every process a dcr launcher starts."""
+
+
 def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it dies, so a killed
-    launcher leaves nothing running."""
-    if sys.platform != "linux":
+    """Linux: a process a dcr launcher started (``DCR_LAUNCHED=1``) gets SIGKILL when the
+    launcher dies, so a killed launcher leaves nothing running.  A role started by hand (from
+    a shell, a service manager) outlives its parent."""
+    if sys.platform != "linux" or os.environ.get(LAUNCHED) != "1":
         return
     import ctypes
 

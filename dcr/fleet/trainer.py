@@ -309,8 +309,12 @@ async def join_trainer(
         # SIGKILL lands mid-refit (no faults file, no faults).
         faults = FaultPoints(cfg.run_dir / "faults.json", name, log)
 
+        started = getattr(sends, "started", None)  # a timing wrapper knows when it began
+
         def sent(key: PayloadKey, size: int) -> None:
             traffic.sent(key, size)
+            log.emit("sent", attempt=key.attempt, payload=key.payload_id, size=size,
+                     start=started(key) if started is not None else None)  # fmt: skip
             if on_sent is not None:
                 on_sent(key, size)
             info = service.core.attempt

@@ -34,6 +34,7 @@ from typing import Any
 
 from dcr.errors import ConfigError
 from dcr.fleet.events import EventReader
+from dcr.fleet.runtime import LAUNCHED
 from dcr.rl.config import RLConfig
 from dcr.rl.loop import MODES, REFITS, RunSpec
 
@@ -368,7 +369,8 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str], *, group: bool) -> _
     with log.open("ab") as out:
         popen = subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, start_new_session=group,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHED: "1", **env},
+            start_new_session=group,
         )  # fmt: skip
     return _Proc(popen=popen, group=group)
 
