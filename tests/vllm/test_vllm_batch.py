@@ -348,12 +348,14 @@ def test_tp2_batches_are_reproducible_and_dense_loads_are_exact(
         e.stop()
 
 
-def test_batch_composition_changes_cpu_numerics(
+def test_a_seeded_batch_over_one_step_budget_runs_whole(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Why a batch's requests must enter the scheduler together: the same requests, each run
-    alone, sample other bits than in their batch on this CPU.  Without chunked prefill, a
-    seeded batch larger than one step's default token budget runs."""
+    """Without chunked prefill a seeded batch larger than one step's default token budget runs
+    (vLLM 0.32 on CPU crashes on a seeded request whose prefill is chunked).  Why a batch's
+    requests must enter the scheduler together is printed, as this CPU shows it: how many of
+    the same requests, each run alone, sample other bits than in their batch (CPU bf16
+    matmuls may give a row other bits in another batch; some CPUs' kernels do not)."""
     requests = batch()
     engine = _start(tmp_path, checkpoints["v0"], 1, 0, "plain")
     try:
@@ -365,8 +367,6 @@ def test_batch_composition_changes_cpu_numerics(
         assert [len(r["token_ids"]) for r in engine.generate_batch(over)] == [24] * 3
     finally:
         engine.stop()
-    if not differ:
-        pytest.skip("this CPU's kernels give every row the same bits whatever the batch")
     print(f"\n{len(differ)} of {len(requests)} requests sampled other bits alone than in "
           f"their batch: {differ}")  # fmt: skip
 
