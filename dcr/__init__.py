@@ -18,18 +18,14 @@ if TYPE_CHECKING:
     from dcr.adapters.sources import ShardSource as ShardSource
     from dcr.adapters.sources import Source as Source
     from dcr.adapters.sources import StateDictSource as StateDictSource
+    from dcr.apply.applier import Applier as Applier
+    from dcr.apply.applier import ApplyConfig as ApplyConfig
     from dcr.apply.loader import Loader as Loader
-    from dcr.apply.receiver import ApplyConfig as ApplyConfig
-    from dcr.apply.receiver import Receiver as Receiver
     from dcr.delta.dist import DistTrainingGroup as DistTrainingGroup
     from dcr.delta.group import LocalTrainingGroup as LocalTrainingGroup
     from dcr.delta.group import TrainingGroup as TrainingGroup
     from dcr.delta.layout import TrainLayout as TrainLayout
     from dcr.delta.owner import BuildConfig as BuildConfig
-    from dcr.delta.records import Encoding as Encoding
-    from dcr.delta.records import Item as Item
-    from dcr.delta.records import Mode as Mode
-    from dcr.delta.records import TensorSpec as TensorSpec
     from dcr.errors import DcrError as DcrError
     from dcr.fleet.trainer import PublishReport as PublishReport
     from dcr.fleet.trainer import TrainerContext as TrainerContext
@@ -42,18 +38,22 @@ if TYPE_CHECKING:
     from dcr.local import TransitionFailed as TransitionFailed
     from dcr.protocol.receiver import QueueConfig as QueueConfig
     from dcr.protocol.types import Timeouts as Timeouts
+    from dcr.tensors.records import Encoding as Encoding
+    from dcr.tensors.records import Item as Item
+    from dcr.tensors.records import Mode as Mode
+    from dcr.tensors.records import TensorSpec as TensorSpec
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "ApplyConfig": "dcr.apply.receiver",
+    "ApplyConfig": "dcr.apply.applier",
     "BuildConfig": "dcr.delta.owner",
     "DcrError": "dcr.errors",
     "DistTrainingGroup": "dcr.delta.dist",
-    "Encoding": "dcr.delta.records",
+    "Encoding": "dcr.tensors.records",
     "FaultReport": "dcr.adapters.faulty",
     "Faults": "dcr.adapters.faulty",
-    "Item": "dcr.delta.records",
+    "Item": "dcr.tensors.records",
     "PublishReport": "dcr.fleet.trainer",
     "TrainerContext": "dcr.fleet.trainer",
     "TrainerRank": "dcr.fleet.trainer",
@@ -62,15 +62,15 @@ _EXPORTS = {
     "Loader": "dcr.apply.loader",
     "LocalRefit": "dcr.local",
     "LocalTrainingGroup": "dcr.delta.group",
-    "Mode": "dcr.delta.records",
+    "Mode": "dcr.tensors.records",
     "QueueConfig": "dcr.protocol.receiver",
-    "Receiver": "dcr.apply.receiver",
+    "Applier": "dcr.apply.applier",
     "RefitConfig": "dcr.local",
     "RefitReport": "dcr.local",
     "ShardSource": "dcr.adapters.sources",
     "Source": "dcr.adapters.sources",
     "StateDictSource": "dcr.adapters.sources",
-    "TensorSpec": "dcr.delta.records",
+    "TensorSpec": "dcr.tensors.records",
     "Timeouts": "dcr.protocol.types",
     "TorchModuleLoader": "dcr.adapters.loaders.torch_module",
     "TrainLayout": "dcr.delta.layout",

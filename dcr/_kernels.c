@@ -4,7 +4,7 @@
  * Every function takes buffers (numpy arrays) and plain integers, checks every length and
  * offset against the buffers it was given before it touches memory, and releases the GIL while
  * it runs, so blocks of one model run on several cores from Python threads.  The numpy
- * implementations in dcr.delta.bits, dcr.wire.split and dcr.apply.writes define the results;
+ * implementations in dcr.tensors.bits, dcr.wire.split and dcr.apply.writes define the results;
  * tests compare both on every width and edge case.
  *
  *   scan           changed elements of two bit views: positions and XOR / ULP / new values
@@ -34,7 +34,7 @@
 #endif
 
 enum { K_XOR = 0, K_ULP = 1, K_NEW = 2, K_XOR_NEW = 3 };
-/* Entry encodings: the wire codes of dcr.delta.records.Encoding. */
+/* Entry encodings: the wire codes of dcr.tensors.records.Encoding. */
 enum { E_XOR = 0, E_OVERWRITE = 1, E_ULP = 2 };
 
 /* ------------------------------------------------------------------ word helpers */
@@ -59,7 +59,7 @@ static inline void store_word(unsigned char *p, int w, uint64_t v) {
 
 static inline uint64_t width_mask(int w) { return w == 8 ? ~(uint64_t)0 : (((uint64_t)1 << (8 * w)) - 1); }
 
-/* Order-preserving pattern of a w-byte word (dcr.delta.ordered.ordered): non-negative
+/* Order-preserving pattern of a w-byte word (dcr.tensors.ordered.ordered): non-negative
  * patterns get the sign bit set, negative ones are inverted. */
 static inline uint64_t ordered_word(uint64_t x, int w) {
     const uint64_t sign = (uint64_t)1 << (8 * w - 1);
@@ -1732,7 +1732,7 @@ static int run_rmw(unsigned char *flat, int w, const unsigned char *vals, const 
 PyDoc_STRVAR(rmw_doc,
 "rmw(flat, pos, values, encoding, check) -> wrong\n\n"
 "flat[pos[i]] = apply(flat[pos[i]], values[i]) for every entry (encoding 0 XOR, 1 overwrite,\n"
-"2 ULP delta: dcr.delta.records.Encoding), flat and values of one item size; with check,\n"
+"2 ULP delta: dcr.tensors.records.Encoding), flat and values of one item size; with check,\n"
 "every written word is re-read after all writes and the entries that do not hold the\n"
 "expected bits are counted.  Every position is checked against len(flat) before the first\n"
 "write (ValueError, nothing written).");

@@ -49,9 +49,8 @@ def keep_freed_memory() -> bool:
 
 def _configured_by_environment() -> bool:
     env = os.environ
-    return (
-        any(key in env for key in _MALLOC_VARIABLES)
-        or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+    return any(key in env for key in _MALLOC_VARIABLES) or "glibc.malloc." in env.get(
+        "GLIBC_TUNABLES", ""
     )
 
 

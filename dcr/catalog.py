@@ -1,6 +1,6 @@
 """The catalog of a Hugging Face checkpoint directory, read from its safetensors headers.
 
-A catalog maps every canonical tensor name to its shape and dtype (:class:`~dcr.delta.records.
+A catalog maps every canonical tensor name to its shape and dtype (:class:`~dcr.tensors.records.
 TensorSpec`); owners build payloads against it and receivers admit them against it, so both
 sides must hold the same one.  :func:`read_catalog` reads it from the checkpoint a rollout
 engine serves: the JSON header at the start of each ``*.safetensors`` file (an 8-byte
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dcr.delta.bits import dtype_name
-from dcr.delta.records import TensorSpec
 from dcr.errors import CheckpointError, ConfigError
+from dcr.tensors.bits import dtype_name
+from dcr.tensors.records import TensorSpec
 
 if TYPE_CHECKING:
-    from dcr.apply.receiver import Receiver
+    from dcr.apply.applier import Applier
 
 __all__ = [
     "CONFIG_FILE",
@@ -317,7 +317,7 @@ def check_catalog(
         )
 
 
-def uncovered_parameters(receiver: Receiver) -> list[str]:
+def uncovered_parameters(receiver: Applier) -> list[str]:
     """Parameters of a prewarmed receiver's model that its catalog does not fully write.
 
     Prewarm recorded, for every catalog name, the loader's writes into the model's storage.

@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         help="in-place apply of one refit against a dense native load",
         description=(
             "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
-            "encoded and decoded) are applied with Receiver.apply_payloads on every rank of each "
+            "encoded and decoded) are applied with Applier.apply_payloads on every rank of each "
             "receiver (torch: a TorchModuleLoader module; reference-tp2: the sharded reference "
             "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
             "installed) and timed against a dense native load through the same loader in the "
@@ -421,7 +421,7 @@ def _bench_codec(args: argparse.Namespace) -> int:
 
 def _bench_construct(args: argparse.Namespace) -> int:
     from dcr.bench.construct import format_construct_table, run_construct_bench
-    from dcr.delta.records import Encoding
+    from dcr.tensors.records import Encoding
 
     result = run_construct_bench(
         size_bytes=int(args.size_gb * 1e9),

@@ -103,7 +103,7 @@ class ControlMessageRejected(RemoteProtocolError):
     """A received control message failed the codec's checks and was dropped.
 
     ``check`` names the failed check: ``oversized``, ``truncated``, ``malformed``,
-    ``version``, ``type`` or ``schema`` (see :mod:`dcr.wire.control`).
+    ``version``, ``type`` or ``schema`` (see :mod:`dcr.adapters.control.codec`).
     """
 
 

@@ -32,19 +32,19 @@ from dcr.adapters.faulty import FaultReport, Faults
 from dcr.adapters.registry import load
 from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
+from dcr.apply.applier import Applier, ApplyConfig, xor_allowed_across
 from dcr.apply.loader import Loader
-from dcr.apply.receiver import ApplyConfig, Receiver, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats
-from dcr.delta.parallel import default_threads
-from dcr.delta.records import Mode, TensorSpec
 from dcr.engine.cluster import AttemptSummary, LocalCluster, TransitionResult
+from dcr.engine.integration import Integration
 from dcr.engine.receiver import ReceiverHooks
-from dcr.engine.setup import Integration
 from dcr.errors import ConfigError, DcrError
 from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
+from dcr.tensors.parallel import default_threads
+from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import DecodeLimits, PayloadHeader, ValueLayout
@@ -169,7 +169,7 @@ class _Base:
     def __init__(
         self,
         source: Source,
-        receivers: Sequence[Loader | Receiver],
+        receivers: Sequence[Loader | Applier],
         *,
         mode: Mode | str,
         config: RefitConfig | None,
@@ -179,8 +179,8 @@ class _Base:
         self.mode = _mode(mode)
         self.catalog: Mapping[str, TensorSpec] = source.catalog
         self.group = LocalTrainingGroup(source.plan, source.base_shards(), config=self.config.build)
-        self.receivers: list[Receiver] = [
-            r if isinstance(r, Receiver) else Receiver(r, self.catalog, self.config.apply)
+        self.receivers: list[Applier] = [
+            r if isinstance(r, Applier) else Applier(r, self.catalog, self.config.apply)
             for r in receivers
         ]
         for r in self.receivers:
@@ -217,7 +217,7 @@ class LocalRefit(_Base):
     """Refit ``receivers`` from ``source`` in this process, through the refit protocol.
 
     ``receivers`` are native loaders (e.g. :class:`~dcr.TorchModuleLoader`) or prebuilt
-    :class:`~dcr.apply.receiver.Receiver` objects; each should hold the source's current
+    :class:`~dcr.apply.applier.Applier` objects; each should hold the source's current
     version: with ``config.proof`` (the default) every prepare proves it (a seeded sample of
     stored bits; the complete fingerprint at the first refit and whenever a receiver is
     restored), and a receiver that fails the proof is restored by dense refit instead of
@@ -235,7 +235,7 @@ class LocalRefit(_Base):
     def __init__(
         self,
         source: Source,
-        receivers: Sequence[Loader | Receiver],
+        receivers: Sequence[Loader | Applier],
         *,
         mode: Mode | str = Mode.MIXED,
         config: RefitConfig | None = None,
@@ -419,7 +419,7 @@ class DataPlane(_Base):
     def __init__(
         self,
         source: Source,
-        receivers: Sequence[Loader | Receiver],
+        receivers: Sequence[Loader | Applier],
         *,
         mode: Mode | str = Mode.MIXED,
         config: RefitConfig | None = None,
@@ -482,7 +482,7 @@ class DataPlane(_Base):
     def apply_payloads(
         self,
         payloads: Iterable[bytes],
-        receivers: Sequence[Receiver] | None = None,
+        receivers: Sequence[Applier] | None = None,
         *,
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, float]:

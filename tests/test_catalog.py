@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.catalog import (
     INDEX_FILE,
     MAX_HEADER_BYTES,
@@ -25,10 +25,10 @@ from dcr.catalog import (
     read_header,
     uncovered_parameters,
 )
-from dcr.delta.records import TensorSpec
 from dcr.errors import CheckpointError, ConfigError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.hf import WEIGHTS_FILE, write_checkpoint
+from dcr.tensors.records import TensorSpec
 
 FAMILY = "qwen3_moe"
 
@@ -326,13 +326,13 @@ def test_uncovered_parameters_are_what_the_catalog_does_not_write() -> None:
     catalog = _specs(random_state_dict(config, "qwen3", seed=1))
     for rank in (0, 1):
         model = ShardedReferenceModel(config, "qwen3", tp_size=2, tp_rank=rank)
-        receiver = Receiver(ShardedReferenceLoader(model), catalog)
+        receiver = Applier(ShardedReferenceLoader(model), catalog)
         receiver.prewarm()
         assert uncovered_parameters(receiver) == []
     short = {n: s for n, s in catalog.items() if "layers.1.self_attn.k_proj" not in n}
     short = {n: s for n, s in short.items() if n != "model.layers.0.input_layernorm.weight"}
     model = ShardedReferenceModel(config, "qwen3", tp_size=2, tp_rank=1)
-    receiver = Receiver(ShardedReferenceLoader(model), short)
+    receiver = Applier(ShardedReferenceLoader(model), short)
     receiver.prewarm()
     assert uncovered_parameters(receiver) == [
         "model.layers.0.input_layernorm.weight",

@@ -106,7 +106,7 @@ def test_the_scan_sees_every_layer() -> None:
         ("from ...cli import main", "dcr.adapters.loaders.x", False, True),
         ("from . import demo", "dcr", True, True),
         ("from dcr.testingx import y", "dcr.delta.x", False, False),
-        ("from dcr.delta.records import Item", "dcr.wire.x", False, False),
+        ("from dcr.tensors.records import Item", "dcr.wire.x", False, False),
         ("from .records import Item", "dcr.delta.x", False, False),
     ],
 )

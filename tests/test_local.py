@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 import dcr
 from dcr import LocalRefit, Mode, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.delta.bits import bits
 from dcr.errors import PayloadRejected
 from dcr.local import DataPlane
 from dcr.models.compare import bit_mismatches, module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb, special_patterns
+from dcr.tensors.bits import bits
 
 
 def reference_ranks(cfg, family, tp, state, extra=None):

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import dcr.native
-from dcr.delta.bits import changed_values, changed_words
-from dcr.delta.ordered import ordered, ulp_delta, unordered
-from dcr.delta.records import Encoding
+from dcr.tensors.bits import changed_values, changed_words
+from dcr.tensors.ordered import ordered, ulp_delta, unordered
+from dcr.tensors.records import Encoding
 from dcr.wire.split import GAP_CAP, VALUE_CAP, pack_bits, pack_nibbles, remainder_bytes, split
 from dcr.wire.split import zigzag as np_zigzag
 

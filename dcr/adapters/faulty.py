@@ -206,7 +206,6 @@ class FaultyTransport(TransportWrapper):
         await self.inner.stop_and_wait(attempt)
 
 
-
 def _final(data: bytes) -> bool:
     return len(data) > 7 and bool(data[6] & 1)
 

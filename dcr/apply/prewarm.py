@@ -28,8 +28,8 @@ from dcr.apply.paths import (
     WriteRecord,
     matches,
 )
-from dcr.delta.records import TensorSpec
 from dcr.errors import LoaderPathUnsupported
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["classify", "copy_strategy", "find_overlaps", "with_overlaps"]
 

@@ -27,20 +27,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr.apply.applier import Applier
 from dcr.apply.geometry import ViewGeometry
 from dcr.apply.hook import SourceKind, storage_ptr
 from dcr.apply.paths import CopyRecord, PathKind
-from dcr.apply.receiver import Receiver
-from dcr.delta.bits import bits_dtype, numpy_bits_dtype
-from dcr.delta.fingerprint import (
-    element_hashes,
-    fold,
-    hash_view,
-    locate,
-    row_chunks,
-    sample_positions_of,
-    view_indices,
-)
 from dcr.errors import ConfigError
 from dcr.protocol.proof import (
     PRIME,
@@ -50,6 +40,16 @@ from dcr.protocol.proof import (
     coverage_base,
     run_coverage,
     view_coverage,
+)
+from dcr.tensors.bits import bits_dtype, numpy_bits_dtype
+from dcr.tensors.fingerprint import (
+    element_hashes,
+    fold,
+    hash_view,
+    locate,
+    row_chunks,
+    sample_positions_of,
+    view_indices,
 )
 
 __all__ = ["StorageReader", "readable", "receiver_proof"]
@@ -65,7 +65,7 @@ def readable(copy: CopyRecord) -> bool:
 class StorageReader:
     """Stored bits of a receiver's resident storages, by the labels prewarm gave them."""
 
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Applier) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in receiver.loader.storage_tensors():
@@ -188,7 +188,7 @@ def _fingerprint(
     return int(held.size), _runs_coverage(r, held), value
 
 
-def receiver_proof(receiver: Receiver, request: ProofRequest) -> Proof:
+def receiver_proof(receiver: Applier, request: ProofRequest) -> Proof:
     """This receiver's proof of the version its storage holds, for ``request``.
 
     Reads only what the request needs: the sample positions (O(samples) per copy) and, with
@@ -196,9 +196,7 @@ def receiver_proof(receiver: Receiver, request: ProofRequest) -> Proof:
     """
     paths = receiver.paths
     if not paths:
-        raise ConfigError(
-            "call Receiver.prewarm() before proving the base version", check="prewarm"
-        )
+        raise ConfigError("call Applier.prewarm() before proving the base version", check="prewarm")
     reader = StorageReader(receiver)
     tensors: list[TensorProof] = []
     excluded: list[str] = []

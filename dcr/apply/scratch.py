@@ -12,8 +12,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits_dtype
-from dcr.delta.records import TensorSpec
+from dcr.tensors.bits import bits_dtype
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["Scratch", "torch_bits", "torch_index"]
 

@@ -32,10 +32,10 @@ from dcr.apply.call import Fail
 from dcr.apply.geometry import Box, IndexMap, byte_intervals, enumerate_map, overlapping_groups
 from dcr.apply.hook import InterceptedCopy
 from dcr.apply.scratch import torch_bits, torch_index
-from dcr.delta.bits import bits_dtype
-from dcr.delta.ordered import add_ordered, ordered, unordered
-from dcr.delta.parallel import default_threads as usable_cpus
-from dcr.delta.records import Encoding
+from dcr.tensors.bits import bits_dtype
+from dcr.tensors.ordered import add_ordered, ordered, unordered
+from dcr.tensors.parallel import default_threads as usable_cpus
+from dcr.tensors.records import Encoding
 
 __all__ = [
     "CHUNK",

@@ -5,7 +5,7 @@ TP=2 training layout, chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``)
 receiver kind and each element change rate, one refit's payloads are constructed in mixed mode
 (XOR where the receivers allow it), encoded and decoded as a receiver decodes them; then
 
-- **apply**: ``Receiver.apply_payloads`` of every payload, in declared order, on every rank
+- **apply**: ``Applier.apply_payloads`` of every payload, in declared order, on every rank
   of the receiver, as the receiver engine applies a group of payloads (each all or nothing;
   the next one is checked and planned while the previous one is written); median of
   ``repeats``, the base restored by a dense load between repeats;
@@ -43,15 +43,15 @@ import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Loader, Receiver, xor_allowed_across
+from dcr.apply import Applier, ApplyConfig, Loader, xor_allowed_across
 from dcr.bench.construct import synthetic_config
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import Mode, TensorSpec
 from dcr.models.families import random_state_dict
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
+from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import Payload, PayloadHeader, ValueLayout
@@ -72,7 +72,7 @@ Say = Callable[[str], None]
 @contextmanager
 def _receivers(
     kind: str, cfg: dict[str, Any], base: Mapping[str, torch.Tensor], threads: int | None
-) -> Iterator[list[Receiver]]:
+) -> Iterator[list[Applier]]:
     """Every rank of one receiver kind, dense-loaded with ``base`` and prewarmed."""
     catalog = {n: TensorSpec.of(n, t) for n, t in base.items()}
     loaders: list[Loader]
@@ -98,7 +98,7 @@ def _receivers(
             loaders = [VllmLoader(build_vllm_model(directory))]
         else:
             raise ValueError(f"unknown receiver kind {kind!r}; expected one of {LOADERS}")
-        receivers = [Receiver(loader, catalog, ApplyConfig(threads=threads)) for loader in loaders]
+        receivers = [Applier(loader, catalog, ApplyConfig(threads=threads)) for loader in loaders]
         for r in receivers:
             r.dense_load(base)
             r.prewarm()
@@ -111,17 +111,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _dense(receivers: Sequence[Receiver], state_dict: Mapping[str, torch.Tensor]) -> float:
+def _dense(receivers: Sequence[Applier], state_dict: Mapping[str, torch.Tensor]) -> float:
     t0 = time.perf_counter()
     for r in receivers:
         r.dense_load(state_dict)
     return time.perf_counter() - t0
 
 
-def _read(receivers: Sequence[Receiver]) -> float:
+def _read(receivers: Sequence[Applier]) -> float:
     """Seconds to read every resident byte once (a reduction over integer views, on every
     core): what a memory-bound pass over the weights costs on this machine."""
-    from dcr.delta.bits import bits_dtype
+    from dcr.tensors.bits import bits_dtype
 
     t0 = time.perf_counter()
     for r in receivers:
@@ -135,7 +135,7 @@ def _read(receivers: Sequence[Receiver]) -> float:
 
 
 def _apply(
-    receivers: Sequence[Receiver], payloads: Sequence[Payload], attempt: int
+    receivers: Sequence[Applier], payloads: Sequence[Payload], attempt: int
 ) -> tuple[float, int, int, float]:
     """Seconds, positions written, loader calls and planning seconds (loader calls, checks
     and write plans, before the first write) of applying ``payloads`` on every rank as
@@ -151,8 +151,8 @@ def _apply(
     return time.perf_counter() - t0, written, calls, plan
 
 
-def _stored_bits(receivers: Sequence[Receiver]) -> list[dict[str, torch.Tensor]]:
-    from dcr.delta.bits import bits_dtype
+def _stored_bits(receivers: Sequence[Applier]) -> list[dict[str, torch.Tensor]]:
+    from dcr.tensors.bits import bits_dtype
 
     return [
         {
@@ -164,9 +164,9 @@ def _stored_bits(receivers: Sequence[Receiver]) -> list[dict[str, torch.Tensor]]
 
 
 def _check_bit_exact(
-    receivers: Sequence[Receiver], applied: list[dict[str, torch.Tensor]], label: str
+    receivers: Sequence[Applier], applied: list[dict[str, torch.Tensor]], label: str
 ) -> None:
-    from dcr.delta.bits import bits_dtype
+    from dcr.tensors.bits import bits_dtype
 
     for rank, (r, snap) in enumerate(zip(receivers, applied, strict=True)):
         for name, t in r.loader.storage_tensors():

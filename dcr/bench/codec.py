@@ -21,11 +21,11 @@ import numpy.typing as npt
 import torch
 import zstandard
 
-from dcr.delta.bits import bits
 from dcr.delta.entropy import gap_xor_floor_bytes, item_gaps, order0_bits
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item
 from dcr.models.families import canonical_shapes, tiny_config
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout

@@ -36,14 +36,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.entropy import floor_of_items
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig, BuildStats
-from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.updates import perturb
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader, ValueLayout
 

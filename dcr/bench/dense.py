@@ -36,12 +36,12 @@ import torch
 
 from dcr.bench.apply import NotBitExact, _receivers, _stored_bits
 from dcr.bench.construct import synthetic_config
-from dcr.delta.bits import bits_dtype
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import TensorSpec
 from dcr.models.families import random_state_dict
+from dcr.tensors.bits import bits_dtype
+from dcr.tensors.records import TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader
@@ -162,9 +162,7 @@ def _apply_phase(
         for data in payloads:
             for r in receivers:
                 t0 = time.perf_counter()
-                payload = decode_payload(
-                    data, catalog=r.catalog, xor_allowed=r.xor_allowed()
-                )
+                payload = decode_payload(data, catalog=r.catalog, xor_allowed=r.xor_allowed())
                 t1 = time.perf_counter()
                 r.apply_items(payload.items, attempt=1)
                 apply_s += time.perf_counter() - t1

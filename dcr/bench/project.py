@@ -257,8 +257,11 @@ def format_projection(result: Mapping[str, Any]) -> str:
             f"  {name}: payload share {shares}; construction "
             f"{m['construction_bytes_per_s_per_core'] / GB:.2f} GB/s per core; link share "
             f"{m['link_share']:.2f}"
-            + (f" (uploads {m['upload_share']:.2f}, downloads {m['download_share']:.2f})"
-               if "upload_share" in m else "")
+            + (
+                f" (uploads {m['upload_share']:.2f}, downloads {m['download_share']:.2f})"
+                if "upload_share" in m
+                else ""
+            )
             + f"; overhead {m['overhead_s']:.2f} s"
         )
     lines.append(

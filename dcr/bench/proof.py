@@ -22,15 +22,15 @@ import torch
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.adapters.sources.state_dict import StateDictSource
+from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.apply.receiver import Receiver
-from dcr.delta.fingerprint import owner_proof
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
 from dcr.protocol.proof import ProofRequest, judge
+from dcr.tensors.fingerprint import owner_proof
 
 __all__ = ["KINDS", "corrupt", "run_proof_bench"]
 
@@ -58,7 +58,7 @@ def _cost(size_mb: int, samples: int, repeats: int) -> dict[str, float]:
     gb = sum(t.numel() * t.element_size() for t in sd.values()) / 1e9
     source = StateDictSource(sd, layout=TrainLayout(dp=1))
     group = LocalTrainingGroup(source.plan, source.base_shards())
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(sd)), source.catalog)
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(sd)), source.catalog)
     receiver.prewarm()
     owner = group.owners[0]
     out: dict[str, float] = {"resident_gb": gb}
@@ -77,7 +77,7 @@ def corrupt(
     kind: str,
     rng: random.Random,
     sd: Mapping[str, torch.Tensor],
-    receivers: Mapping[str, Receiver],
+    receivers: Mapping[str, Applier],
     cfg: Mapping[str, Any],
 ) -> None:
     """Corrupt the receivers' qwen3 storage in place, one of :data:`KINDS`: one flipped bit in
@@ -105,12 +105,12 @@ def _detection(trials: int, samples: int) -> dict[str, dict[str, float]]:
     sd = random_state_dict(cfg, "qwen3", seed=1)
     source = StateDictSource(sd, layout=TrainLayout(tp=2, dp=2), family="qwen3", config=cfg)
     group = LocalTrainingGroup(source.plan, source.base_shards())
-    receivers: dict[str, Receiver] = {}
+    receivers: dict[str, Applier] = {}
     for rank in range(2):
         model = ShardedReferenceModel(cfg, "qwen3", tp_size=2, tp_rank=rank)
         loader = ShardedReferenceLoader(model)
         loader.dense_load(sd)
-        receivers[f"r{rank}"] = rx = Receiver(loader, source.catalog)
+        receivers[f"r{rank}"] = rx = Applier(loader, source.catalog)
         rx.prewarm()
     out: dict[str, dict[str, float]] = {}
     for kind in KINDS:

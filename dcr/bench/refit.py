@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dcr.delta.parallel import default_threads
 from dcr.errors import ConfigError
+from dcr.tensors.parallel import default_threads
 
 __all__ = [
     "TRANSPORTS",
@@ -396,7 +396,7 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
 
 
 def _read_events(directory: Path) -> list[dict[str, Any]]:
-    from dcr.fleet.events import EventReader
+    from dcr.fleet.eventlog import EventReader
 
     return list(EventReader(directory).poll())
 
@@ -583,7 +583,9 @@ def format_refit_table(result: dict[str, Any]) -> str:
     lines = [
         f"model {result['results'][0]['model_bytes'] / GB:.2f} GB bf16 | "
         f"{result['layout_text']} | link {result['link_gbps']:g} Gbit/s per process and "
-        f"direction" if result["results"] else "no results",
+        f"direction"
+        if result["results"]
+        else "no results",
         head,
     ]
     for r in result["results"]:

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from dcr.delta.group import BucketStreams, TrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.owner import BuildConfig, BuildStats, Owner, ResidualJob
-from dcr.delta.records import Mode
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
 from dcr.errors import ConfigError, DcrError, LayoutError
+from dcr.tensors.records import Mode
 
 __all__ = ["DistTrainingGroup", "ResidualExchange"]
 

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dcr.delta.ordered import ordered, unordered
-from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
+from dcr.tensors.ordered import ordered, unordered
+from dcr.tensors.records import Encoding, Item
 
 __all__ = ["floor_of_items", "gap_xor_floor_bytes", "item_gaps", "order0_bits", "xor_masks"]
 
@@ -73,7 +73,7 @@ def item_gaps(indices: Index) -> Index:
 def xor_masks(item: Item, base: UInt) -> UInt:
     """``new bits ^ old bits`` of every entry of ``item``, whatever its encoding.
 
-    ``base`` is the flat stored-bit view (:func:`~dcr.delta.bits.bits`) of the canonical
+    ``base`` is the flat stored-bit view (:func:`~dcr.tensors.bits.bits`) of the canonical
     tensor the item applies to; it is only read.
     """
     if base.dtype != item.values.dtype:

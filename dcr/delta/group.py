@@ -25,9 +25,9 @@ import torch
 
 from dcr.delta.layout import TrainingPlan
 from dcr.delta.owner import Bucket, BuildConfig, BuildStats, Owner, ResidualJob
-from dcr.delta.records import Mode, TensorSpec
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
 from dcr.errors import ConfigError, DcrError
+from dcr.tensors.records import Mode, TensorSpec
 
 __all__ = ["BucketStreams", "LocalTrainingGroup", "TrainingGroup"]
 

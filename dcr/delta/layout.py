@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.mapping import (
     AffineMapping,
     ColumnParallel,
@@ -39,9 +38,10 @@ from dcr.delta.mapping import (
     RowParallel,
     Tied,
 )
-from dcr.delta.records import TensorSpec
 from dcr.delta.residual import ResidualTask
 from dcr.errors import ConfigError, LayoutError
+from dcr.tensors.bits import bits
+from dcr.tensors.records import TensorSpec
 
 __all__ = [
     "FAMILIES",

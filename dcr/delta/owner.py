@@ -6,7 +6,7 @@ of items (paper §4, §7.2, Fig. 8): whole tensors are grouped into chunks for c
 unchanged chunk contributes nothing, and a bucket closes once the chunks that emitted records
 reach the bucket target.  Within a chunk, shards are compared in blocks of about a
 million elements on worker threads (``BuildConfig.threads``): a block finds its changed words
-and gathers their values in one pass (:func:`~dcr.delta.bits.changed_words`) and maps them
+and gathers their values in one pass (:func:`~dcr.tensors.bits.changed_words`) and maps them
 through its shard's affine segments (:meth:`~dcr.delta.mapping.AffineMapping.segments`); only
 the changed entries outlive a block, and a bounded window of blocks is in flight, so the
 extra memory is a few blocks per thread.  Trackers and the residual baseline change only in
@@ -28,13 +28,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits, changed_indices, changed_values, copy_at
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
-from dcr.delta.ordered import ULP_DTYPES, ulp_delta
-from dcr.delta.parallel import default_threads, ordered_map
-from dcr.delta.records import Encoding, Item, Mode, Span, TensorSpec
 from dcr.errors import ConfigError, DcrError, LayoutError
+from dcr.tensors.bits import bits, changed_indices, changed_values, copy_at
+from dcr.tensors.ordered import ULP_DTYPES, ulp_delta
+from dcr.tensors.parallel import default_threads, ordered_map
+from dcr.tensors.records import Encoding, Item, Mode, Span, TensorSpec
 
 __all__ = ["BuildConfig", "BuildStats", "Bucket", "Owner", "ResidualJob"]
 
@@ -63,9 +63,9 @@ class BuildConfig:
     threads one owner compares blocks on (``None``: the CPUs this process may use; 1: the
     calling thread).  Owners building at the same time in one process share them (one
     process-wide pool): while ``n`` owners build, one whose share ``threads // n`` is below
-    two compares in the thread that drives its build (:func:`~dcr.delta.parallel.ordered_map`).
+    two compares in the thread that drives its build (:func:`~dcr.tensors.parallel.ordered_map`).
     ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
-    :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.delta.ordered.ULP_DTYPES`; other
+    :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.tensors.ordered.ULP_DTYPES`; other
     dtypes keep XOR), the default, or :attr:`Encoding.XOR` masks everywhere (the paper's
     representation; payload format version 1 carries only these).
     """
@@ -348,7 +348,7 @@ def _scan(block: _Block) -> _Hits:
     """Detect, gather and project one block (runs on a worker thread).
 
     One pass finds the changed words and gathers what their encoding sends (XOR masks, ULP
-    deltas or new words; :func:`~dcr.delta.bits.changed_values`); a segment whose names take
+    deltas or new words; :func:`~dcr.tensors.bits.changed_values`); a segment whose names take
     several encodings (tied tensors on different loader paths) gathers masks and new words
     and derives the rest.  A segment that maps by a plain offset gets canonical indices from
     the scan itself.
@@ -655,7 +655,7 @@ class Owner:
         (and ``False``: whether more chunks emit is not known ahead).
 
         Blocks of every chunk are compared on worker threads, a bounded window ahead of the
-        chunk being packed (:func:`~dcr.delta.parallel.ordered_map`); each block finds its
+        chunk being packed (:func:`~dcr.tensors.parallel.ordered_map`); each block finds its
         changed words and gathers their values in one pass (:func:`changed_words`) and maps
         them through its shard's affine segment.
         """

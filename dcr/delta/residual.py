@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.mapping import AffineMapping
-from dcr.delta.records import TensorSpec
 from dcr.errors import LayoutError
+from dcr.tensors.bits import bits
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["Convert", "ResidualPart", "ResidualTask", "ScaledCast", "assemble"]
 

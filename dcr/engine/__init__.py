@@ -10,13 +10,13 @@ one process per transition runs a :class:`CoordinatorService` (``open_coordinato
 from dcr.engine.coordinator import CoordinatorService as CoordinatorService
 from dcr.engine.coordinator import Supervisor as Supervisor
 from dcr.engine.coordinator import open_coordinator as open_coordinator
+from dcr.engine.integration import Integration as Integration
 from dcr.engine.owner import OwnerService as OwnerService
 from dcr.engine.owner import TrainingSide as TrainingSide
 from dcr.engine.owner import open_owner as open_owner
 from dcr.engine.receiver import ReceiverHooks as ReceiverHooks
 from dcr.engine.receiver import ReceiverService as ReceiverService
 from dcr.engine.receiver import open_receiver as open_receiver
-from dcr.engine.setup import Integration as Integration
 
 __all__ = [
     "CoordinatorService",

@@ -22,13 +22,13 @@ from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel
 from dcr.adapters.faulty import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 from dcr.adapters.transport.base import Transport
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.owner import BuildStats
 from dcr.engine.coordinator import CoordinatorService
+from dcr.engine.integration import Integration, default_limiter
 from dcr.engine.owner import OwnerService, TrainingSide
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
-from dcr.engine.setup import Integration, default_limiter
 from dcr.errors import ConfigError
 from dcr.protocol import commands as cmd
 from dcr.protocol import messages as msg
@@ -84,7 +84,7 @@ class LocalCluster:
     """Owners of ``group`` and the given receivers, driven through real protocol engines."""
 
     group: LocalTrainingGroup
-    receivers: Mapping[str, Receiver]
+    receivers: Mapping[str, Applier]
     integration: Integration
     store: CommitStore
     control: ControlChannel

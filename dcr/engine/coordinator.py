@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
-from dcr.engine.setup import attempt_from_json, attempt_to_json
+from dcr.engine.integration import attempt_from_json, attempt_to_json
 from dcr.errors import CommitConflict, CommitStoreError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev

@@ -27,10 +27,9 @@ from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Transport
 from dcr.catalog import check_catalog
-from dcr.delta.fingerprint import owner_proof
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket, BuildStats
-from dcr.engine.setup import Integration, default_limiter
+from dcr.engine.integration import Integration, default_limiter
 from dcr.errors import DcrError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
@@ -38,6 +37,7 @@ from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import OwnerPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
+from dcr.tensors.fingerprint import owner_proof
 from dcr.wire.payload import PayloadHeader, encode_payload
 
 __all__ = ["OwnerService", "TrainingSide", "open_owner"]

@@ -25,9 +25,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Delivery, Transport
+from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.apply.receiver import Receiver
-from dcr.engine.setup import Integration, default_limiter
+from dcr.engine.integration import Integration, default_limiter
 from dcr.errors import DcrError, PayloadRejected
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
@@ -75,7 +75,7 @@ class ReceiverService:
     """One receiver endpoint: the protocol core, ingestion, decode and in-place apply."""
 
     name: str
-    receiver: Receiver
+    receiver: Applier
     integration: Integration
     control: ControlChannel
     transport: Transport
@@ -147,7 +147,7 @@ class ReceiverService:
 
     def refused(self) -> frozenset[str] | None:
         """The canonical names this receiver's native loader path does not preserve bit for
-        bit (the catalog less :meth:`Receiver.xor_allowed`): they must travel as overwrites.
+        bit (the catalog less :meth:`Applier.xor_allowed`): they must travel as overwrites.
         ``None`` before prewarm."""
         if not self.receiver.paths:
             return None
@@ -372,7 +372,7 @@ class ReceiverService:
 
     def _apply_group(self, attempt: int, keys: tuple[PayloadKey, ...]) -> None:
         """Apply a group in order; each payload is checked and planned while the one before
-        it is written (:meth:`Receiver.apply_payloads`)."""
+        it is written (:meth:`Applier.apply_payloads`)."""
 
         def applied(i: int) -> None:
             self._bytes.pop(keys[i], None)

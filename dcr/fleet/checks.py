@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from dcr.delta.fingerprint import hash_view
 from dcr.protocol.proof import Proof, ProofRequest, TensorProof, judge, seed_for
+from dcr.tensors.fingerprint import hash_view
 
 __all__ = ["canonical_proof", "check_fingerprints", "holds_request", "proof_from_json",
            "proof_to_json"]  # fmt: skip

@@ -45,10 +45,10 @@ from dcr.adapters.commit.base import CommitState, CommitStore
 from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
 from dcr.engine.coordinator import CoordinatorService
-from dcr.engine.setup import attempt_from_json
+from dcr.engine.integration import attempt_from_json
 from dcr.errors import CommitConflict, CommitStoreError, ConfigError, DcrError, TransportError
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.events import NAMES_SHOWN, EventLog, FaultPoints
+from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol import commands as cmd

@@ -39,7 +39,7 @@ import torch
 from dcr.errors import ConfigError
 from dcr.fleet.checks import check_fingerprints, proof_from_json
 from dcr.fleet.config import EngineSection, FleetConfig, free_port
-from dcr.fleet.events import EventReader
+from dcr.fleet.eventlog import EventReader
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import LAUNCHED
 from dcr.protocol.proof import Proof
@@ -55,7 +55,7 @@ class Fault:
     ``"sent"`` (owner ``target`` sent one), ``"replied"`` (the active coordinator --
     ``target="coordinator"`` -- got an endpoint's reply in that refit), ``"dense"`` (a
     receiver applied a payload of the dense refit restoring ``version`` after it joined).
-    The process stops at that point and reports it (:class:`~dcr.fleet.events.FaultPoints`),
+    The process stops at that point and reports it (:class:`~dcr.fleet.eventlog.FaultPoints`),
     so the SIGKILL lands exactly there.  A relay node (``target="relay-<node>"``) is killed
     while a receiver it hosts stops at its point (``"applied"`` or ``"dense"``): the rest of
     the refit is still in flight through that node.  ``"flip"`` kills nothing: receiver

@@ -25,17 +25,17 @@ import numpy as np
 import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
-from dcr.apply.receiver import Receiver, xor_allowed_across
+from dcr.apply.applier import Applier, xor_allowed_across
 from dcr.catalog import read_catalog, read_config
-from dcr.delta.bits import bits, dtype_name
 from dcr.delta.layout import TrainingPlan, TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import TensorSpec
-from dcr.engine.setup import Integration
+from dcr.engine.integration import Integration
 from dcr.errors import CheckpointError, ConfigError
 from dcr.fleet.config import FleetConfig, ReceiverSpec
 from dcr.models.families import FAMILIES, canonical_shapes, tiny_config
 from dcr.models.synthetic import SyntheticRun
+from dcr.tensors.bits import bits, dtype_name
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["FleetModel", "digests", "sized_config"]
 
@@ -217,7 +217,7 @@ class FleetModel:
             model = ShardedReferenceModel(
                 narrow, self.family, tp_size=spec[0], tp_rank=spec[1], dtype=self.dtype
             )
-            receiver = Receiver(ShardedReferenceLoader(model), catalog)
+            receiver = Applier(ShardedReferenceLoader(model), catalog)
             receiver.prewarm()
             receivers.append(receiver)
         return xor_allowed_across(receivers)

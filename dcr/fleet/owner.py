@@ -30,13 +30,13 @@ import anyio
 import numpy as np
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.dist import DistTrainingGroup
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.model import FleetModel
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
 from dcr.fleet.trainer import TrainerContext, join_trainer
 from dcr.models.synthetic import held_by
+from dcr.tensors.bits import bits
 
 __all__ = ["synthetic_trainer"]
 
@@ -138,8 +138,6 @@ async def synthetic_trainer(ctx: TrainerContext) -> None:
             weights = candidate
             if cfg.trainer.lockstep:
                 group.discard()
-            await anyio.to_thread.run_sync(
-                _save_checkpoint, checkpoint, committed.version, weights
-            )
+            await anyio.to_thread.run_sync(_save_checkpoint, checkpoint, committed.version, weights)
         trainer.log.emit("trained", version=cfg.model.refits)
         await ctx.serve_forever()

@@ -36,21 +36,21 @@ import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
 from dcr.apply.proof import receiver_proof
-from dcr.apply.receiver import Receiver
 from dcr.catalog import read_catalog
-from dcr.delta.records import TensorSpec
+from dcr.engine.integration import Integration
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
-from dcr.engine.setup import Integration
 from dcr.errors import ConfigError
 from dcr.fleet.checks import holds_request, proof_to_json
 from dcr.fleet.config import FleetConfig, ReceiverSpec
-from dcr.fleet.events import NAMES_SHOWN, EventLog, FaultPoints
+from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.timing import time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
+from dcr.tensors.records import TensorSpec
 
 __all__ = [
     "ReceiverContext",
@@ -127,7 +127,7 @@ def torch_runtime(ctx: ReceiverContext) -> Loader:
     return TorchModuleLoader(module)
 
 
-def runtime_receiver(cfg: FleetConfig, spec: ReceiverSpec) -> Receiver:
+def runtime_receiver(cfg: FleetConfig, spec: ReceiverSpec) -> Applier:
     """The prewarmed receiver of ``spec`` built by its ``runtime``: a function of
     :class:`ReceiverContext` returning the rank's native :class:`~dcr.apply.loader.Loader`.
 
@@ -154,7 +154,7 @@ def runtime_receiver(cfg: FleetConfig, spec: ReceiverSpec) -> Receiver:
             n: TensorSpec.of(n, t.detach())
             for n, t in [*module.named_parameters(), *module.named_buffers()]
         }
-    receiver = Receiver(loader, catalog)
+    receiver = Applier(loader, catalog)
     receiver.prewarm()
     return receiver
 
@@ -163,7 +163,7 @@ async def run_receiver(
     cfg: FleetConfig,
     name: str,
     *,
-    receiver: Receiver | None = None,
+    receiver: Applier | None = None,
     hooks: ReceiverHooks | None = None,
     held: CommitRecord | None = None,
     report: Literal["digests", "fingerprint", "none"] = "digests",
@@ -189,7 +189,7 @@ async def run_receiver(
         rank = model.receiver_model(spec)
         if cfg.model.preloaded and held is None:
             held = preloaded = await _preload(cfg, model, rank)
-        receiver = Receiver(ShardedReferenceLoader(rank), model.catalog)
+        receiver = Applier(ShardedReferenceLoader(rank), model.catalog)
         await anyio.to_thread.run_sync(receiver.prewarm)
     elif receiver is None:
         receiver = await anyio.to_thread.run_sync(runtime_receiver, cfg, spec)

@@ -12,7 +12,7 @@ import anyio
 
 from dcr.adapters.transport.relay_node import RelayConfig, RelayNode, balanced_tree
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.events import EventLog
+from dcr.fleet.eventlog import EventLog
 from dcr.fleet.runtime import _options
 
 __all__ = ["run_relay"]

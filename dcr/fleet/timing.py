@@ -37,10 +37,10 @@ from dcr.adapters.transport.objstore import (
 )
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import Bucket
-from dcr.delta.records import Encoding
 from dcr.engine.owner import TrainingSide
-from dcr.fleet.events import NAMES_SHOWN, EventLog
+from dcr.fleet.eventlog import NAMES_SHOWN, EventLog
 from dcr.protocol.types import Mode, PayloadKey
+from dcr.tensors.records import Encoding
 
 __all__ = ["TimedFetches", "TimedSends", "TimedTrainingSide", "time_fetches"]
 
@@ -83,9 +83,7 @@ class _TimedBuckets(Iterator[Bucket]):
 class TimedTrainingSide(TrainingSide):
     """A :class:`~dcr.engine.owner.TrainingSide` that reports ``built`` and ``baseline``."""
 
-    def __init__(
-        self, group: TrainingGroup, xor_allowed: Container[str], log: EventLog
-    ) -> None:
+    def __init__(self, group: TrainingGroup, xor_allowed: Container[str], log: EventLog) -> None:
         super().__init__(group, xor_allowed)
         self._log = log
         self._begun: dict[tuple[int, int], float] = {}

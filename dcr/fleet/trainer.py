@@ -51,11 +51,11 @@ from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
 from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.delta.owner import BuildConfig
+from dcr.engine.integration import Integration
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
-from dcr.engine.setup import Integration
 from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.fleet.events import EventLog, FaultPoints
+from dcr.fleet.eventlog import EventLog, FaultPoints
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol.types import CommitRecord, PayloadKey
 
@@ -184,7 +184,6 @@ class TrainerRank:
         self.log.emit("committed", **self.last.as_dict(),
                       stage_s=getattr(exchange, "seconds", 0.0))  # fmt: skip
         return record
-
 
     async def finished(self) -> None:
         """Training ended at the committed version: report ``trained`` (``dcr fleet`` stops

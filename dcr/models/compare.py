@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from dcr.delta.bits import bits
+from dcr.tensors.bits import bits
 
 __all__ = ["bit_mismatches", "module_bit_mismatches"]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from dcr.delta.bits import dtype_name
 from dcr.errors import ConfigError
 from dcr.models.families import canonical_shapes
+from dcr.tensors.bits import dtype_name
 
 __all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "read_checkpoint", "write_checkpoint"]
 

@@ -26,9 +26,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.models.families import canonical_shapes
+from dcr.tensors.bits import bits
 
 __all__ = ["SyntheticRun"]
 

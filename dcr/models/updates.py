@@ -14,9 +14,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from dcr.delta.bits import bits
-from dcr.delta.ordered import ordered, unordered
-from dcr.delta.records import Encoding, Item
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ordered, unordered
+from dcr.tensors.records import Encoding, Item
 
 __all__ = ["apply_to_state_dict", "perturb", "special_patterns"]
 

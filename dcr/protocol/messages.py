@@ -1,7 +1,8 @@
 """The control vocabulary: every coordinator -> endpoint call and endpoint -> coordinator reply.
 
 Each message is one typed class, used unchanged by the cores, the engine, the control-channel
-codec (:mod:`dcr.wire.control`) and the test worlds.  A coordinator core asks for a call with
+codec (:mod:`dcr.adapters.control.codec`) and the test worlds.
+A coordinator core asks for a call with
 :class:`~dcr.protocol.commands.Call`; an endpoint core receives the same object and answers
 with :class:`~dcr.protocol.commands.Notify` carrying a reply.  Calls and replies may be lost,
 duplicated or reordered on the way; every core ignores what does not concern it (paper App. B,
@@ -69,7 +70,7 @@ def refused_size(names: Iterable[str]) -> int:
 def _refused_field() -> Any:
     """A set of refused canonical names, added to the control vocabulary after its first
     version: omitted from the frame while ``None`` (so frames of senders that predate it
-    decode unchanged), at most :data:`XOR_REFUSED_MAX_BYTES` (:mod:`dcr.wire.control`)."""
+    decode unchanged), at most :data:`XOR_REFUSED_MAX_BYTES` (:mod:`dcr.adapters.control.codec`)."""
     return field(default=None, metadata={"optional": True, "max_bytes": XOR_REFUSED_MAX_BYTES})
 
 

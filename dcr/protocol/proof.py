@@ -16,7 +16,7 @@ The seed is derived from the attempt id and candidate id (:func:`seed_for`), so 
 can precompute an answer, and it salts both checks.  :func:`judge` compares the reports; the
 coordinator excludes every receiver it names (see ``docs/protocol.md``, "Proof of the base
 version").  This module is pure integer arithmetic (stdlib only); the hashing of tensors lives
-in :mod:`dcr.delta.fingerprint` (owners) and :mod:`dcr.apply.proof` (receivers).
+in :mod:`dcr.tensors.fingerprint` (owners) and :mod:`dcr.apply.proof` (receivers).
 
 **Coverage and replicas.**  A receiver rank reports per tensor the number ``count`` of distinct
 canonical positions it holds, a ``coverage`` hash of that set (``sum r^i mod p`` with ``r``
@@ -105,7 +105,7 @@ class TensorProof:
     """One endpoint's report on one canonical tensor.
 
     ``samples`` are flattened ``(slot, stored bits)`` pairs: ``slot`` numbers the tensor's
-    sample positions (sorted, see :mod:`dcr.delta.fingerprint`); a receiver lists one pair
+    sample positions (sorted, see :mod:`dcr.tensors.fingerprint`); a receiver lists one pair
     per copy of each sampled position it holds.  With a fingerprint: ``count`` positions
     (owners: owned elements; receivers: distinct positions held), their ``coverage`` hash
     (receivers only) and their fingerprint ``value``.

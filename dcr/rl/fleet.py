@@ -26,12 +26,12 @@ from typing import Any
 import anyio
 
 from dcr.catalog import read_catalog
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
-from dcr.fleet.events import EventLog
+from dcr.fleet.eventlog import EventLog
 from dcr.fleet.trainer import TrainerContext, TrainerRank, join_trainer
 from dcr.rl.engine import EngineClient
 from dcr.rl.loop import RunSpec, _Refit, restore, run_rank
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["dense_rank", "fsdp_trainer", "main"]
 

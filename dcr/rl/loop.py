@@ -41,7 +41,7 @@ from typing import Any
 import anyio
 
 from dcr.errors import ConfigError
-from dcr.fleet.events import EventLog
+from dcr.fleet.eventlog import EventLog
 from dcr.rl.config import RLConfig
 from dcr.rl.engine import EngineClient, tokens_digest
 from dcr.rl.files import atomic_write
@@ -302,8 +302,11 @@ async def run_rank(
                     loss=metrics.loss, tokens_sha256=batch["tokens_sha256"],
                     rollout_s=batch.get("seconds"), train_s=train_s, metrics=metrics.as_dict(),
                 )  # fmt: skip
-            if rank == 0 and spec.mode == "async" and step < spec.steps and (
-                batches.get(step + 1) is None
+            if (
+                rank == 0
+                and spec.mode == "async"
+                and step < spec.steps
+                and (batches.get(step + 1) is None)
             ):
                 ahead = _Ahead(spec, engine, batches, step + 1, say)
                 tg.start_soon(ahead.run)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr.errors import ConfigError
-from dcr.fleet.events import EventReader
+from dcr.fleet.eventlog import EventReader
 from dcr.fleet.runtime import LAUNCHED
 from dcr.rl.config import RLConfig
 from dcr.rl.loop import MODES, REFITS, RunSpec
@@ -419,9 +419,7 @@ def _run_dense(
                 code = p.popen.poll()
                 if code is not None and not (i > 0 and code == 0):
                     name = "the engine" if i == 0 else f"trainer rank {i - 1}"
-                    raise ConfigError(
-                        f"{name} exited with {code}; see the logs in {run / 'logs'}"
-                    )
+                    raise ConfigError(f"{name} exited with {code}; see the logs in {run / 'logs'}")
             time.sleep(0.05)
         digest = EngineClient(ready, wait_s=300.0).digest()
     finally:

@@ -24,7 +24,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from dcr.adapters.faulty import Faults
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
-from dcr.delta.bits import bits
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
 from dcr.local import LocalRefit, RefitConfig
@@ -32,6 +31,7 @@ from dcr.models.compare import module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import perturb, special_patterns
 from dcr.protocol.types import Mode
+from dcr.tensors.bits import bits
 
 __all__ = ["FAULT_RULES", "RefitMachine"]
 

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.group import TrainingGroup
 from dcr.delta.owner import BuildStats
-from dcr.delta.records import Mode, TensorSpec
 from dcr.errors import DcrError
 from dcr.fleet.config import free_port
+from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader
@@ -109,7 +109,7 @@ def build_payloads(
 
 
 def apply_payloads(
-    receivers: Sequence[Receiver],
+    receivers: Sequence[Applier],
     catalog: Mapping[str, TensorSpec],
     payloads: Iterable[bytes],
 ) -> None:

@@ -29,10 +29,10 @@ import torch
 import zstandard
 
 from dcr import native
-from dcr.delta.bits import DTYPE_CODES, DTYPE_FROM_CODE, dtype_name, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, TensorSpec
 from dcr.errors import PayloadRejected
+from dcr.tensors.bits import DTYPE_CODES, DTYPE_FROM_CODE, dtype_name, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.records import Encoding, TensorSpec
 from dcr.wire.format import (
     BODY_PREAMBLE,
     CODEC_ZSTD,
@@ -597,7 +597,7 @@ def decode_payload(
     shape and dtype to match exactly, and bounds the item count and the body length before
     anything is decompressed; ``xor_allowed`` names the tensors whose loader path allows
     relative (XOR and ULP) entries.  The items are an :class:`~dcr.wire.format.Items`: compact
-    arrays owned by the payload, :class:`~dcr.delta.records.Item` views made on demand.
+    arrays owned by the payload, :class:`~dcr.tensors.records.Item` views made on demand.
     """
     view = _as_bytes_view(data)
     header, framing = _read_header(view, limits)

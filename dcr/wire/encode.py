@@ -21,10 +21,10 @@ import numpy.typing as npt
 import zstandard
 
 from dcr import native
-from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
+from dcr.tensors.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.records import Encoding, Item
 from dcr.wire.format import (
     BODY_PREAMBLE,
     CODEC_ZSTD,

@@ -25,9 +25,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
-from dcr.delta.records import Encoding, Item, Span
 from dcr.errors import ConfigError
+from dcr.tensors.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.tensors.records import Encoding, Item, Span
 
 __all__ = [
     "BODY_PREAMBLE",
@@ -193,8 +193,8 @@ class Items(Sequence[Item]):
     that is not a run, concatenated, and one concatenated value array per word width, with
     per-item offsets.
 
-    Indexing or iterating yields :class:`~dcr.delta.records.Item` objects whose ``indices`` and
-    ``values`` are views of those arrays, or, for a run, a :class:`~dcr.delta.records.Span`
+    Indexing or iterating yields :class:`~dcr.tensors.records.Item` objects whose ``indices`` and
+    ``values`` are views of those arrays, or, for a run, a :class:`~dcr.tensors.records.Span`
     (made on demand, so decoding costs no Python object per item and no index per run entry).
     The arrays are the decoder's own (never views of the received bytes).
     """
@@ -337,7 +337,7 @@ _EMPTY: dict[int, npt.NDArray[np.unsignedinteger[Any]]] = {
 class Payload:
     """A fully validated, decoded payload; items keep their encoded order.
 
-    ``items`` is a sequence of :class:`~dcr.delta.records.Item`; the decoder returns an
+    ``items`` is a sequence of :class:`~dcr.tensors.records.Item`; the decoder returns an
     :class:`Items` (compact arrays, item views made on demand).
     """
 

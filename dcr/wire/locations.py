@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dcr.delta.records import Span
 from dcr.errors import ConfigError, PayloadRejected
+from dcr.tensors.records import Span
 
 __all__ = [
     "GAP_WIDTHS",

@@ -43,9 +43,7 @@ def _store(endpoint: S3Endpoint, bucket: str, key: str | None = None, **kw: Any)
     )
 
 
-@pytest.mark.parametrize(
-    ("server", "examples", "steps"), [("moto", 20, 20), ("seaweedfs", 8, 15)]
-)
+@pytest.mark.parametrize(("server", "examples", "steps"), [("moto", 20, 20), ("seaweedfs", 8, 15)])
 def test_conformance_machine(
     server: str, examples: int, steps: int, request: pytest.FixtureRequest
 ) -> None:

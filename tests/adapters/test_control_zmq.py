@@ -23,6 +23,7 @@ import zmq.asyncio
 import zmq.auth
 
 from dcr.adapters.commit import SqliteCommitStore
+from dcr.adapters.control.codec import FORMAT_VERSION, ControlCodec
 from dcr.adapters.control.zmq import (
     COORDINATOR,
     LINK_MESSAGES,
@@ -39,7 +40,6 @@ from dcr.adapters.registry import load
 from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
 from dcr.testing.control import CHECKS, EXAMPLES, ControlHarness, Inbox, run_check
-from dcr.wire.control import FORMAT_VERSION, ControlCodec
 
 pytestmark = pytest.mark.anyio
 

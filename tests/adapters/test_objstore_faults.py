@@ -67,9 +67,7 @@ def bucket(moto_s3: S3Endpoint) -> str:
 
 
 @pytest.fixture
-def world(
-    moto_s3: S3Endpoint, bucket: str, request: pytest.FixtureRequest
-) -> Iterator[World]:
+def world(moto_s3: S3Endpoint, bucket: str, request: pytest.FixtureRequest) -> Iterator[World]:
     plan: StorageFaults = request.param
     cfg = tiny_config(FAMILY)
     w0 = random_state_dict(cfg, FAMILY, seed=0)

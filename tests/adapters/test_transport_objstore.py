@@ -146,9 +146,7 @@ def _key(attempt: int, owner: str, pid: int) -> PayloadKey:
     return PayloadKey(attempt=attempt, owner=owner, payload_id=pid)
 
 
-async def _collect(
-    transport: Transport, name: str, got: list[Delivery], take: bool = True
-) -> None:
+async def _collect(transport: Transport, name: str, got: list[Delivery], take: bool = True) -> None:
     async for d in transport.subscribe(name):
         got.append(d)
         if take:

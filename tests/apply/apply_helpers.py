@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
-from dcr.delta.bits import bits, changed_indices
-from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.models.families import random_state_dict, tiny_config
+from dcr.tensors.bits import bits, changed_indices
+from dcr.tensors.records import Encoding, Item, TensorSpec
 
 # Bit patterns float comparisons get wrong: ±0, NaN payloads (quiet, signalling, negative),
 # ±inf, subnormals.

@@ -16,11 +16,11 @@ import pytest
 import torch
 from apply_helpers import bit_diff, catalog_of, snapshot
 
-from dcr.apply import Loader, Receiver
-from dcr.delta.bits import bits, numpy_bits_dtype
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, Loader
 from dcr.errors import DcrError, LoaderConditionViolated, PayloadRejected
+from dcr.tensors.bits import bits, numpy_bits_dtype
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")
@@ -87,10 +87,10 @@ def _base() -> dict[str, torch.Tensor]:
 BASE = _base()
 
 
-def _ready() -> tuple[Faulty, Receiver]:
+def _ready() -> tuple[Faulty, Applier]:
     loader = Faulty()
     loader.dense_load(BASE)
-    receiver = Receiver(loader, catalog_of(BASE))
+    receiver = Applier(loader, catalog_of(BASE))
     receiver.prewarm()
     return loader, receiver
 

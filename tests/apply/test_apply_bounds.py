@@ -17,12 +17,12 @@ import pytest
 import torch
 from apply_helpers import bit_diff, catalog_of, dense_reference, snapshot
 
-from dcr.apply import ApplyReport, Receiver
-from dcr.delta.bits import bits, numpy_bits_dtype
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, ApplyReport
 from dcr.errors import PayloadRejected
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import apply_to_state_dict
+from dcr.tensors.bits import bits, numpy_bits_dtype
+from dcr.tensors.records import Encoding, Item
 
 FAMILY = "llama"
 CONFIG = tiny_config(FAMILY)
@@ -88,9 +88,9 @@ def base() -> dict[str, torch.Tensor]:
     return random_state_dict(CONFIG, FAMILY, seed=0)
 
 
-def _receiver(w0: dict[str, torch.Tensor]) -> tuple[Receiver, torch.nn.Module]:
+def _receiver(w0: dict[str, torch.Tensor]) -> tuple[Applier, torch.nn.Module]:
     loader = dense_reference(CONFIG, FAMILY, w0, 1, 0, extra=False)
-    receiver = Receiver(loader, catalog_of(w0))
+    receiver = Applier(loader, catalog_of(w0))
     receiver.prewarm()
     return receiver, loader.module
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
+from dcr.apply import Applier, ApplyConfig
 from dcr.apply.pages import HUGE_PAGE, advise_huge_pages
-from dcr.delta.bits import bits
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.models.modules import module_from_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item, TensorSpec
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -61,7 +61,7 @@ def test_a_receiver_on_huge_pages_applies_bit_exact(huge: bool) -> None:
     w0 = _weights()
     w1 = {n: (t.float() * 1.01).to(torch.bfloat16) for n, t in w0.items()}
     module = module_from_state_dict(w0)
-    receiver = Receiver(
+    receiver = Applier(
         TorchModuleLoader(module),
         {n: TensorSpec.of(n, t) for n, t in w0.items()},
         ApplyConfig(huge_pages=huge),

@@ -1,6 +1,6 @@
 """Several payloads in one call: each all or nothing, written while the next one is planned.
 
-``Receiver.apply_payloads`` must end exactly where one ``apply_items`` call per payload ends,
+``Applier.apply_payloads`` must end exactly where one ``apply_items`` call per payload ends,
 whatever the thread count, with the C kernels and without; a payload that fails leaves the
 ones before it applied and none after it.
 """
@@ -15,10 +15,10 @@ import torch
 from apply_helpers import bit_diff, catalog_of, make_items, snapshot
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
+from dcr.apply import Applier, ApplyConfig
 from dcr.apply.writes import CHUNK
-from dcr.delta.records import Item
 from dcr.errors import PayloadRejected
+from dcr.tensors.records import Item
 
 pytestmark = pytest.mark.usefixtures("both_paths")
 
@@ -42,15 +42,15 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 OLD, NEW = _state(0), _state(1)
 
 
-def _receiver(threads: int | None = None) -> Receiver:
+def _receiver(threads: int | None = None) -> Applier:
     loader = TorchModuleLoader(Model())
     loader.dense_load(OLD)
-    receiver = Receiver(loader, catalog_of(OLD), ApplyConfig(threads=threads))
+    receiver = Applier(loader, catalog_of(OLD), ApplyConfig(threads=threads))
     receiver.prewarm()
     return receiver
 
 
-def _payloads(receiver: Receiver, parts: int) -> list[list[Item]]:
+def _payloads(receiver: Applier, parts: int) -> list[list[Item]]:
     """The update cut into ``parts`` payloads: every item split by index range."""
     payloads: list[list[Item]] = [[] for _ in range(parts)]
     for item in make_items(OLD, NEW, receiver.xor_allowed()):

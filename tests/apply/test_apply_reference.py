@@ -19,20 +19,20 @@ from apply_helpers import (
 )
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, padded_vocab
-from dcr.apply import ApplyConfig, CopyStrategy, PathKind, PlaceholderScheme, Receiver
-from dcr.apply.receiver import xor_allowed_across
-from dcr.delta.bits import bits
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, ApplyConfig, CopyStrategy, PathKind, PlaceholderScheme
+from dcr.apply.applier import xor_allowed_across
 from dcr.models.families import FAMILIES
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item
 
 TP_SIZES = (1, 2, 3, 4)
 
 
-def _ranks(family: str, tp: int, sd: dict[str, torch.Tensor], **kw: object) -> list[Receiver]:
+def _ranks(family: str, tp: int, sd: dict[str, torch.Tensor], **kw: object) -> list[Applier]:
     config = tp_config(family, tp)
     out = []
     for rank in range(tp):
-        receiver = Receiver(
+        receiver = Applier(
             dense_reference(config, family, sd, tp, rank), catalog_of(sd), ApplyConfig(**kw)
         )
         receiver.prewarm()
@@ -113,7 +113,7 @@ def test_prewarm_changes_no_bit_and_is_idempotent(family: str) -> None:
     w0 = base_state_dict(config, family)
     loader = dense_reference(config, family, w0, 4, 3)
     before = snapshot(loader.module)
-    receiver = Receiver(loader, catalog_of(w0))
+    receiver = Applier(loader, catalog_of(w0))
     first = receiver.prewarm()
     assert bit_diff(snapshot(loader.module), before) == []
     assert receiver.prewarm() is first

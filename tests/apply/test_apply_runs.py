@@ -1,6 +1,6 @@
 """Run items (a dense refit's form) apply as block writes with the bits of listed items.
 
-An item whose indices are one run (:class:`~dcr.delta.records.Span`) reaches a receiver with
+An item whose indices are one run (:class:`~dcr.tensors.records.Span`) reaches a receiver with
 no index per entry; through a bit-preserving copy it becomes block copies (overwrite) or block
 read-modify-writes (XOR, ULP) in resident storage, while casts and transforming paths keep
 their own paths.  Every test compares the stored bits (integer views) with the same entries
@@ -25,16 +25,16 @@ from apply_helpers import (
     update,
 )
 
-import dcr.apply.receiver as receiver_module
+import dcr.apply.applier as receiver_module
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
+from dcr.apply import Applier, ApplyConfig
 from dcr.apply.geometry import IndexMap, ViewGeometry
-from dcr.delta.bits import bits
-from dcr.delta.ordered import ULP_DTYPES, ulp_delta
-from dcr.delta.records import Encoding, Item, Span
 from dcr.errors import LoaderConditionViolated, PayloadRejected
 from dcr.models.families import FAMILIES
 from dcr.models.modules import module_from_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ULP_DTYPES, ulp_delta
+from dcr.tensors.records import Encoding, Item, Span
 
 pytestmark = pytest.mark.usefixtures("both_paths")
 
@@ -110,8 +110,8 @@ def test_runs_give_the_bits_of_listed_items_and_of_a_dense_load(
     w1 = update(w0, rate=0.5, seed=tp)
     rng = None if whole else np.random.default_rng(tp + 10 * relative)
     for rank in range(tp):
-        by_run = Receiver(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
-        by_list = Receiver(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_run = Applier(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_list = Applier(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
         by_run.prewarm()
         by_list.prewarm()
         allowed = by_run.xor_allowed() if relative else frozenset()
@@ -134,7 +134,7 @@ def test_a_dense_run_writes_blocks_and_lists_no_index(monkeypatch: pytest.Monkey
     allocates nothing near one index (8 bytes) per entry."""
     n = 1 << 22
     w0 = {"w": torch.zeros(n, dtype=torch.bfloat16)}
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
     receiver.prewarm()
     values = np.random.default_rng(0).integers(0, 1 << 16, n, dtype=np.uint16)
     item = Item(
@@ -169,7 +169,7 @@ def test_runs_through_a_cast_and_a_transforming_path() -> None:
     norm = "model.norm.weight"
     names = [norm, A_LOG]
     for rank in range(2):
-        receiver = Receiver(dense_reference(config, "qwen3", w0, 2, rank), catalog_of(w0))
+        receiver = Applier(dense_reference(config, "qwen3", w0, 2, rank), catalog_of(w0))
         receiver.prewarm()
         items = [i for i in _runs(w0, w1, frozenset()) if i.name in names]
         report = receiver.apply_items(items, attempt=1)
@@ -185,7 +185,7 @@ def test_post_apply_checks_on_blocks() -> None:
     w1 = update(w0, rate=0.5, seed=4)
     for rank in range(2):
         loader = dense_reference(config, "llama", w0, 2, rank)
-        receiver = Receiver(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
+        receiver = Applier(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
         receiver.prewarm()
         items = _runs(w0, w1, receiver.xor_allowed())
         report = receiver.apply_items(items, attempt=1)
@@ -202,7 +202,7 @@ def test_the_post_apply_check_catches_a_wrong_block_write(
     import dcr.apply.writes as writes
 
     w0 = {"w": torch.zeros(64, dtype=torch.bfloat16)}
-    receiver = Receiver(
+    receiver = Applier(
         TorchModuleLoader(module_from_state_dict(w0)),
         catalog_of(w0),
         ApplyConfig(post_apply_checks=True),
@@ -229,7 +229,7 @@ def test_the_post_apply_check_catches_a_wrong_block_write(
 
 def test_runs_of_one_tensor_join_and_bad_runs_change_nothing() -> None:
     w0 = {"a": torch.zeros(40, dtype=torch.bfloat16), "b": torch.zeros(8, dtype=torch.bfloat16)}
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
     receiver.prewarm()
 
     def run(name: str, start: int, values: list[int], enc: Encoding = Encoding.OVERWRITE) -> Item:

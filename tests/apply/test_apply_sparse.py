@@ -22,9 +22,9 @@ from apply_helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import CopyStrategy, Loader, Receiver
-from dcr.delta.bits import bits
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, CopyStrategy, Loader
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")
@@ -132,7 +132,7 @@ def test_xor_items_on_large_tensors_touch_only_their_entries() -> None:
     module = Big(ROWS, COLS)
     loader = Views(module)
     loader.dense_load(sd)
-    receiver = Receiver(loader, catalog_of(sd))
+    receiver = Applier(loader, catalog_of(sd))
     receiver.prewarm()
     strategies = {c.strategy for p in receiver.paths.values() for c in p.copies}
     assert strategies == {CopyStrategy.SPARSE}
@@ -166,7 +166,7 @@ def test_sharded_overwrite_items_are_sparse_too(tp: int) -> None:
     w0 = base_state_dict(config, family)
     w1 = update(w0, rate=0.001, seed=4, specials=0)
     loader = dense_reference(config, family, w0, tp, tp - 1)
-    receiver = Receiver(loader, catalog_of(w0))
+    receiver = Applier(loader, catalog_of(w0))
     receiver.prewarm()
     items = [i for i in make_items(w0, w1, frozenset()) if i.name != "model.layers.0.mixer.A_log"]
     trace = LargestTouch()
@@ -203,7 +203,7 @@ def test_a_broadcast_source_takes_the_enumerating_strategy() -> None:
     bits(w1["bias"])[[1, 4]] ^= np.uint16(0x8000)
     loader = Broadcast()
     loader.dense_load(w0)
-    receiver = Receiver(loader, catalog_of(w0))
+    receiver = Applier(loader, catalog_of(w0))
     receiver.prewarm()
     assert receiver.paths["bias"].copies[0].strategy is CopyStrategy.ENUMERATE
     assert receiver.xor_allowed() == {"bias"}
@@ -227,7 +227,7 @@ def test_nan_through_a_cast_is_converted_in_the_destination_layout() -> None:
     bits(w1["x"])[[2, 16]] = np.uint16(0x7C01)  # a signalling NaN, in the body and in the tail
     module = Wide()
     TorchModuleLoader(module).dense_load(w0)
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(w0))
     receiver.prewarm()
     report = receiver.apply_items(make_items(w0, w1, receiver.xor_allowed()))
     assert report.items[0].dense

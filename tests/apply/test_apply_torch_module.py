@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import PathKind, Receiver
-from dcr.delta.bits import bits, numpy_bits_dtype
-from dcr.delta.records import Encoding
+from dcr.apply import Applier, PathKind
 from dcr.errors import ConfigError, PayloadRejected
+from dcr.tensors.bits import bits, numpy_bits_dtype
+from dcr.tensors.records import Encoding
 
 
 class Tiny(torch.nn.Module):
@@ -57,7 +57,7 @@ def test_refit_equals_dense_load(rate: float) -> None:
     w0 = _state_dict(0)
     w1 = _tied_update(w0, seed=1, rate=rate)
     module = _dense(w0, norm_dtype=torch.float32)
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(w0))
     receiver.prewarm()
     paths = receiver.paths
     assert paths["proj"].kind is PathKind.PRESERVING
@@ -72,7 +72,7 @@ def test_refit_equals_dense_load(rate: float) -> None:
 def test_xor_on_a_tied_name_is_rejected() -> None:
     w0 = _state_dict(0)
     module = _dense(w0)
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(w0))
     receiver.prewarm()
     w1 = _tied_update(w0, seed=2, rate=0.1)
     (item,) = [i for i in make_items(w0, w1, {"embed"}) if i.name == "embed"]
@@ -94,7 +94,7 @@ def test_unknown_names_are_not_loaded_or_reported() -> None:
 def test_a_catalog_name_the_module_lacks_is_a_native_skip() -> None:
     w0 = _state_dict(0)
     w0["other_rank.weight"] = torch.ones(4, dtype=torch.bfloat16)
-    receiver = Receiver(
+    receiver = Applier(
         TorchModuleLoader(_dense({k: v for k, v in w0.items() if k != "other_rank.weight"})),
         catalog_of(w0),
     )
@@ -147,7 +147,7 @@ def _property(case: tuple[object, ...]) -> None:
     w1 = update(w0, rate=rate, seed=seed + 1)
     module = One(shape, resident)
     TorchModuleLoader(module).dense_load(w0)
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(w0))
     receiver.prewarm()
     preserving = resident == canonical
     assert receiver.xor_allowed() == ({"w", "b"} if preserving else set())
@@ -180,7 +180,7 @@ def test_property_xor_twice_restores_overwrite_twice_is_idempotent(
     w1 = update(w0, rate=0.4, seed=seed)
     module = One((5, 7), dtype)
     TorchModuleLoader(module).dense_load(w0)
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(w0))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(w0))
     receiver.prewarm()
     start = snapshot(module)
     xor = make_items(w0, w1, receiver.xor_allowed())

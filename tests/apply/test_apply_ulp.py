@@ -17,11 +17,11 @@ from apply_helpers import (
 
 import dcr.apply.writes as writes
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
-from dcr.delta.bits import bits, changed_indices, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES, ulp_delta
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, ApplyConfig
 from dcr.errors import LoaderConditionViolated
+from dcr.tensors.bits import bits, changed_indices, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES, ulp_delta
+from dcr.tensors.records import Encoding, Item
 
 FLOATS = sorted(ULP_DTYPES, key=str)
 
@@ -79,7 +79,7 @@ def test_ulp_items_give_the_new_bits_for_every_float(dtype: torch.dtype, check: 
     module = One(old.size, dtype)
     loader = TorchModuleLoader(module)
     loader.dense_load(w0)
-    receiver = Receiver(loader, catalog_of(w0), ApplyConfig(post_apply_checks=check))
+    receiver = Applier(loader, catalog_of(w0), ApplyConfig(post_apply_checks=check))
     receiver.prewarm()
     assert receiver.xor_allowed() == {"x"}
     idx = changed_indices(new, old)
@@ -109,7 +109,7 @@ def test_ulp_items_through_a_sharded_loader_equal_a_dense_load() -> None:
     w1 = update(w0, rate=0.05, seed=3)
     for rank in range(tp):
         loader = dense_reference(config, family, w0, tp, rank)
-        receiver = Receiver(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
+        receiver = Applier(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
         receiver.prewarm()
         items = []
         for name, t in w1.items():
@@ -143,7 +143,7 @@ def test_the_post_apply_check_catches_a_wrong_ulp_write(monkeypatch: pytest.Monk
     module = One(old.size, torch.bfloat16)
     loader = TorchModuleLoader(module)
     loader.dense_load(w0)
-    receiver = Receiver(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
+    receiver = Applier(loader, catalog_of(w0), ApplyConfig(post_apply_checks=True))
     receiver.prewarm()
     idx = changed_indices(new, old)
     item = Item(

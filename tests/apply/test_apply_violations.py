@@ -11,10 +11,10 @@ import torch
 from apply_helpers import bit_diff, catalog_of, make_items, snapshot
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import Loader, PathKind, Receiver
-from dcr.delta.bits import bits
-from dcr.delta.records import Encoding, Item
+from dcr.apply import Applier, Loader, PathKind
 from dcr.errors import LoaderConditionViolated, LoaderPathUnsupported, PayloadRejected
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item
 
 Write = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -69,9 +69,9 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 W0, W1 = _state(0), _state(1)
 
 
-def _ready(loader: Switchable) -> Receiver:
+def _ready(loader: Switchable) -> Applier:
     loader.dense_load(W0)
-    receiver = Receiver(loader, catalog_of(W0))
+    receiver = Applier(loader, catalog_of(W0))
     receiver.prewarm()
     loader.armed = True
     return receiver
@@ -255,7 +255,7 @@ def test_catalog_mismatch_is_rejected(change: dict[str, object], check: str) -> 
 
 
 def test_apply_before_prewarm_is_refused() -> None:
-    receiver = Receiver(Switchable(_copy), catalog_of(W0))
+    receiver = Applier(Switchable(_copy), catalog_of(W0))
     with pytest.raises(Exception, match="prewarm"):
         receiver.apply_item(_item())
 
@@ -266,7 +266,7 @@ def test_apply_before_prewarm_is_refused() -> None:
 def _unsupported(loader: Loader, check: str) -> None:
     before = snapshot(loader.module)
     with pytest.raises(LoaderPathUnsupported) as err:
-        Receiver(loader, catalog_of(W0)).prewarm()
+        Applier(loader, catalog_of(W0)).prewarm()
     assert err.value.check == check
     assert bit_diff(snapshot(loader.module), before) == []
 
@@ -333,7 +333,7 @@ def test_tied_module_both_names_preserving_but_not_xor_allowed() -> None:
     module.a = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16))
     module.b = module.a
     sd = {"a": torch.ones(3, 2, dtype=torch.bfloat16), "b": torch.ones(3, 2, dtype=torch.bfloat16)}
-    receiver = Receiver(TorchModuleLoader(module), catalog_of(sd))
+    receiver = Applier(TorchModuleLoader(module), catalog_of(sd))
     receiver.prewarm()
     assert {p.kind for p in receiver.paths.values()} == {PathKind.PRESERVING}
     assert receiver.xor_allowed() == frozenset()

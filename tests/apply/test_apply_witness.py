@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
-from dcr.delta.bits import bits
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item, TensorSpec
+from dcr.apply import Applier, ApplyConfig
 from dcr.errors import LoaderConditionViolated
 from dcr.models.modules import module_from_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item, TensorSpec
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")
@@ -42,11 +42,11 @@ def _item(name: str, old: torch.Tensor, new: torch.Tensor, lo: int, hi: int) -> 
     )
 
 
-def _setup() -> tuple[Receiver, torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _setup() -> tuple[Applier, torch.nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     w0 = _weights()
     w1 = {n: (t.float() * 1.01).to(torch.bfloat16) for n, t in w0.items()}
     module = module_from_state_dict(w0)
-    receiver = Receiver(
+    receiver = Applier(
         TorchModuleLoader(module), {n: TensorSpec.of(n, t) for n, t in w0.items()}, ApplyConfig()
     )
     receiver.dense_load(w0)

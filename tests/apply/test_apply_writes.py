@@ -11,7 +11,7 @@ from apply_helpers import catalog_of
 
 from dcr import native
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import ApplyConfig, Receiver
+from dcr.apply import Applier, ApplyConfig
 from dcr.apply.geometry import IndexMap
 from dcr.apply.writes import (
     CHUNK,
@@ -23,10 +23,10 @@ from dcr.apply.writes import (
     _write_torch,
     default_threads,
 )
-from dcr.delta.bits import bits
-from dcr.delta.ordered import ordered, unordered
-from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ordered, unordered
+from dcr.tensors.records import Encoding, Item
 
 
 @pytest.mark.parametrize("writer", ["numpy", "torch"])
@@ -72,9 +72,7 @@ def test_chunks_on_several_threads_give_the_same_bits(threads: int) -> None:
     module = Wide(n)
     loader = TorchModuleLoader(module)
     loader.dense_load(w0)
-    receiver = Receiver(
-        loader, catalog_of(w0), ApplyConfig(threads=threads, post_apply_checks=True)
-    )
+    receiver = Applier(loader, catalog_of(w0), ApplyConfig(threads=threads, post_apply_checks=True))
     receiver.prewarm()
     assert receiver.xor_allowed() == {"a"}  # b is stored as float32: overwrite only
     rng = np.random.default_rng(2)

@@ -17,15 +17,15 @@ import torch
 
 from dcr import StateDictSource, TrainLayout
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.apply.receiver import Receiver
 from dcr.bench.proof import KINDS, corrupt
-from dcr.delta import fingerprint
-from dcr.delta.fingerprint import element_hashes, h_reference, hash_view, owner_proof
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.records import TensorSpec
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, judge
+from dcr.tensors import fingerprint
+from dcr.tensors.fingerprint import element_hashes, h_reference, hash_view, owner_proof
+from dcr.tensors.records import TensorSpec
 
 A_LOG = "model.layers.0.mixer.A_log"
 EXTRA = {A_LOG: TensorSpec(name=A_LOG, shape=(8,), dtype=torch.float32)}
@@ -43,7 +43,7 @@ def _setup(family, tp_train, tp_serve, *, extra=None, seed=1):
         m = ShardedReferenceModel(cfg, family, tp_size=tp_serve, tp_rank=r, extra=extra)
         loader = ShardedReferenceLoader(m)
         loader.dense_load(sd)
-        rx = Receiver(loader, src.catalog)
+        rx = Applier(loader, src.catalog)
         rx.prewarm()
         receivers[f"r{r}"] = rx
     return cfg, sd, src, group, receivers

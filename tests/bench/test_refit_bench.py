@@ -51,8 +51,15 @@ def _events() -> list[dict[str, Any]]:
     interval of another attempt (4) that must not count."""
     return [
         _event("coordinator", "transition", 10.1, base=0),
-        _event("coordinator", "ended", 12.3, base=0, record=1, outcome="committed",
-               attempts=[{"attempt": 5, "mode": "mixed"}]),
+        _event(
+            "coordinator",
+            "ended",
+            12.3,
+            base=0,
+            record=1,
+            outcome="committed",
+            attempts=[{"attempt": 5, "mode": "mixed"}],
+        ),
         _event("o0", "publish", 10.0, version=1),
         _event("o1", "publish", 10.05, version=1),
         _event("o0", "built", 10.6, attempt=5, rank=0, start=10.3, end=10.6),
@@ -91,11 +98,9 @@ def test_timings_of_a_relay_refit_from_its_events() -> None:
 def test_phases_stay_consecutive_when_an_owner_builds_before_another_staged() -> None:
     """o1 built its first bucket ahead of the prepare (10.15) before o0 finished staging
     (10.2): admission is 0, streaming starts when staging ended, the phases still add up."""
-    events = [
-        e
-        for e in _events()
-        if not (e["event"] == "built" and e["who"] == "o1")
-    ] + [_event("o1", "built", 10.3, attempt=5, rank=1, start=10.15, end=10.3)]
+    events = [e for e in _events() if not (e["event"] == "built" and e["who"] == "o1")] + [
+        _event("o1", "built", 10.3, attempt=5, rank=1, start=10.15, end=10.3)
+    ]
     (row,) = refit_timings(events, owners=("o0", "o1"), relayed=True)
     phases = row["phases"]
     assert phases == pytest.approx(
@@ -144,9 +149,7 @@ def test_cpu_seconds_by_role_between_the_events_around_the_window() -> None:
         _event("o1", "baseline", 11.9, cpu=3.4),
     ]
     cpu = cpu_by_role(events, 10.0, 12.0, ("o0", "o1"))
-    assert cpu == pytest.approx(
-        {"owners": 1.9, "receivers": 0.8, "coordinator": 0.3, "relay": 0.3}
-    )
+    assert cpu == pytest.approx({"owners": 1.9, "receivers": 0.8, "coordinator": 0.3, "relay": 0.3})
 
 
 def test_uncommitted_transitions_have_no_row() -> None:

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr.delta.bits import DTYPE_CODES, bits, bits_dtype, changed_indices, numpy_bits_dtype
 from dcr.errors import ConfigError
+from dcr.tensors.bits import DTYPE_CODES, bits, bits_dtype, changed_indices, numpy_bits_dtype
 
 DTYPES = sorted(DTYPE_CODES, key=str)
 

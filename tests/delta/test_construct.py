@@ -9,16 +9,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcr.delta.bits import bits
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, build_plan, stable_hash
 from dcr.delta.mapping import ColumnParallel, Replicated
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import LayoutError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import apply_to_state_dict, perturb, special_patterns
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")

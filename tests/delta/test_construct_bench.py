@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from dcr.bench.construct import run_construct_bench, synthetic_config
-from dcr.delta.bits import bits
 from dcr.delta.entropy import gap_xor_floor_bytes
 from dcr.models.families import random_state_dict
 from dcr.models.updates import perturb
+from dcr.tensors.bits import bits
 
 
 def test_rows_carry_the_gap_xor_floor_of_their_changed_elements():

@@ -11,17 +11,17 @@ from test_dist_group import canonical_of, scaled_plan
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
-from dcr.apply.receiver import Receiver
 from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.errors import DcrError
 from dcr.models.compare import bit_mismatches, module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
+from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader
@@ -48,7 +48,7 @@ def dense_payloads(group: TrainingGroup, attempt: int = 1) -> list[bytes]:
     return out
 
 
-def restore(receiver: Receiver, payloads: list[bytes]) -> None:
+def restore(receiver: Applier, payloads: list[bytes]) -> None:
     """Strictly decode and apply payloads in their declared order."""
     decoded = [
         decode_payload(p, catalog=receiver.catalog, xor_allowed=receiver.xor_allowed())
@@ -100,7 +100,7 @@ def test_dense_build_restores_garbage_receivers(family: str, layout: TrainLayout
     plan = build_plan(catalog, layout, family=family, config=cfg)
     group = LocalTrainingGroup(plan, plan.slice(w0))
     receivers = [
-        Receiver(loader, catalog)
+        Applier(loader, catalog)
         for loader in receivers_of(family, cfg, random_state_dict(cfg, family, seed=99))
     ]
     for r in receivers:
@@ -216,7 +216,7 @@ def test_dense_build_restores_a_residual_tensor() -> None:
     plan, v0 = scaled_plan(layout)
     group = LocalTrainingGroup(plan, v0)
     garbage = {"w": torch.randn(8, 6).to(torch.bfloat16), "b": torch.randn(6).to(torch.bfloat16)}
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(garbage)), plan.catalog)
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(garbage)), plan.catalog)
     receiver.prewarm()
     restore(receiver, dense_payloads(group))
     assert (

@@ -25,11 +25,11 @@ from dcr.delta.group import BucketStreams, LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, build_plan, stable_hash
 from dcr.delta.mapping import ColumnParallel, Replicated
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import Encoding, Mode, TensorSpec
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import DcrError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import perturb
+from dcr.tensors.records import Encoding, Mode, TensorSpec
 
 LAYOUT = TrainLayout(tp=2, dp=2)
 SMALL = BuildConfig(chunk_bytes=16 << 10, bucket_bytes=32 << 10)  # several buckets per owner

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.entropy import (
     floor_of_items,
     gap_xor_floor_bytes,
@@ -16,9 +15,10 @@ from dcr.delta.entropy import (
     order0_bits,
     xor_masks,
 )
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item
 from dcr.errors import ConfigError
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item
 
 
 def test_hand_computed_floor_of_one_item():

@@ -8,12 +8,12 @@ import pytest
 import torch
 from test_dist_group import canonical_of, scaled_plan
 
-from dcr.delta.bits import bits
 from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import TrainLayout
-from dcr.delta.records import Encoding, Item, Mode
 from dcr.errors import ConfigError
 from dcr.models.updates import apply_to_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Encoding, Item, Mode
 
 LAYOUT = TrainLayout(tp=2, dp=2)
 

@@ -25,9 +25,9 @@ from dcr.delta.mapping import (
     RowParallel,
     Tied,
 )
-from dcr.delta.records import TensorSpec
 from dcr.errors import LayoutError
 from dcr.models.families import canonical_shapes, tiny_config
+from dcr.tensors.records import TensorSpec
 
 
 def coded(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.delta.bits import bits_dtype, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES, add_ordered, ordered, ulp_delta, unordered
-from dcr.delta.records import Encoding
+from dcr.tensors.bits import bits_dtype, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES, add_ordered, ordered, ulp_delta, unordered
+from dcr.tensors.records import Encoding
 
 
 @pytest.mark.parametrize("width", [1, 2])

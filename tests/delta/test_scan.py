@@ -14,18 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcr.delta.owner as owner_module
-from dcr.delta import parallel
-from dcr.delta.bits import bits, changed_words
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.mapping import ColumnParallel, FusedQKV, GatedMLP, RowParallel, Tied
-from dcr.delta.ordered import ordered, unordered
 from dcr.delta.owner import BuildConfig, BuildStats
-from dcr.delta.parallel import ordered_map
-from dcr.delta.records import Encoding, Item, Mode, TensorSpec
 from dcr.errors import ConfigError
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.updates import apply_to_state_dict, perturb, special_patterns
+from dcr.tensors import parallel
+from dcr.tensors.bits import bits, changed_words
+from dcr.tensors.ordered import ordered, unordered
+from dcr.tensors.parallel import ordered_map
+from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
 
 # Every test runs with the C kernels and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("both_paths")

@@ -16,7 +16,7 @@ from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.control import MemoryControl
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
 from dcr.delta.owner import Bucket
 from dcr.engine import (
@@ -90,7 +90,7 @@ async def test_publish_builds_the_first_bucket_before_the_attempt_asks(
         store=store, baseline=base, build_ahead=ahead,
     )  # fmt: skip
     module = module_from_state_dict(trained)
-    receiver = Receiver(TorchModuleLoader(module), setup.catalog)
+    receiver = Applier(TorchModuleLoader(module), setup.catalog)
     receiver.prewarm()
     service = ReceiverService(
         name="r0", receiver=receiver, integration=setup, control=control, transport=transport,

@@ -21,9 +21,8 @@ from dcr.adapters.control import MemoryControl
 from dcr.adapters.control.base import EndpointLink
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.records import TensorSpec
 from dcr.engine import (
     Integration,
     OwnerService,
@@ -39,6 +38,7 @@ from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
 from dcr.protocol import messages as msg
 from dcr.protocol.types import Timeouts
+from dcr.tensors.records import TensorSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -100,7 +100,7 @@ async def test_a_receiver_of_another_checkpoint_names_what_differs(tmp_path: Pat
     assert (info.value.check, info.value.tensor) == ("catalog", NORM)
     assert f"{NORM}: bfloat16 [64] instead of float16 [64]" in str(info.value)
 
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(served)), serving_setup.catalog)
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(served)), serving_setup.catalog)
     receiver.prewarm()
     service = ReceiverService(
         name="r0", receiver=receiver, integration=serving_setup, control=control,

@@ -22,10 +22,9 @@ from dcr.adapters.control import MemoryControl
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
 from dcr.delta.owner import Bucket
-from dcr.delta.records import Encoding, TensorSpec
 from dcr.engine import (
     Integration,
     OwnerService,
@@ -40,6 +39,7 @@ from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.updates import perturb
 from dcr.protocol import messages as msg
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode, PayloadKey, Timeouts
+from dcr.tensors.records import Encoding, TensorSpec
 from dcr.wire.payload import decode_payload
 
 pytestmark = pytest.mark.anyio
@@ -66,13 +66,13 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return {n: t.to(torch.bfloat16) for n, t in state.items()}
 
 
-def _rank(state: dict[str, torch.Tensor] | None = None) -> Receiver:
+def _rank(state: dict[str, torch.Tensor] | None = None) -> Applier:
     """A prewarmed reference rank (TP 1), empty or holding ``state``."""
     if state is None:
         loader = ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY))
     else:
         loader = ShardedReferenceLoader.dense(CONFIG, FAMILY, state)
-    receiver = Receiver(loader, CATALOG)
+    receiver = Applier(loader, CATALOG)
     receiver.prewarm()
     return receiver
 
@@ -135,7 +135,7 @@ async def test_a_receiver_rejects_a_prepare_that_lets_through_a_name_it_refuses(
 
 
 async def test_a_receiver_not_prewarmed_reports_no_classification() -> None:
-    receiver = Receiver(ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY)), CATALOG)
+    receiver = Applier(ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY)), CATALOG)
     service = ReceiverService(
         name="r0", receiver=receiver, integration=_setup(), control=MemoryControl(),
         transport=MemoryTransport(), held=BASE,

@@ -22,7 +22,7 @@ from dcr.adapters.control import MemoryControl
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
-from dcr.apply.receiver import Receiver, xor_allowed_across
+from dcr.apply.applier import Applier, xor_allowed_across
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout
 from dcr.delta.owner import BuildConfig
@@ -114,7 +114,7 @@ async def _fleet(tmp_path: Path) -> None:
         source.plan, source.base_shards(), config=BuildConfig(chunk_bytes=4096, bucket_bytes=8192)
     )
     ranks = _ranks(cfg, v0)
-    receivers = {f"r{i}": Receiver(loader, source.catalog) for i, loader in enumerate(ranks)}
+    receivers = {f"r{i}": Applier(loader, source.catalog) for i, loader in enumerate(ranks)}
     for r in receivers.values():
         r.prewarm()
     integration = Integration(

@@ -12,7 +12,6 @@ from dcr import LocalRefit, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.faulty import Faults
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
-from dcr.delta.bits import bits
 from dcr.delta.owner import BuildConfig
 from dcr.engine.receiver import ReceiverHooks
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig, TransitionFailed
@@ -21,6 +20,7 @@ from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import perturb, special_patterns
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import Mode, TransitionOutcome
+from dcr.tensors.bits import bits
 
 SMALL = BuildConfig(chunk_bytes=4096, bucket_bytes=8192)  # several payloads per owner
 

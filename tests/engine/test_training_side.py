@@ -12,12 +12,12 @@ import pytest
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
 from dcr.delta.owner import Bucket, BuildConfig
-from dcr.delta.records import Encoding
 from dcr.engine import TrainingSide
 from dcr.errors import LayoutError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import perturb
 from dcr.protocol.types import Mode
+from dcr.tensors.records import Encoding
 
 FAMILY = "llama"
 

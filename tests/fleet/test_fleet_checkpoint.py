@@ -13,15 +13,15 @@ import torch
 from fleet_helpers import small_fleet
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.apply.receiver import Receiver
-from dcr.delta.bits import bits
 from dcr.errors import CheckpointError, ConfigError
 from dcr.fleet.checks import holds_request
 from dcr.fleet.config import load_fleet
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel
 from dcr.models.hf import write_checkpoint
+from dcr.tensors.bits import bits
 
 ENGINE = """
 [[engine]]
@@ -160,7 +160,7 @@ def test_the_fingerprint_check_catches_a_single_flipped_bit(tmp_path: Path) -> N
         loader = ShardedReferenceLoader.dense(
             model.config, model.family, state, tp_size=2, tp_rank=rank
         )
-        receiver = Receiver(loader, model.catalog)
+        receiver = Applier(loader, model.catalog)
         receiver.prewarm()
         ranks.append(receiver)
 

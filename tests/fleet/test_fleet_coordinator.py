@@ -15,7 +15,7 @@ from dcr.adapters.commit.memory import MemoryCommitStore
 from dcr.errors import CommitConflict
 from dcr.fleet.config import load_fleet
 from dcr.fleet.coordinator import FleetCoordinator
-from dcr.fleet.events import EventLog
+from dcr.fleet.eventlog import EventLog
 from dcr.fleet.launcher import Launcher, _Proc
 
 FLEET = """

@@ -134,9 +134,9 @@ ranks = 2
 [trainer.options]
 steps = 2
 checkpoint = "{trained}"
-engine_ready = "{tmp_path / 'ready.json'}"
-state_dir = "{tmp_path / 'state'}"
-events_dir = "{tmp_path / 'events'}"
+engine_ready = "{tmp_path / "ready.json"}"
+state_dir = "{tmp_path / "state"}"
+events_dir = "{tmp_path / "events"}"
 [[rollout]]
 name = "node0"
 receivers = [{{ name = "r0" }}]

@@ -10,11 +10,11 @@ import pytest
 from fleet_helpers import alive, small_fleet
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
-from dcr.delta.bits import bits
 from dcr.fleet.config import load_fleet
 from dcr.fleet.launcher import Fault, Launcher, default_faults
 from dcr.fleet.model import FleetModel, digests
 from dcr.models.synthetic import SyntheticRun
+from dcr.tensors.bits import bits
 
 
 def committed_versions(run_dir: Path) -> list[tuple[int, int]]:
@@ -174,7 +174,7 @@ def test_a_restarted_trainer_rank_resumes_from_its_checkpoint_bit_exactly(
 def test_a_flipped_bit_in_a_receiver_is_disproved_and_restored_bit_exactly(
     tmp_path: Path,
 ) -> None:
-    """Receiver r0 flips one stored bit right after it reported v1 (silent corruption, no
+    """Applier r0 flips one stored bit right after it reported v1 (silent corruption, no
     process dies).  The fingerprint at the next prepare catches it: r0 is disproved and
     restored by dense refit, the retry waits for it and commits v2 with it, and every
     receiver ends bit-exact;

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from dcr import join_trainer
-from dcr.delta.bits import bits
 from dcr.errors import ConfigError
 from dcr.fleet.checks import check_fingerprints, proof_from_json
 from dcr.fleet.config import free_port, load_fleet
 from dcr.fleet.launcher import Fault, Launcher
+from dcr.tensors.bits import bits
 
 PLUGINS = Path(__file__).parent / "plugins"
 STEPS = 3

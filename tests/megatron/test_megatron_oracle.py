@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.adapters.sources.megatron import MegatronSource, _Residual
-from dcr.apply.receiver import Receiver
-from dcr.delta.bits import bits
+from dcr.apply.applier import Applier
 from dcr.delta.mapping import AffineMapping, FusedQKV
-from dcr.delta.records import Mode
 from dcr.models.compare import bit_mismatches
 from dcr.models.modules import module_from_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Mode
 from dcr.testing.trainer import apply_payloads, build_payloads, spawn
 
 VOCAB = 1000
@@ -95,7 +95,7 @@ def _trainer(
     source = VARIANTS[variant](chunks, bridge)
     group = source.training_group()
     dense = mh.export(bridge, chunks, VOCAB)
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(dense)), source.catalog)
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(dense)), source.catalog)
     receiver.prewarm()
     out: dict[str, Any] = {"mismatches": [], "elements": [], "projected": 0, "errors": 0}
     out["translations"] = sorted(

@@ -21,9 +21,7 @@ REPORTS = {"r0": frozenset({NORM}), "r1": frozenset({NORM, A_LOG}), "r2": frozen
 def _prepares(w: World) -> list[tuple[tuple[str, ...], msg.Prepare]]:
     """Every prepare call of coordinator 1: the endpoints it went to, and the message."""
     return [
-        (c.to, c.message)
-        for c in w.commands(cmd.Call, "c1")
-        if isinstance(c.message, msg.Prepare)
+        (c.to, c.message) for c in w.commands(cmd.Call, "c1") if isinstance(c.message, msg.Prepare)
     ]
 
 

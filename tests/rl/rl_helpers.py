@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import torch
 
-from dcr.delta.bits import bits_dtype
 from dcr.rl.config import RLConfig
 from dcr.rl.grpo import Rollouts
 from dcr.rl.task import SymbolTask
+from dcr.tensors.bits import bits_dtype
 
 
 def sample_rollouts(model: torch.nn.Module, config: RLConfig, *, seed: int, step: int) -> Rollouts:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from rl_helpers import digest, sample_rollouts, tokens_digest
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply.receiver import Receiver
+from dcr.apply.applier import Applier
 from dcr.delta.mapping import Direct, SubTensor
 from dcr.errors import CheckpointError
 from dcr.models.modules import module_from_state_dict
@@ -78,7 +78,7 @@ class _DeltaRefit:
         self.policy, self.source, self.shared = policy, source, shared
         self.group = source.training_group()
         module = module_from_state_dict(policy.served_state_dict())
-        self.receiver = Receiver(TorchModuleLoader(module), source.catalog)
+        self.receiver = Applier(TorchModuleLoader(module), source.catalog)
         self.receiver.prewarm()  # on every rank: every owner needs the same XOR set
 
     def refit(self, step: int) -> bool:

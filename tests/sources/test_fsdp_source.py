@@ -18,13 +18,13 @@ import torch.distributed as dist
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.adapters.sources.fsdp import FsdpSource
-from dcr.apply.receiver import Receiver
-from dcr.delta.bits import bits
+from dcr.apply.applier import Applier
 from dcr.delta.mapping import SubTensor, Tied
-from dcr.delta.records import Mode
 from dcr.errors import ConfigError, LayoutError
 from dcr.models.compare import bit_mismatches
 from dcr.models.modules import module_from_state_dict
+from dcr.tensors.bits import bits
+from dcr.tensors.records import Mode
 from dcr.testing.trainer import apply_payloads, build_payloads, spawn
 
 BF16 = torch.bfloat16
@@ -58,8 +58,8 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _receiver(dense: dict[str, torch.Tensor], source: FsdpSource) -> Receiver:
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(dense, tied=TIED)), source.catalog)
+def _receiver(dense: dict[str, torch.Tensor], source: FsdpSource) -> Applier:
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(dense, tied=TIED)), source.catalog)
     receiver.prewarm()
     return receiver
 
@@ -154,7 +154,7 @@ def _mesh_trainer(rank: int, world: int, shared: str) -> dict[str, Any]:
     source = FsdpSource(module)
     group = source.training_group()
     dense = {n: p.full_tensor() for n, p in module.named_parameters()}  # type: ignore[operator]
-    receiver = Receiver(TorchModuleLoader(module_from_state_dict(dense)), source.catalog)
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(dense)), source.catalog)
     receiver.prewarm()
     # An update every replica applies identically: a function of the global position.
     with torch.no_grad():

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from dcr.delta.bits import bits
 from dcr.fleet.checks import check_fingerprints, proof_from_json
+from dcr.tensors.bits import bits
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
 STEPS = 3

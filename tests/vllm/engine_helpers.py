@@ -39,7 +39,7 @@ from dcr.adapters.faulty import FaultLog, Faults, FaultyTransport
 from dcr.delta.group import LocalTrainingGroup
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.fleet.config import FleetConfig, free_port, load_fleet
-from dcr.fleet.events import EventReader
+from dcr.fleet.eventlog import EventReader
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.models.hf import write_checkpoint
@@ -218,7 +218,7 @@ class EngineServer:
         """``r<rank>/<name>`` -> integer view of the stored bits, every worker."""
         import base64
 
-        from dcr.delta.bits import numpy_bits_dtype
+        from dcr.tensors.bits import numpy_bits_dtype
 
         out = {}
         for rank, tensors in enumerate(self._call("/dcr/parameters", None, 120.0)["ranks"]):

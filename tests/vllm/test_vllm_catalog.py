@@ -30,13 +30,13 @@ from engine_helpers import (
 )
 from vllm_helpers import Checkpoint
 
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
 from dcr.fleet.config import free_port, load_fleet
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel, sized_config
 from dcr.models.hf import write_checkpoint
 from dcr.models.synthetic import SyntheticRun
+from dcr.tensors.records import TensorSpec
 
 pytestmark = pytest.mark.vllm
 

@@ -19,12 +19,12 @@ import pytest
 from engine_helpers import OVERRIDES
 from test_vllm_catalog import ENGINE, _fleet_file
 
-from dcr.delta.bits import bits
 from dcr.fleet.config import load_fleet
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import sized_config
 from dcr.models.hf import write_checkpoint
 from dcr.models.synthetic import SyntheticRun
+from dcr.tensors.bits import bits
 
 pytestmark = pytest.mark.vllm
 
@@ -56,7 +56,7 @@ def test_an_engine_joining_with_a_slightly_wrong_checkpoint_is_disproved_and_res
     served = write_checkpoint(tmp_path / "v0-wrong", config, FAMILY, wrong)
     # The fleet's catalog and trainer are version 0 as it should be; the engine serves the
     # wrong export and claims version 0.
-    engine = ENGINE.replace('plain_weights = true', f'plain_weights = true\nmodel = "{served}"')
+    engine = ENGINE.replace("plain_weights = true", f'plain_weights = true\nmodel = "{served}"')
     cfg = load_fleet(_fleet_file(tmp_path / "fleet", good, engine=engine))
     assert cfg.proof is not None and not cfg.proof.fingerprint_each_commit
     report = Launcher(cfg, deadline_s=900).run()

@@ -29,10 +29,10 @@ from vllm_helpers import (
 )
 
 from dcr.adapters.loaders.vllm import VllmLoader, find_repacked, vllm_distributed
-from dcr.delta.bits import bits
 from dcr.errors import ConfigError, LoaderPathUnsupported
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.hf import read_checkpoint, write_checkpoint
+from dcr.tensors.bits import bits
 
 pytestmark = pytest.mark.vllm
 
@@ -296,7 +296,7 @@ def test_unknown_name_is_converted_at_the_boundary(
 
 def test_importing_dcr_and_the_adapter_does_not_import_vllm() -> None:
     code = (
-        "import sys, dcr, dcr.adapters.loaders.vllm, dcr.models.hf, dcr.apply.receiver\n"
+        "import sys, dcr, dcr.adapters.loaders.vllm, dcr.models.hf, dcr.apply.applier\n"
         "bad = sorted(m for m in ('vllm', 'transformers', 'safetensors') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

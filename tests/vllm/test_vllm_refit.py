@@ -1,7 +1,7 @@
 """In-place delta refit through vLLM's real native loader on CPU (paper §6, G1).
 
 Each test loads checkpoint W0 into vLLM's model class, applies the items of W0 -> W1 in place
-through a :class:`~dcr.apply.receiver.Receiver`, then builds a fresh model of the same class from
+through a :class:`~dcr.apply.applier.Applier`, then builds a fresh model of the same class from
 the W1 checkpoint and compares every parameter and buffer bit for bit.
 """
 
@@ -24,11 +24,11 @@ from vllm_helpers import (
 )
 
 from dcr.adapters.loaders.vllm import VllmLoader, build_vllm_model
-from dcr.apply.receiver import PathKind, Receiver, xor_allowed_across
-from dcr.delta.bits import bits, changed_indices
-from dcr.delta.records import Encoding, Item, TensorSpec
+from dcr.apply.applier import Applier, PathKind, xor_allowed_across
 from dcr.errors import LoaderPathUnsupported
 from dcr.models.updates import perturb
+from dcr.tensors.bits import bits, changed_indices
+from dcr.tensors.records import Encoding, Item, TensorSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -117,8 +117,8 @@ def _catalog(sd: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {name: TensorSpec.of(name, t) for name, t in sd.items()}
 
 
-def _receiver(model: torch.nn.Module, sd: Mapping[str, torch.Tensor]) -> Receiver:
-    receiver = Receiver(VllmLoader(model), _catalog(sd))
+def _receiver(model: torch.nn.Module, sd: Mapping[str, torch.Tensor]) -> Applier:
+    receiver = Applier(VllmLoader(model), _catalog(sd))
     receiver.prewarm()
     return receiver
 
@@ -267,7 +267,7 @@ def test_prewarm_changes_no_resident_bit(
     model = build_model(ck.path)
     before = snapshot(model)
     pointers = {name: t.data_ptr() for name, t in storage_items(model)}
-    receiver = Receiver(VllmLoader(model), _catalog(ck.state_dict))
+    receiver = Applier(VllmLoader(model), _catalog(ck.state_dict))
     report = receiver.prewarm()
     assert report.names == len(ck.state_dict)
     assert snapshot_mismatches(model, before) == []
@@ -328,7 +328,7 @@ def test_tied_lm_head_in_the_catalog_is_rejected_at_prewarm(
     model = build_model(ck.path)
     before = snapshot(model)
     with pytest.raises(LoaderPathUnsupported) as info:
-        Receiver(VllmLoader(model), catalog).prewarm()
+        Applier(VllmLoader(model), catalog).prewarm()
     assert info.value.tensor == "lm_head.weight"
     assert snapshot_mismatches(model, before) == []
 
@@ -345,7 +345,7 @@ def test_prewarm_rejects_weights_repacked_by_the_cpu_engine(
     pack_what_stayed_plain(model)
     before = snapshot(model)
     with pytest.raises(LoaderPathUnsupported) as info:
-        Receiver(VllmLoader(model), _catalog(ck.state_dict)).prewarm()
+        Applier(VllmLoader(model), _catalog(ck.state_dict)).prewarm()
     assert info.value.check == "repacked"
     assert snapshot_mismatches(model, before) == []
 

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr.delta.bits import bits
+from dcr.tensors.bits import bits
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

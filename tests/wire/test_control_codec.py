@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcr.adapters.control.codec import FORMAT_VERSION, MAX_BYTES, ControlCodec, tag_of
 from dcr.errors import ConfigError, ControlMessageRejected, LocalProtocolError
 from dcr.protocol import messages as msg
 from dcr.protocol.types import CommitRecord
 from dcr.testing.control import EXAMPLES, message_strategy
-from dcr.wire.control import FORMAT_VERSION, MAX_BYTES, ControlCodec, tag_of
 
 CODEC = ControlCodec()
 FUZZ_MINIMUM = 10_000

@@ -22,10 +22,10 @@ import pytest
 import torch
 import zstandard
 
-from dcr.delta.records import Encoding, Item, TensorSpec
+from dcr.adapters.control.codec import ControlCodec
 from dcr.errors import ControlMessageRejected, PayloadRejected
 from dcr.protocol.messages import MESSAGES
-from dcr.wire.control import ControlCodec
+from dcr.tensors.records import Encoding, Item, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader

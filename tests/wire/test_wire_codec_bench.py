@@ -14,8 +14,8 @@ from dcr.bench.codec import (
     run_layout_bench,
     run_sparse_bench,
 )
-from dcr.delta.bits import bits
 from dcr.delta.entropy import gap_xor_floor_bytes
+from dcr.tensors.bits import bits
 
 
 def _changed_words(n: int, a: float) -> tuple[int, bytes]:

@@ -20,8 +20,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import ConfigError, PayloadRejected
+from dcr.tensors.records import Encoding, Item, TensorSpec
 from dcr.wire.decode import decode_payload, read_header
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import FLAG_BLAKE3, DecodeLimits, Payload, PayloadHeader, ValueLayout

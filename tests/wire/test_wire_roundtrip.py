@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import ConfigError
+from dcr.tensors.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.records import Encoding, Item, TensorSpec
 from dcr.wire.decode import decode_payload, read_header
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import HEADER_SIZE, PayloadHeader, ValueLayout

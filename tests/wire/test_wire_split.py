@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.delta.bits import bits
 from dcr.delta.entropy import gap_xor_floor_bytes
-from dcr.delta.ordered import ulp_delta
-from dcr.delta.records import Encoding, Item
+from dcr.tensors.bits import bits
+from dcr.tensors.ordered import ulp_delta
+from dcr.tensors.records import Encoding, Item
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import PayloadHeader
 from dcr.wire.split import (

@@ -17,10 +17,10 @@ import pytest
 import torch
 import zstandard
 
-from dcr.delta.bits import DTYPE_CODES, numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, Item, TensorSpec
 from dcr.errors import PayloadRejected
+from dcr.tensors.bits import DTYPE_CODES, numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.records import Encoding, Item, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_payload
 from dcr.wire.format import DecodeLimits, Items, PayloadHeader, ValueLayout

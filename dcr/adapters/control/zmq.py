@@ -24,7 +24,8 @@ Connection bookkeeping, kept small and explicit:
 Replies go to the one coordinator the endpoint is connected to (the one its configuration or
 the commit store names).  A call sent in the instant its endpoint dies can be lost; the cores
 tolerate lost messages.  Every received frame goes through
-:class:`~dcr.wire.control.ControlCodec`; a frame that fails to decode, has the wrong number of
+:class:`~dcr.adapters.control.codec.ControlCodec`;
+a frame that fails to decode, has the wrong number of
 parts, arrives in the wrong direction (a call at a coordinator, a reply at an endpoint) or, at
 a coordinator, names a sender other than its connection's routing id is dropped, changes
 nothing, and is counted in the receiving link's ``drops``:
@@ -68,9 +69,9 @@ from dcr.adapters.control.base import (
     CoordinatorLink,
     EndpointLink,
 )
+from dcr.adapters.control.codec import MAX_BYTES, ControlCodec
 from dcr.errors import CommitStoreError, ConfigError, ControlMessageRejected, LocalProtocolError
 from dcr.protocol import messages as msg
-from dcr.wire.control import MAX_BYTES, ControlCodec
 
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext

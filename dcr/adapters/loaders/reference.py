@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from dcr.apply.loader import Loader
-from dcr.delta.records import TensorSpec
 from dcr.errors import LayoutError
 from dcr.models.families import canonical_shapes, head_dim
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["ShardedReferenceLoader", "ShardedReferenceModel", "padded_vocab"]
 

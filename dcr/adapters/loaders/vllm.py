@@ -267,7 +267,7 @@ def build_vllm_model(
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from dcr.delta.bits import dtype_name
+    from dcr.tensors.bits import dtype_name
 
     path = os.fspath(checkpoint_dir)
     _ensure_distributed()

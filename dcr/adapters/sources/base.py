@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dcr.delta.layout import TrainingPlan
-from dcr.delta.records import TensorSpec
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["ShardSource", "Source"]
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from dcr.adapters.sources.sharded import LocalShard, RankSource
 from dcr.delta.mapping import AffineMapping, Direct, SubTensor, Tied
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["FsdpSource"]
 

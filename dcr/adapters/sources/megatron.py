@@ -50,8 +50,8 @@ from dcr.delta.mapping import (
     RowParallel,
     Tied,
 )
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError, DcrError, LayoutError
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["MegatronSource", "Translation"]
 

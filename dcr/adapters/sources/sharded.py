@@ -29,14 +29,14 @@ import torch.distributed as dist
 
 from dcr.adapters.sources.base import Source
 from dcr.delta import mapping as affine
-from dcr.delta.bits import DTYPE_CODES, dtype_name
 from dcr.delta.dist import DistTrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, stable_hash
 from dcr.delta.mapping import AffineMapping, Direct
 from dcr.delta.owner import BuildConfig
-from dcr.delta.records import TensorSpec
 from dcr.delta.residual import ResidualPart, ResidualTask
 from dcr.errors import ConfigError, LayoutError
+from dcr.tensors.bits import DTYPE_CODES, dtype_name
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["CONVERTED", "LocalShard", "RankSource", "decode_mapping", "encode_mapping"]
 

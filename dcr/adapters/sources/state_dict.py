@@ -9,8 +9,8 @@ import torch
 
 from dcr.adapters.sources.base import Source
 from dcr.delta.layout import TrainingPlan, TrainLayout, build_plan
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
+from dcr.tensors.records import TensorSpec
 
 __all__ = ["StateDictSource"]
 

@@ -49,9 +49,7 @@ _RETRYABLE = {errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ESTALE, errno.ETIMED
 
 
 def _error(exc: OSError, what: str) -> TransportError:
-    return TransportError(
-        f"{what}: {exc}", retryable=exc.errno in _RETRYABLE, check="storage"
-    )
+    return TransportError(f"{what}: {exc}", retryable=exc.errno in _RETRYABLE, check="storage")
 
 
 class DirectoryBackend(ObjectBackend):

@@ -401,7 +401,7 @@ def parameter_bits(
     """Integer views of the stored bits a worker's ``dcr_parameters`` returned."""
     import torch
 
-    from dcr.delta.bits import numpy_bits_dtype
+    from dcr.tensors.bits import numpy_bits_dtype
 
     return {
         name: np.frombuffer(data, dtype=numpy_bits_dtype(getattr(torch, dtype))).reshape(shape)

@@ -4,7 +4,7 @@ vLLM mixes :class:`DcrWorkerExtension` into each worker class when the engine is
 with ``worker_extension_cls=`` :data:`~dcr.integrations.vllm.EXTENSION`; the engine process
 then drives it with ``collective_rpc`` (see :mod:`dcr.integrations.vllm.engine`).
 ``dcr_join`` wraps the worker's model and its native ``load_weights`` in a
-:class:`~dcr.apply.receiver.Receiver` over the fleet's catalog (the fleet file's, or read from
+:class:`~dcr.apply.applier.Applier` over the fleet's catalog (the fleet file's, or read from
 the checkpoint directory the join names) and prewarms it in place: it refuses weights the CPU
 backend repacked and a catalog that does not fit the model (a tensor the model cannot load, a
 parameter no tensor writes).  It then starts, on an event loop in a thread of its own, the
@@ -45,9 +45,9 @@ from dcr.integrations.vllm.join import JoinSpec, error_to_wire
 from dcr.protocol.types import CommitRecord
 
 if TYPE_CHECKING:
-    from dcr.apply.receiver import Receiver
-    from dcr.delta.records import TensorSpec
+    from dcr.apply.applier import Applier
     from dcr.fleet.config import FleetConfig
+    from dcr.tensors.records import TensorSpec
 
 __all__ = ["DcrWorkerExtension"]
 
@@ -154,7 +154,7 @@ class DcrWorkerExtension:
     def dcr_parameters(self) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
         """Every parameter and buffer of this worker's model (under every name it has) as
         ``(dtype, shape, stored bytes)``, for bit-for-bit comparisons."""
-        from dcr.delta.bits import bits, dtype_name
+        from dcr.tensors.bits import bits, dtype_name
 
         model = self._dcr_model()
         out = {}
@@ -173,7 +173,7 @@ class DcrWorkerExtension:
         in UTF-8, the data's byte count (8 bytes, little-endian), then its stored bytes."""
         import torch
 
-        from dcr.delta.bits import dtype_name
+        from dcr.tensors.bits import dtype_name
 
         model = self._dcr_model()
         tensors = dict(
@@ -329,11 +329,11 @@ class DcrWorkerExtension:
             files = sorted(directory.glob("*.safetensors"))
         return files, catalog
 
-    def _dcr_prewarm(self, cfg: FleetConfig, threads: int | None) -> tuple[Receiver, Any]:
+    def _dcr_prewarm(self, cfg: FleetConfig, threads: int | None) -> tuple[Applier, Any]:
         """A receiver around this worker's model over the fleet's catalog, prewarmed; raises
         when the catalog does not fit the model (see :func:`dcr.catalog.uncovered_parameters`)."""
         from dcr.adapters.loaders.vllm import VllmLoader
-        from dcr.apply.receiver import ApplyConfig, Receiver
+        from dcr.apply.applier import Applier, ApplyConfig
         from dcr.catalog import uncovered_parameters
         from dcr.fleet.model import FleetModel
 
@@ -345,7 +345,7 @@ class DcrWorkerExtension:
             "checkpoint in the fleet file, join_fleet(checkpoint=...) or --catalog DIR"
         )
         config = ApplyConfig() if threads is None else ApplyConfig(threads=threads)
-        receiver = Receiver(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
+        receiver = Applier(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
         try:
             report = receiver.prewarm()
         except LoaderPathUnsupported as exc:

@@ -1,6 +1,6 @@
 """The receiver data plane: apply items in place through the native loader (paper §6.1).
 
-A :class:`Receiver` hands each item to the serving runtime's own loader as a scratch view in
+A :class:`Applier` hands each item to the serving runtime's own loader as a scratch view in
 canonical shape, under a dispatch hook that withholds the loader's writes into parameter and
 buffer storage.  Once the call has passed every loader condition (paper App. A.2), the hook's
 recorded copies are replayed as XOR or masked overwrite writes at the item's positions only,
@@ -63,9 +63,6 @@ from dcr.apply.writes import (
     plan_masked,
     plan_sparse,
 )
-from dcr.delta.bits import numpy_bits_dtype
-from dcr.delta.ordered import ULP_DTYPES
-from dcr.delta.records import Encoding, Item, Span, TensorSpec
 from dcr.errors import (
     ConfigError,
     DcrError,
@@ -73,6 +70,9 @@ from dcr.errors import (
     LoaderPathUnsupported,
     PayloadRejected,
 )
+from dcr.tensors.bits import numpy_bits_dtype
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.records import Encoding, Item, Span, TensorSpec
 
 __all__ = [
     "ApplyConfig",
@@ -82,7 +82,7 @@ __all__ = [
     "PathKind",
     "PlaceholderScheme",
     "PrewarmReport",
-    "Receiver",
+    "Applier",
     "xor_allowed_across",
 ]
 
@@ -193,7 +193,7 @@ class ApplyReport:
         )
 
 
-class Receiver:
+class Applier:
     """One rollout rank's in-place delta application through its native loader."""
 
     def __init__(
@@ -447,7 +447,7 @@ class Receiver:
         """Restore resident weights by a dense refit through the native loader (no hook).
 
         Raises :class:`LoaderPathUnsupported` if the load moved any resident storage: the
-        receiver then needs a new :class:`Receiver` (and prewarm) before it applies deltas.
+        receiver then needs a new :class:`Applier` (and prewarm) before it applies deltas.
         """
         self._loader.dense_load(state_dict)
         if self._guard is not None:
@@ -458,7 +458,7 @@ class Receiver:
 
     def _require_prewarm(self) -> tuple[StorageGuard, Scratch]:
         if self._guard is None or self._scratch is None:
-            raise ConfigError("call Receiver.prewarm() before applying items", check="prewarm")
+            raise ConfigError("call Applier.prewarm() before applying items", check="prewarm")
         return self._guard, self._scratch
 
     @staticmethod
@@ -987,7 +987,7 @@ class _Running:
     start: float
 
 
-def xor_allowed_across(receivers: Iterable[Receiver]) -> frozenset[str]:
+def xor_allowed_across(receivers: Iterable[Applier]) -> frozenset[str]:
     """Names every given receiver may take as XOR: what owners may XOR-encode (paper §5)."""
     allowed: frozenset[str] | None = None
     for receiver in receivers:

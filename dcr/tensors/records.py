@@ -17,9 +17,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import DTYPE_CODES, dtype_name, numpy_bits_dtype
 from dcr.errors import ConfigError
 from dcr.protocol.types import Mode  # one enum for the protocol core and the data plane
+from dcr.tensors.bits import DTYPE_CODES, dtype_name, numpy_bits_dtype
 
 __all__ = ["Encoding", "Item", "Mode", "Span", "TensorSpec"]
 
@@ -33,7 +33,7 @@ class Encoding(enum.IntEnum):
     """``stored = value`` (cast/transformed by the loader like a dense load would)."""
     ULP = 2
     """``stored = unordered(ordered(stored) + delta)`` modulo the word width
-    (:mod:`dcr.delta.ordered`); like XOR relative to the base, only on bit-preserving paths
+    (:mod:`dcr.tensors.ordered`); like XOR relative to the base, only on bit-preserving paths
     with no overlapping writes, and only for float dtypes."""
 
     @property

@@ -15,8 +15,8 @@ import numpy.typing as npt
 import torch
 
 from dcr import native
-from dcr.delta.ordered import ulp_delta
 from dcr.errors import ConfigError
+from dcr.tensors.ordered import ulp_delta
 
 __all__ = [
     "DTYPE_CODES",
@@ -181,9 +181,7 @@ _SLACK = 64
 """Entries the C scan may write past the changed count (whole-vector stores)."""
 
 
-def _scan_buffers(
-    n: int, dtype: np.dtype[Any]
-) -> tuple[npt.NDArray[np.uint32], UInt, UInt]:
+def _scan_buffers(n: int, dtype: np.dtype[Any]) -> tuple[npt.NDArray[np.uint32], UInt, UInt]:
     """This thread's output buffers of the C scan, for ``n`` entries (reused)."""
     key = f"scan{dtype.itemsize}"
     bufs: tuple[npt.NDArray[np.uint32], UInt, UInt] | None = getattr(_scratch, key, None)
@@ -200,7 +198,7 @@ def changed_values(
     """Where two 1-D bit views differ, and what construction sends there, in one pass.
 
     ``kind`` is ``"xor"`` (``new ^ old``), ``"ulp"`` (the ULP delta,
-    :func:`~dcr.delta.ordered.ulp_delta`), ``"new"`` (the new words) or ``"xor+new"`` (both:
+    :func:`~dcr.tensors.ordered.ulp_delta`), ``"new"`` (the new words) or ``"xor+new"`` (both:
     the second array holds the new words).  Returns sorted int64 positions, the values and the
     second array or ``None``; the arrays are new and exactly as long as the changed set.
     ``offset`` is added to every position.  Runs in C when :mod:`dcr.native` has its kernels

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from dcr.delta.parallel import default_threads
-from dcr.delta.records import TensorSpec
 from dcr.errors import ConfigError
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
+from dcr.tensors.parallel import default_threads
+from dcr.tensors.records import TensorSpec
 from dcr.wire.payload import DecodeLimits, ValueLayout
 
 __all__ = ["Integration", "attempt_from_json", "attempt_to_json", "default_limiter"]

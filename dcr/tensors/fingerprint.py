@@ -28,10 +28,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.bits import bits_dtype, numpy_bits_dtype
 from dcr.delta.owner import Owner
-from dcr.delta.parallel import default_threads
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, TensorProof
+from dcr.tensors.bits import bits_dtype, numpy_bits_dtype
+from dcr.tensors.parallel import default_threads
 
 __all__ = [
     "element_hashes",
