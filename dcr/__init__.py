@@ -21,11 +21,11 @@ if TYPE_CHECKING:
     from dcr.apply.applier import Applier as Applier
     from dcr.apply.applier import ApplyConfig as ApplyConfig
     from dcr.apply.loader import Loader as Loader
+    from dcr.delta.build import BuildConfig as BuildConfig
     from dcr.delta.dist import DistTrainingGroup as DistTrainingGroup
     from dcr.delta.group import LocalTrainingGroup as LocalTrainingGroup
     from dcr.delta.group import TrainingGroup as TrainingGroup
     from dcr.delta.layout import TrainLayout as TrainLayout
-    from dcr.delta.owner import BuildConfig as BuildConfig
     from dcr.errors import DcrError as DcrError
     from dcr.fleet.trainer import PublishReport as PublishReport
     from dcr.fleet.trainer import TrainerContext as TrainerContext
@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "ApplyConfig": "dcr.apply.applier",
-    "BuildConfig": "dcr.delta.owner",
+    "BuildConfig": "dcr.delta.build",
     "DcrError": "dcr.errors",
     "DistTrainingGroup": "dcr.delta.dist",
     "Encoding": "dcr.tensors.records",

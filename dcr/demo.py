@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dcr.fleet.config import load_fleet
-from dcr.fleet.launcher import Launcher, fault_plan
+from dcr.fleet.faults import fault_plan
+from dcr.fleet.launcher import Launcher
 
 __all__ = ["demo_fleet_file", "run_demo"]
 

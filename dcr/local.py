@@ -34,8 +34,8 @@ from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
 from dcr.apply.applier import Applier, ApplyConfig, xor_allowed_across
 from dcr.apply.loader import Loader
+from dcr.delta.build import Bucket, BuildConfig, BuildStats
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.owner import Bucket, BuildConfig, BuildStats
 from dcr.engine.cluster import AttemptSummary, LocalCluster, TransitionResult
 from dcr.engine.integration import Integration
 from dcr.engine.receiver import ReceiverHooks
@@ -46,8 +46,8 @@ from dcr.protocol.types import CommitRecord, Timeouts, TransitionOutcome
 from dcr.tensors.parallel import default_threads
 from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
-from dcr.wire.encode import encode_payload
-from dcr.wire.format import DecodeLimits, PayloadHeader, ValueLayout
+from dcr.wire.encode import encode_bucket
+from dcr.wire.format import DecodeLimits, ValueLayout
 
 __all__ = ["DataPlane", "LocalRefit", "RefitConfig", "RefitReport", "TransitionFailed"]
 
@@ -454,13 +454,13 @@ class DataPlane(_Base):
             out = []
             for seq, bucket in enumerate(buckets):
                 t = time.perf_counter()
-                header = PayloadHeader(
-                    attempt=attempt, owner=owner, payload_id=seq, final=bucket.final
-                )
                 out.append(
-                    encode_payload(
-                        header,
-                        bucket.items,
+                    encode_bucket(
+                        items=bucket.items,
+                        attempt=attempt,
+                        owner=owner,
+                        payload_id=seq,
+                        final=bucket.final,
                         level=self.config.zstd_level,
                         layout=self.config.value_layout,
                     )

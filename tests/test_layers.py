@@ -155,3 +155,64 @@ def test_no_product_module_imports_the_test_scaffolding() -> None:
             if _under(name, SCAFFOLDING):
                 offenders.append(f"{path.relative_to(ROOT.parent)}: {name}")
     assert not offenders, "product modules use dcr.testing:\n" + "\n".join(offenders)
+
+
+# -- the whole order -------------------------------------------------------------------------
+
+ORDER: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("_kernels", "native", "ports", "alloc", "protocol"),
+    ("tensors",),
+    ("delta", "wire"),
+    ("apply", "models"),
+    ("catalog", "adapters"),
+    ("engine",),
+    ("local", "fleet"),
+    ("integrations", "rl", "bench", "demo"),
+    ("cli",),
+    ("",),
+)
+"""Every product module by layer, lowest first (docs/architecture.md, "Layers"): a module
+imports its own package and the layers below it, never its neighbours in the same layer nor
+anything above.  ``""`` is the package itself (its lazy exports name every layer)."""
+ALLOWED = {("catalog", "apply"), ("integrations", "fleet"), ("rl", "fleet"), ("bench", "fleet"),
+           ("demo", "fleet"), ("integrations", "local")}  # fmt: skip
+"""Imports between neighbours that the order allows (an upper part of a layer on a lower)."""
+
+
+def _part(name: str) -> str:
+    """The top-level part of ``dcr`` a module belongs to: ``dcr.fleet.owner`` -> ``fleet``."""
+    return name.split(".")[1] if name.count(".") else ""
+
+
+def _rank(part: str) -> int:
+    for rank, layer in enumerate(ORDER):
+        if part in layer:
+            return rank
+    raise AssertionError(f"dcr.{part} is in no layer of tests/test_layers.py ORDER")
+
+
+def test_every_product_module_has_a_layer() -> None:
+    for path in _product_modules():
+        _rank(_part(_module_name(path)))
+    assert {p for layer in ORDER for p in layer} >= {
+        _part(_module_name(p)) for p in _product_modules()
+    }
+
+
+def test_every_module_imports_only_its_package_and_the_layers_below() -> None:
+    offenders = []
+    for path in _product_modules():
+        module = _module_name(path)
+        mine = _part(module)
+        package = path.name == "__init__.py"
+        for name in imported_modules(path.read_text(), module, is_package=package):
+            if not _under(name, "dcr") or name == "dcr" or _under(name, SCAFFOLDING):
+                continue  # third party; ``from dcr import x`` names dcr.x as well
+            theirs = _part(name)
+            if not any((ROOT / theirs).with_suffix(x).exists() for x in (".py", ".c", "")):
+                continue  # an attribute of the package (``from dcr import __version__``)
+            if theirs == mine or (mine, theirs) in ALLOWED or _rank(theirs) < _rank(mine):
+                continue
+            offenders.append(f"{path.relative_to(ROOT.parent)}: {name}")
+    assert not offenders, "imports against the layer order:\n" + "\n".join(offenders)

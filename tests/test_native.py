@@ -568,7 +568,7 @@ def _block_reference(
 @pytest.mark.parametrize("enc", list(Encoding))
 @pytest.mark.parametrize(("block", "src"), BLOCKS)
 def test_write_block_equals_numpy(word: Any, enc: Encoding, block: Any, src: int) -> None:
-    from dcr.apply.writes import _block_numpy
+    from dcr.apply.rmw import _block_numpy
 
     dst, dims = block
     rng = np.random.default_rng(np.dtype(word).itemsize + int(enc))
@@ -588,7 +588,7 @@ def test_write_block_equals_numpy(word: Any, enc: Encoding, block: Any, src: int
 def test_write_block_check_counts_words_written_twice(enc: Encoding) -> None:
     """The check re-reads the whole block after its writes, like ``rmw``'s: rows that land on
     one destination row (stride 0; never planned by dcr) leave each other's bits wrong."""
-    from dcr.apply.writes import _block_numpy
+    from dcr.apply.rmw import _block_numpy
 
     values = np.arange(1, 13, dtype=np.uint16)
     dims = ((3, 0, 4), (4, 1, 1))

@@ -10,7 +10,8 @@ alias keeps the old storage alive) before the error is raised, so the module kee
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -20,7 +21,7 @@ from dcr.apply.hook import StorageInfo, storage_ptr
 from dcr.apply.loader import Loader
 from dcr.errors import DcrError
 
-__all__ = ["StorageGuard"]
+__all__ = ["StorageGuard", "restoring"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -154,3 +155,13 @@ class StorageGuard:
                 )
             if self._slots is not None:  # the tree changed without changing the enumeration
                 self._slots = _Slots(self._loader.module)
+
+
+@contextmanager
+def restoring(guard: StorageGuard, fail: Callable[[str, str], DcrError]) -> Iterator[None]:
+    """On a failed check, first put back any storage the loader replaced (and say so)."""
+    try:
+        yield
+    except DcrError:
+        guard.check(fail)
+        raise

@@ -45,16 +45,16 @@ from dcr.adapters.loaders.reference import ShardedReferenceModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig, Loader, xor_allowed_across
 from dcr.bench.construct import synthetic_config
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
-from dcr.delta.owner import BuildConfig
 from dcr.models.families import random_state_dict
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
 from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
-from dcr.wire.encode import encode_payload
-from dcr.wire.format import Payload, PayloadHeader, ValueLayout
+from dcr.wire.encode import encode_bucket
+from dcr.wire.format import Payload, ValueLayout
 
 __all__ = ["LOADERS", "NotBitExact", "format_apply_table", "run_apply_bench"]
 
@@ -188,9 +188,12 @@ def _payloads(
     """One refit's payloads in mixed mode, encoded and decoded as a receiver decodes them."""
     streams = group.build(mode=Mode.MIXED, xor_allowed=xor_allowed)
     data = [
-        encode_payload(
-            PayloadHeader(attempt=attempt, owner=owner, payload_id=seq, final=bucket.final),
-            bucket.items,
+        encode_bucket(
+            items=bucket.items,
+            attempt=attempt,
+            owner=owner,
+            payload_id=seq,
+            final=bucket.final,
             layout=ValueLayout.BYTEPLANE,
         )
         for owner, (it, _) in streams.items()

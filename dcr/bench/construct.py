@@ -36,16 +36,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr.delta.build import BuildConfig, BuildStats
 from dcr.delta.entropy import floor_of_items
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
-from dcr.delta.owner import BuildConfig, BuildStats
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.updates import perturb
 from dcr.tensors.bits import bits
 from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
-from dcr.wire.encode import encode_payload
-from dcr.wire.format import PayloadHeader, ValueLayout
+from dcr.wire.encode import encode_bucket
+from dcr.wire.format import ValueLayout
 
 __all__ = [
     "bandwidth_reference",
@@ -157,8 +157,9 @@ def _construct(
         sizes = []
         for seq, bucket in enumerate(it):
             t = time.thread_time()
-            header = PayloadHeader(attempt=1, owner=owner, payload_id=seq, final=bucket.final)
-            sizes.append(len(encode_payload(header, bucket.items, layout=ValueLayout.BYTEPLANE)))
+            data = encode_bucket(items=bucket.items, attempt=1, owner=owner, payload_id=seq,
+                                 final=bucket.final, layout=ValueLayout.BYTEPLANE)  # fmt: skip
+            sizes.append(len(data))
             stats.add_time("encode", time.thread_time() - t)
             if keep is not None:
                 keep.extend(bucket.items)

@@ -36,15 +36,14 @@ import torch
 
 from dcr.bench.apply import NotBitExact, _receivers, _stored_bits
 from dcr.bench.construct import synthetic_config
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
-from dcr.delta.owner import BuildConfig
 from dcr.models.families import random_state_dict
 from dcr.tensors.bits import bits_dtype
 from dcr.tensors.records import TensorSpec
 from dcr.wire.decode import decode_payload
-from dcr.wire.encode import encode_payload
-from dcr.wire.format import PayloadHeader
+from dcr.wire.encode import encode_bucket
 
 __all__ = ["LOADERS", "format_dense_table", "run_dense_bench"]
 
@@ -106,8 +105,9 @@ def _dense_payloads(group: LocalTrainingGroup, keep: bool) -> tuple[list[bytes],
         # the previous bucket while the next one is built).
         seq = 0
         while (bucket := next(buckets, None)) is not None:
-            header = PayloadHeader(attempt=1, owner=owner, payload_id=seq, final=bucket.final)
-            data = encode_payload(header, bucket.items)
+            data = encode_bucket(
+                items=bucket.items, attempt=1, owner=owner, payload_id=seq, final=bucket.final
+            )
             largest = max(largest, bucket.input_bytes)
             del bucket
             total += len(data)

@@ -26,11 +26,11 @@ from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout
+from dcr.delta.proof import owner_proof
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import perturb
 from dcr.protocol.proof import ProofRequest, judge
-from dcr.tensors.fingerprint import owner_proof
 
 __all__ = ["KINDS", "corrupt", "run_proof_bench"]
 

@@ -35,9 +35,10 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from dcr.delta.build import BuildConfig, BuildStats, ResidualJob
 from dcr.delta.group import BucketStreams, TrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan
-from dcr.delta.owner import BuildConfig, BuildStats, Owner, ResidualJob
+from dcr.delta.owner import Owner
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
 from dcr.errors import ConfigError, DcrError, LayoutError
 from dcr.tensors.records import Mode

@@ -23,8 +23,9 @@ from functools import partial
 
 import torch
 
+from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
 from dcr.delta.layout import TrainingPlan
-from dcr.delta.owner import Bucket, BuildConfig, BuildStats, Owner, ResidualJob
+from dcr.delta.owner import Owner
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
 from dcr.errors import ConfigError, DcrError
 from dcr.tensors.records import Mode, TensorSpec

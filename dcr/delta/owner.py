@@ -13,32 +13,32 @@ extra memory is a few blocks per thread.  Trackers and the residual baseline cha
 :meth:`commit`, after the commit record names the new version.  :meth:`Owner.build_dense`
 packs every element of the committed version the same way, to restore a joining receiver
 over the transport.
+
+Construction settings and results are in :mod:`dcr.delta.build`, the packing of records into
+items in :mod:`dcr.delta.packing`, and the block scan in :mod:`dcr.delta.scan`.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 
+from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
-from dcr.errors import ConfigError, DcrError, LayoutError
-from dcr.tensors.bits import bits, changed_indices, changed_values, copy_at
-from dcr.tensors.ordered import ULP_DTYPES, ulp_delta
-from dcr.tensors.parallel import default_threads, ordered_map
-from dcr.tensors.records import Encoding, Item, Mode, Span, TensorSpec
+from dcr.delta.packing import Index, Packer, dense_spans
+from dcr.delta.scan import Block, cover_segments, scan_block
+from dcr.errors import DcrError, LayoutError
+from dcr.tensors.bits import bits, changed_indices, copy_at
+from dcr.tensors.ordered import ULP_DTYPES
+from dcr.tensors.parallel import ordered_map
+from dcr.tensors.records import Encoding, Mode, Span
 
-__all__ = ["BuildConfig", "BuildStats", "Bucket", "Owner", "ResidualJob"]
-
-MiB = 1 << 20
+__all__ = ["Owner"]
 
 _SCAN_BLOCK = 1 << 22
 """Source elements one worker compares at once (one pass of the C scan): large enough that
@@ -51,360 +51,6 @@ _SPARSE_COPY_BELOW = 128
 this many elements, and copies it whole otherwise: scattered writes cost a cache miss each
 (about 24 ns per element measured on x86-64), a whole copy about 0.12 ns per element, so
 the two meet near 1% of elements changed."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BuildConfig:
-    """Construction settings (paper App. C "Pipeline settings").
-
-    ``chunk_bytes``: tensors compared together (64 MiB suits object storage, 256 MiB the relay
-    tree).  ``bucket_bytes``: input bytes of record-emitting chunks packed into one payload.
-    Tensors and chunks are never split, so either can exceed its target.  ``threads``: worker
-    threads one owner compares blocks on (``None``: the CPUs this process may use; 1: the
-    calling thread).  Owners building at the same time in one process share them (one
-    process-wide pool): while ``n`` owners build, one whose share ``threads // n`` is below
-    two compares in the thread that drives its build (:func:`~dcr.tensors.parallel.ordered_map`).
-    ``relative_encoding``: what mixed mode emits where a relative encoding is allowed --
-    :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.tensors.ordered.ULP_DTYPES`; other
-    dtypes keep XOR), the default, or :attr:`Encoding.XOR` masks everywhere (the paper's
-    representation; payload format version 1 carries only these).
-    """
-
-    chunk_bytes: int = 64 * MiB
-    bucket_bytes: int = 512 * MiB
-    threads: int | None = None
-    relative_encoding: Encoding = Encoding.ULP
-
-    def __post_init__(self) -> None:
-        if self.chunk_bytes <= 0 or self.bucket_bytes <= 0:
-            raise ConfigError("chunk_bytes and bucket_bytes must be positive")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
-        if self.relative_encoding not in (Encoding.XOR, Encoding.ULP):
-            raise ConfigError(
-                f"relative_encoding must be XOR or ULP, got {self.relative_encoding!r}"
-            )
-
-    @property
-    def worker_threads(self) -> int:
-        return self.threads if self.threads is not None else default_threads()
-
-
-@dataclass(slots=True, kw_only=True)
-class BuildStats:
-    """Counters and stage seconds of one owner's construction.
-
-    ``changed_elements`` counts canonical elements of projected tensors whose stored bits
-    changed, each once: a shard copy that another rank projects (replicated key/value rows)
-    counts nothing, a tied source element counts once per canonical tensor it lands in.
-    Entries are counted per encoding (``xor_*``, ``ulp_*``, ``overwrite_*``).  Stage seconds
-    are CPU seconds of the threads that ran them, summed over threads (``detect``: comparison
-    and the gather of changed values; ``project``: canonical indices and encoded values;
-    ``pack``: items of a bucket), except ``convert`` (wall seconds of residual conversion,
-    which may use torch's own threads).
-    """
-
-    source_bytes: int = 0
-    changed_elements: int = 0
-    residual_changed: int = 0
-    xor_items: int = 0
-    overwrite_items: int = 0
-    ulp_items: int = 0
-    xor_entries: int = 0
-    overwrite_entries: int = 0
-    ulp_entries: int = 0
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def add_time(self, stage: str, dt: float) -> None:
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + dt
-
-    def merge(self, other: BuildStats) -> None:
-        for f in (
-            "source_bytes",
-            "changed_elements",
-            "residual_changed",
-            "xor_items",
-            "overwrite_items",
-            "ulp_items",
-            "xor_entries",
-            "overwrite_entries",
-            "ulp_entries",
-        ):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-        for k, v in other.seconds.items():
-            self.add_time(k, v)
-
-
-@dataclass(slots=True, kw_only=True)
-class Bucket:
-    """Items of one payload, with the input bytes of the chunks they came from."""
-
-    items: list[Item]
-    input_bytes: int
-    final: bool = False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class ResidualJob:
-    """A residual canonical tensor this owner assembles and compares.
-
-    ``candidate`` returns the converted candidate tensor (assembled from every owner's parts);
-    the owner compares it with its residual baseline.
-    """
-
-    spec: TensorSpec
-    candidate: Callable[[], torch.Tensor]
-
-
-UInt = npt.NDArray[np.unsignedinteger[Any]]
-Index = npt.NDArray[np.int64]
-
-
-class _Packer:
-    """Collects records per (canonical name, encoding) and turns them into sorted items.
-
-    A part holds listed indices (a delta build's changed elements) or a :class:`Span` (a
-    dense build's whole projections); parts whose spans continue each other become one span
-    item, so a dense build never lists an index.
-    """
-
-    def __init__(self, catalog: Mapping[str, TensorSpec]) -> None:
-        self.catalog = catalog
-        self.parts: dict[tuple[str, Encoding], list[tuple[Index | Span, UInt]]] = {}
-
-    def add(self, name: str, encoding: Encoding, indices: Index | Span, values: UInt) -> None:
-        if not values.size:
-            return
-        self.parts.setdefault((name, encoding), []).append((indices, values))
-
-    def __bool__(self) -> bool:
-        return bool(self.parts)
-
-    def items(self, stats: BuildStats) -> list[Item]:
-        out = []
-        for (name, enc), chunks in self.parts.items():
-            spec = self.catalog[name]
-            item = _span_item(spec, enc, chunks)
-            if item is None:
-                item = _listed_item(spec, enc, chunks)
-            out.append(item)
-            if enc is Encoding.XOR:
-                stats.xor_items += 1
-                stats.xor_entries += item.count
-            elif enc is Encoding.ULP:
-                stats.ulp_items += 1
-                stats.ulp_entries += item.count
-            else:
-                stats.overwrite_items += 1
-                stats.overwrite_entries += item.count
-        self.parts = {}
-        return out
-
-
-def _span_item(
-    spec: TensorSpec, enc: Encoding, chunks: list[tuple[Index | Span, UInt]]
-) -> Item | None:
-    """One span item of parts that are spans each continuing the one before, else ``None``."""
-    first = chunks[0][0]
-    if not isinstance(first, Span):
-        return None
-    span, count = first, int(chunks[0][1].shape[0])
-    for part, values in chunks[1:]:
-        if not isinstance(part, Span) or not span.follows(count, part):
-            return None
-        count += int(values.shape[0])
-    values = chunks[0][1] if len(chunks) == 1 else np.concatenate([c[1] for c in chunks])
-    return Item(
-        name=spec.name,
-        shape=spec.shape,
-        dtype=spec.dtype,
-        encoding=enc,
-        span=span,
-        values=np.ascontiguousarray(values),
-    )
-
-
-def _listed_item(spec: TensorSpec, enc: Encoding, chunks: list[tuple[Index | Span, UInt]]) -> Item:
-    """One item of listed indices: each part is sorted (a monotone map of sorted source
-    indices); parts in order with no overlap at their seams need no sort, unsorted seams are
-    sorted and checked."""
-    parts = [(p.locate(0, int(v.shape[0])) if isinstance(p, Span) else p, v) for p, v in chunks]
-    in_order = all(a[0][-1] < b[0][0] for a, b in itertools.pairwise(parts))
-    if len(parts) == 1:
-        idx, vals = parts[0]
-    else:
-        idx = np.concatenate([c[0] for c in parts])
-        vals = np.concatenate([c[1] for c in parts])
-    if not in_order:
-        order = np.argsort(idx, kind="stable")
-        idx, vals = idx[order], vals[order]
-        if not bool((np.diff(idx) > 0).all()):
-            raise LayoutError(
-                "two records for one canonical destination",
-                tensor=spec.name,
-                check="conflicting-records",
-            )
-    return Item(
-        name=spec.name,
-        shape=spec.shape,
-        dtype=spec.dtype,
-        encoding=enc,
-        indices=np.ascontiguousarray(idx, dtype=np.int64),
-        values=np.ascontiguousarray(vals),
-    )
-
-
-@dataclass(slots=True, eq=False)
-class _DenseRun:
-    """Local element ranges of one shard that land in one :class:`Span` of ``names``."""
-
-    names: tuple[str, ...]
-    span: Span
-    pieces: list[tuple[int, int]]
-    count: int
-
-
-def _dense_spans(segments: Sequence[Segment]) -> list[_DenseRun]:
-    """A shard's affine segments as spans of canonical elements, per name in segment order;
-    a segment that continues an earlier span of its names (fused QKV's per-group rows of one
-    projection) joins it."""
-    out: list[_DenseRun] = []
-    last: dict[tuple[str, ...], _DenseRun] = {}
-    for seg in segments:
-        for lo, hi, span in _segment_spans(seg):
-            run = last.get(seg.names)
-            if run is not None and run.span.follows(run.count, span):
-                run.pieces.append((lo, hi))
-                run.count += hi - lo
-                continue
-            run = _DenseRun(names=seg.names, span=span, pieces=[(lo, hi)], count=hi - lo)
-            last[seg.names] = run
-            out.append(run)
-    return out
-
-
-def _segment_spans(seg: Segment) -> list[tuple[int, int, Span]]:
-    """``(lo, hi, span)``: the segment's local range as spans; a row-spread segment that
-    starts inside a row gives that row's rest as a run first."""
-    if seg.stop <= seg.start:
-        return []
-    first = int(seg.canonical(np.array([seg.start], dtype=np.int64))[0])
-    if not seg.period or not seg.gap:
-        return [(seg.start, seg.stop, Span(first))]
-    out = []
-    start = seg.start
-    cut = -(-start // seg.period) * seg.period
-    if cut != start:
-        end = min(cut, seg.stop)
-        out.append((start, end, Span(first)))
-        if end == seg.stop:
-            return out
-        start = end
-        first = int(seg.canonical(np.array([start], dtype=np.int64))[0])
-    span = Span(first, seg.period, seg.gap) if seg.stop - start > seg.period else Span(first)
-    out.append((start, seg.stop, span))
-    return out
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Block:
-    """One worker task: compare ``new[start:stop]`` with ``old[start:stop]`` in ``segment``."""
-
-    key: str
-    new: UInt
-    old: UInt
-    segment: Segment
-    encodings: tuple[Encoding, ...]
-    """Encoding of each of the segment's names (empty: detect only, nothing projects)."""
-    start: int
-    stop: int
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _Hits:
-    """What one block found: changed positions, their canonical indices and values.
-
-    ``positions - shift`` are the changed source (local) indices; for a segment that maps by
-    a plain offset the scan produces canonical indices directly (``canonical`` is then
-    ``positions`` and ``shift`` the segment's offset).
-    """
-
-    positions: Index
-    shift: int
-    canonical: Index | None
-    values: dict[Encoding, UInt]
-    detect_seconds: float
-    project_seconds: float
-
-    @property
-    def count(self) -> int:
-        return int(self.positions.shape[0])
-
-
-_SCAN_KINDS = {Encoding.XOR: "xor", Encoding.ULP: "ulp", Encoding.OVERWRITE: "new"}
-
-
-def _scan(block: _Block) -> _Hits:
-    """Detect, gather and project one block (runs on a worker thread).
-
-    One pass finds the changed words and gathers what their encoding sends (XOR masks, ULP
-    deltas or new words; :func:`~dcr.tensors.bits.changed_values`); a segment whose names take
-    several encodings (tied tensors on different loader paths) gathers masks and new words
-    and derives the rest.  A segment that maps by a plain offset gets canonical indices from
-    the scan itself.
-    """
-    t0 = time.thread_time()
-    encodings = block.encodings
-    distinct = set(encodings)
-    kind = _SCAN_KINDS[encodings[0]] if len(distinct) == 1 else "xor+new"
-    if not encodings:
-        kind = "xor"
-    seg = block.segment
-    shift = seg.offset if encodings and not seg.period else 0
-    pos, first, second = changed_values(
-        block.new[block.start : block.stop],
-        block.old[block.start : block.stop],
-        kind,
-        offset=block.start + shift,
-    )
-    t1 = time.thread_time()
-    canonical = None
-    values: dict[Encoding, UInt] = {}
-    if pos.size and encodings:
-        canonical = seg.canonical(pos) if seg.period else pos
-        if second is None:
-            values[encodings[0]] = first
-        else:
-            xor, new = first, second
-            for enc in distinct:
-                if enc is Encoding.XOR:
-                    values[enc] = xor
-                elif enc is Encoding.OVERWRITE:
-                    values[enc] = new
-                else:
-                    values[enc] = ulp_delta(new, new ^ xor)
-    return _Hits(pos, shift, canonical, values, t1 - t0, time.thread_time() - t1)
-
-
-def _cover(segments: list[Segment], numel: int) -> list[Segment]:
-    """``segments`` plus detect-only segments (no names) for the local elements they miss.
-
-    Elements no segment projects (another rank's replicated copy, vocabulary padding) are
-    still compared, so that commit keeps the whole tracker equal to the candidate.
-    """
-    out: list[Segment] = []
-    at = 0
-    for seg in sorted(segments, key=lambda g: g.start):
-        if seg.start < at:
-            raise LayoutError(f"overlapping segments at local index {seg.start}")
-        if seg.start > at:
-            out.append(Segment(at, seg.start, (), 0))
-        if seg.stop > seg.start:
-            out.append(seg)
-        at = max(at, seg.stop)
-    if at < numel:
-        out.append(Segment(at, numel, (), 0))
-    return out
 
 
 class Owner:
@@ -439,7 +85,7 @@ class Owner:
                 )
             self.trackers[s.key] = t.detach().to("cpu", copy=True).contiguous()
         self._segments: dict[str, list[Segment]] = {
-            s.key: _cover(s.mapping.segments(), math.prod(s.shape))
+            s.key: cover_segments(s.mapping.segments(), math.prod(s.shape))
             for s in self.shards
             if s.mapping is not None
         }
@@ -592,7 +238,7 @@ class Owner:
         """
         cand = self._require_candidate()
         stats = stats if stats is not None else BuildStats()
-        packer = _Packer(self.plan.catalog)
+        packer = Packer(self.plan.catalog)
         self._changed = None
         records = self._delta_records(cand, packer, stats, mode, xor_allowed, residual, project)
         return self._buckets(records, packer, stats)
@@ -609,7 +255,7 @@ class Owner:
         :class:`DcrError` (``check="dense-stale"``) rather than mix two versions.
         """
         stats = stats if stats is not None else BuildStats()
-        packer = _Packer(self.plan.catalog)
+        packer = Packer(self.plan.catalog)
         return self._buckets(self._dense_records(packer, stats), packer, stats)
 
     def _encoding_of(self, name: str, mode: Mode, xor_allowed: Container[str]) -> Encoding:
@@ -627,7 +273,7 @@ class Owner:
         cand: Mapping[str, torch.Tensor],
         chunks: list[list[ShardSpec]],
         encoding: Callable[[str], Encoding],
-    ) -> Iterator[tuple[int, _Block]]:
+    ) -> Iterator[tuple[int, Block]]:
         """Every block of every chunk, in order, with the index of its chunk."""
         for number, chunk in enumerate(chunks):
             for s in chunk:
@@ -639,12 +285,12 @@ class Owner:
                     cut = (seg.start // _SCAN_BLOCK + 1) * _SCAN_BLOCK
                     starts = [seg.start, *range(cut, seg.stop, _SCAN_BLOCK)]
                     for lo, hi in zip(starts, [*starts[1:], seg.stop], strict=True):
-                        yield number, _Block(s.key, new, old, seg, encs, lo, hi)
+                        yield number, Block(s.key, new, old, seg, encs, lo, hi)
 
     def _delta_records(
         self,
         cand: Mapping[str, torch.Tensor],
-        packer: _Packer,
+        packer: Packer,
         stats: BuildStats,
         mode: Mode,
         xor_allowed: Container[str],
@@ -676,7 +322,7 @@ class Owner:
             left[number] += 1
         emitted = [False] * len(chunks)
         finished = 0
-        results = ordered_map(_scan, [b for _, b in tasks], threads=self.config.worker_threads)
+        results = ordered_map(scan_block, [b for _, b in tasks], threads=self.config.worker_threads)
         for (number, block), hits in zip(tasks, results, strict=True):
             stats.add_time("detect", hits.detect_seconds)
             stats.add_time("project", hits.project_seconds)
@@ -719,7 +365,7 @@ class Owner:
         if project:
             self._changed = changed
 
-    def _dense_records(self, packer: _Packer, stats: BuildStats) -> Iterator[tuple[int, bool]]:
+    def _dense_records(self, packer: Packer, stats: BuildStats) -> Iterator[tuple[int, bool]]:
         """Add every committed element to ``packer``; yield the input bytes of each chunk and
         whether a later chunk emits records too.
 
@@ -737,7 +383,7 @@ class Owner:
                 )
 
         chunks = [
-            [(s, _dense_spans(s.mapping.segments())) for s in chunk if s.mapping is not None]
+            [(s, dense_spans(s.mapping.segments())) for s in chunk if s.mapping is not None]
             for chunk in self.chunks()
         ]
         residual = [t for t in self.plan.residual if t.name in self.residual_baseline]
@@ -769,7 +415,7 @@ class Owner:
             yield task.spec.nbytes, n + 1 < len(residual)
 
     def _buckets(
-        self, records: Iterable[tuple[int, bool]], packer: _Packer, stats: BuildStats
+        self, records: Iterable[tuple[int, bool]], packer: Packer, stats: BuildStats
     ) -> Iterator[Bucket]:
         """Close a bucket once record-emitting chunks reach ``bucket_bytes`` (paper §7.2).
 

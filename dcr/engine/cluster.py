@@ -23,16 +23,18 @@ from dcr.adapters.control.base import ControlChannel
 from dcr.adapters.faulty import FaultLog, Faults, FaultyCommitStore, FaultyTransport
 from dcr.adapters.transport.base import Transport
 from dcr.apply.applier import Applier
+from dcr.delta.build import BuildStats
 from dcr.delta.group import LocalTrainingGroup
-from dcr.delta.owner import BuildStats
 from dcr.engine.coordinator import CoordinatorService
 from dcr.engine.integration import Integration, default_limiter
 from dcr.engine.owner import OwnerService, TrainingSide
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
 from dcr.errors import ConfigError
 from dcr.protocol import commands as cmd
+from dcr.protocol import membership as ms
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import ReceiverPhase
+from dcr.protocol.membership import MembershipConfig, MembershipCore
 from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
@@ -119,8 +121,9 @@ class LocalCluster:
     progress: Callable[[str, int, int], None] | None = None
     """Called in the event loop as payloads are applied: ``("apply", applied, -1)``."""
     _applied: int = 0
-    _unverified: bool = True
-    """Receivers started or were restored since the last complete fingerprint."""
+    _membership: MembershipCore | None = None
+    """Who each transition requires and fingerprints, and who is restored after it
+    (:mod:`dcr.protocol.membership`, the rules the fleet's coordinator runs too)."""
     _refits: set[str] = field(default_factory=set)
     """Receivers whose dense refit runs in the cluster's task group."""
 
@@ -224,7 +227,6 @@ class LocalCluster:
         """
         assert self._tg is not None
         state = self.canonical(record)
-        self._unverified = True
         for name in sorted(receivers):
             if name not in self._refits:
                 self._refits.add(name)
@@ -242,6 +244,7 @@ class LocalCluster:
                         return
                     if svc.core.phase in takes:
                         await svc.dense_refit(state, record)
+                        self._restored(name, record)
                         return
                     await anyio.sleep(0.005)
         finally:
@@ -263,9 +266,9 @@ class LocalCluster:
         self._dead.discard(name)
         self._log.restarted.append(name)
         if name in self.receivers:
-            self._unverified = True
             await self._start_receiver(name, None)
             await self.receiver_services[name].dense_refit(self.canonical(record), record)
+            self._restored(name, record)
         else:
             rank = self.integration.owner_ids[name]
             self.group.restart(rank, self.versions[record])
@@ -289,19 +292,55 @@ class LocalCluster:
             while self._refits or not settled():
                 await anyio.sleep(0.005)
 
-    async def _catch_up(self) -> None:
-        """Receivers that restored an older version than the one now committed (they missed
-        the attempt that committed it) restore the newer one before they join (App. B.2)."""
-        record = (await self._store.read()).record
-        for name, svc in sorted(self.receiver_services.items()):
-            core = svc.core
-            if name in self._dead or core.held == record:
-                continue
-            if core.phase in (ReceiverPhase.JOINING, ReceiverPhase.REFITTED) or (
-                core.held is None and core.phase is ReceiverPhase.CLEANED
-            ):
-                self._unverified = True
-                await svc.dense_refit(self.canonical(record), record)
+    # -- membership (dcr.protocol.membership) ----------------------------------------------
+
+    @property
+    def membership(self) -> MembershipCore:
+        if self._membership is None:
+            self._membership = MembershipCore(
+                MembershipConfig(
+                    owners=self.owner_names,
+                    receivers=tuple(sorted(self.receivers)),
+                    settle_s=0.0,  # transition() waits for its members itself (_settle)
+                    dense_timeout_s=0.0,  # every transition restores who is still behind
+                    fingerprint_on_join=self.proof is not None,
+                ),
+                epoch=0,
+            )
+        return self._membership
+
+    def _observe(self, staged: bool) -> None:
+        """Report every endpoint's state to the membership core, as endpoints report theirs
+        to a fleet coordinator: a live receiver holds its record unless its storage is dirty,
+        a dead one must be restored; the owners say whether the trainer asked for a
+        transition (``staged``)."""
+        core = self.membership
+        for name, svc in sorted(self.owners.items()):
+            core.handle(msg.EndpointStatus(endpoint=name, role="owner", incarnation=svc.incarnation,
+                                           record=svc.core.baseline, candidate=staged))  # fmt: skip
+        for name, rx in sorted(self.receiver_services.items()):
+            c = rx.core
+            held = None if name in self._dead or c.dirty else c.held
+            core.handle(msg.EndpointStatus(endpoint=name, role="receiver",
+                                           incarnation=rx.incarnation, record=held))  # fmt: skip
+
+    def _restored(self, name: str, record: CommitRecord) -> None:
+        """A receiver restored ``record`` by dense refit: fingerprinted before it takes part."""
+        self.membership.handle(msg.ReceiverReady(receiver=name, record=record))
+
+    async def _tick(self, record: CommitRecord, *, staged: bool) -> ms.RunTransition | None:
+        """Feed the core this moment; restore the receivers it asks for (receivers that
+        restored an older version than the one now committed, or missed a commit, catch up
+        before they join, App. B.2); return the transition it starts, if any."""
+        self._observe(staged)
+        run = None
+        tick = ms.Tick(now=anyio.current_time(), record=record)
+        for c in self.membership.handle(tick):
+            if isinstance(c, ms.RunTransition):
+                run = c
+            elif isinstance(c, ms.StartDense):
+                await self.dense_refit(c.record, frozenset({c.receiver}))
+        return run
 
     # -- fault triggers -------------------------------------------------------------------
 
@@ -365,7 +404,8 @@ class LocalCluster:
 
     def members(self, committed: CommitRecord) -> tuple[str, ...]:
         """Receivers that hold ``committed`` exactly now: the required receivers."""
-        return tuple(sorted(n for n in self.receiver_services if self._holds(n, committed)))
+        self._observe(staged=False)
+        return self.membership.members(committed)
 
     def _holds(self, name: str, record: CommitRecord) -> bool:
         """Receiver ``name`` is alive and its storage holds exactly ``record``."""
@@ -388,12 +428,17 @@ class LocalCluster:
         sent_before = (self._bytes_sent(), self._payloads_sent())
         coordinators: list[CoordinatorService] = []
         self._coordinators = coordinators
-        fingerprint, self._unverified = self._unverified, False
+        run = await self._tick(committed, staged=True)
+        if run is None:
+            raise ConfigError(
+                "no transition can start: an owner does not hold the committed record"
+            )
+        members, fingerprint = run.members, run.fingerprint
 
         def coordinator() -> CoordinatorService:
             c = CoordinatorService(
                 owners=self.owner_names,
-                receivers=self.members(committed),
+                receivers=members,
                 store=self._store,
                 control=self.control,
                 transport=self._transport,
@@ -413,10 +458,20 @@ class LocalCluster:
             ended = await self._with_failover(coordinator, faults)
         else:
             ended = await coordinator().run()
+        verdicts = tuple(v for co in coordinators if co.core for v in co.core.verdicts)
         for name in sorted(self._dead):
             await self._restart(name)
         await self._settle()
-        await self._catch_up()
+        now = (await self._store.read()).record
+        self.membership.handle(
+            ms.TransitionDone(
+                record=now,
+                epoch=max((co.epoch for co in coordinators), default=0),
+                disproved=frozenset(dict(verdicts[0].failed)) if verdicts else None,
+            )
+        )
+        await self._tick(now, staged=False)
+        await self._settle()
         infos = [
             c.info for co in coordinators for c in co.commands if isinstance(c, cmd.RegisterAttempt)
         ]
@@ -435,7 +490,6 @@ class LocalCluster:
             self.side.release(a.attempt)
         # What the caller sees is what happened to the record: a replaced coordinator whose
         # commit landed first committed the transition as much as the active one would have.
-        now = (await self._store.read()).record
         outcome, committed_by = ended.outcome, ended.committed_by
         if now.version == committed.version + 1:
             outcome = TransitionOutcome.COMMITTED
@@ -450,7 +504,7 @@ class LocalCluster:
             num_payloads=self._payloads_sent() - sent_before[1],
             faults=self._log,
             reason=ended.reason,
-            verdicts=tuple(v for co in coordinators if co.core for v in co.core.verdicts),
+            verdicts=verdicts,
         )
 
     async def _with_failover(

@@ -30,7 +30,7 @@ from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
 from dcr.protocol.proof import ProofConfig
-from dcr.protocol.types import AttemptInfo, CommitRecord, CounterIds, Mode, Stage, Timeouts
+from dcr.protocol.types import AttemptInfo, CommitRecord, EpochIds, Mode, Stage, Timeouts
 
 __all__ = ["CoordinatorService", "Supervisor", "open_coordinator"]
 
@@ -152,7 +152,7 @@ class CoordinatorService:
                 join_wait_s=self.join_wait_s,
                 xor_refused=self.xor_refused,
             ),
-            CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}."),
+            EpochIds(self.epoch).attempts(),
         )
         send, recv = anyio.create_memory_object_stream[ev.CoordinatorEvent](math.inf)
         self._events = send

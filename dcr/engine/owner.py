@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Container, Iterator, Mappin
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import anyio
 import torch
@@ -27,8 +28,9 @@ from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Transport
 from dcr.catalog import check_catalog
+from dcr.delta.build import Bucket, BuildStats
 from dcr.delta.group import TrainingGroup
-from dcr.delta.owner import Bucket, BuildStats
+from dcr.delta.proof import owner_proof
 from dcr.engine.integration import Integration, default_limiter
 from dcr.errors import DcrError, TransportError
 from dcr.protocol import commands as cmd
@@ -37,8 +39,7 @@ from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import OwnerPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
-from dcr.tensors.fingerprint import owner_proof
-from dcr.wire.payload import PayloadHeader, encode_payload
+from dcr.wire.payload import encode_bucket
 
 __all__ = ["OwnerService", "TrainingSide", "open_owner"]
 
@@ -301,9 +302,6 @@ class OwnerService:
     """Attempt -> the sends in flight; a stopped attempt's sends are cancelled (a send to a
     peer that died may otherwise wait forever, and the stop waits for every send)."""
     _events: MemoryObjectSendStream[object] | None = None
-    _staged: bool = False
-    _waiting: msg.Prepare | None = None
-    """The latest prepare that arrived while no candidate was staged."""
     _updated: anyio.Event = field(default_factory=anyio.Event)
     _mode: Mode = Mode.MIXED
     """The mode of the last prepare: what a build ahead predicts for the next attempt."""
@@ -323,7 +321,10 @@ class OwnerService:
             found_from=f"owner {self.name}'s training plan",
         )
         self.core = OwnerCore(
-            self.name, baseline=self.baseline, sends_in_flight=self.sends_in_flight
+            self.name,
+            baseline=self.baseline,
+            sends_in_flight=self.sends_in_flight,
+            staged=self.side.group.staged is not None,
         )
 
     async def serve(
@@ -346,13 +347,11 @@ class OwnerService:
                 await link.aclose()
 
     async def staged(self, candidate: bool = True) -> None:
-        """The trainer staged (or dropped) the next version: tell the coordinators."""
+        """The trainer staged (or dropped) the next version: the core takes a prepare it held
+        back for it, and the coordinators are told (:class:`~dcr.protocol.events.
+        CandidateStaged`)."""
         self.side.forget_ahead()
-        self._staged = candidate
-        await self._report_status()
-        if candidate and self._waiting is not None:
-            waiting, self._waiting = self._waiting, None
-            await self._local(waiting)
+        await self._local(ev.CandidateStaged(staged=candidate))
 
     async def publish(
         self, candidate: Mapping[str, torch.Tensor], *, donate: bool = False
@@ -386,7 +385,7 @@ class OwnerService:
                     role="owner",
                     incarnation=self.incarnation,
                     record=self.core.baseline,
-                    candidate=self._staged,
+                    candidate=self.core.staged,
                 )
             )
 
@@ -403,24 +402,26 @@ class OwnerService:
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
         if isinstance(message, _BuildAhead):
-            if self.core.phase in _AHEAD_PHASES and self._waiting is None:
+            if self.core.phase in _AHEAD_PHASES and not self.core.holding:
                 tg.start_soon(self._build_ahead)
             return
         if isinstance(message, msg.Prepare):
             self._mode = message.info.mode
             self._xor_refused = message.xor_refused
             self._bind_refused(message.info.attempt, message.xor_refused)
-        if isinstance(message, msg.Prepare) and self.side.group.staged is None:
-            # Nothing to build yet (a trainer restarted mid-transition is still computing
-            # its step): the prepare waits for the candidate, bounded by the coordinator's
-            # prepare deadline, instead of failing attempt after attempt.
-            self._waiting = message
-            return
+        if isinstance(message, msg.Prepare | ev.PrepareChecked):
+            # A trainer may stage on the group directly instead of through publish(): what
+            # the group holds now is what the core decides on.
+            staged = self.side.group.staged is not None
+            if staged != self.core.staged:
+                await self._handle(ev.CandidateStaged(staged=staged), tg)
         if isinstance(message, msg.Prepare) and message.proof is not None:
             tg.start_soon(self._prove, message)
             return
         for c in self.core.handle(message):  # type: ignore[arg-type]
             await self._execute(c, tg)
+        if isinstance(message, ev.CandidateStaged):
+            await self._report_status()
 
     def _bind_refused(self, attempt: int, xor_refused: frozenset[str] | None) -> None:
         """Remember what ``attempt``'s prepare bound (its first prepare: the coordinator
@@ -454,7 +455,6 @@ class OwnerService:
                 assert self.link is not None
                 await self.link.notify(message)
                 if isinstance(message, msg.BaselineUpdated):
-                    self._staged = False
                     await self._report_status()
                     self._updated.set()
             case cmd.BuildBucket(attempt=tau, payload_id=pid, mode=mode):
@@ -481,15 +481,12 @@ class OwnerService:
             scope.cancel()
 
     def _encode(self, attempt: int, payload_id: int, bucket: Bucket) -> bytes:
-        header = PayloadHeader(
+        return encode_bucket(
+            items=bucket.items,
             attempt=attempt,
             owner=self.integration.owner_ids[self.name],
             payload_id=payload_id,
             final=bucket.final,
-        )
-        return encode_payload(
-            header,
-            bucket.items,
             level=self.integration.zstd_level,
             layout=self.integration.value_layout,
         )
@@ -584,8 +581,14 @@ class OwnerService:
 
 
 @asynccontextmanager
-async def open_owner(service: OwnerService) -> AsyncIterator[OwnerService]:
-    """Serve ``service`` for the duration of the block (in a task group of its own)."""
+async def open_owner(**options: Any) -> AsyncIterator[OwnerService]:
+    """Build a :class:`OwnerService` from ``options`` (its fields) and serve it for the duration
+    of the block, in a task group of its own::
+
+        async with open_owner(name=..., ...) as service:
+            ...
+    """
+    service = OwnerService(**options)
     async with anyio.create_task_group() as tg:
         await tg.start(service.serve)
         try:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import torch
@@ -89,7 +90,6 @@ class ReceiverService:
     on_applied: Callable[[PayloadKey], None] | None = None
     """Called (in a worker thread) after each payload applied in place (faults, progress)."""
     core: ReceiverCore = field(init=False)
-    gate_open: bool = field(init=False)
     link: EndpointLink | None = None
     applied_payloads: int = 0
     decode_seconds: float = 0.0
@@ -112,7 +112,6 @@ class ReceiverService:
             arrival_grace_s=self.transport.arrival_grace_s,
             window=self.transport.receiver_window,
         )
-        self.gate_open = self.held is not None
         self._owner_names = {i: n for n, i in self.integration.owner_ids.items()}
 
     async def serve(
@@ -338,7 +337,6 @@ class ReceiverService:
                 if self.core.held is not None:
                     await self.hooks.holds(self.core.held)
                 await self.hooks.open_gate()
-                self.gate_open = True
                 await self._report_status()
             case cmd.ArmDeadline(attempt=tau, stage=stage, seconds=seconds):
                 tg.start_soon(self._timer, ev.DeadlineExpired(attempt=tau, stage=stage), seconds)
@@ -406,7 +404,6 @@ class ReceiverService:
         )
 
     async def _close_gate(self, attempt: int) -> None:
-        self.gate_open = False
         await self.hooks.close_gate()
         await self._local(ev.RequestsDrained(attempt=attempt))
 
@@ -418,8 +415,14 @@ class ReceiverService:
 
 
 @asynccontextmanager
-async def open_receiver(service: ReceiverService) -> AsyncIterator[ReceiverService]:
-    """Serve ``service`` for the duration of the block (in a task group of its own)."""
+async def open_receiver(**options: Any) -> AsyncIterator[ReceiverService]:
+    """Build a :class:`ReceiverService` from ``options`` (its fields) and serve it for the duration
+    of the block, in a task group of its own::
+
+        async with open_receiver(name=..., ...) as service:
+            ...
+    """
+    service = ReceiverService(**options)
     async with anyio.create_task_group() as tg:
         await tg.start(service.serve)
         try:

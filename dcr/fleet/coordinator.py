@@ -31,17 +31,16 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 
-from dcr.adapters.commit.base import CommitState, CommitStore
+from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, CoordinatorLink
 from dcr.adapters.transport.base import Transport
 from dcr.engine.coordinator import CoordinatorService
@@ -54,7 +53,22 @@ from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol import commands as cmd
 from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import bound_refused
-from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
+from dcr.protocol.membership import (
+    CheckArrival,
+    DenseAsked,
+    MembershipCommand,
+    MembershipConfig,
+    MembershipCore,
+    ReleaseJob,
+    ReopenGate,
+    Retire,
+    RunTransition,
+    Say,
+    StartDense,
+    Tick,
+    TransitionDone,
+)
+from dcr.protocol.types import CommitRecord, Mode
 
 __all__ = ["SILENT_S", "FleetCoordinator", "run_coordinator"]
 
@@ -66,19 +80,14 @@ T = TypeVar("T")
 
 
 @dataclass(slots=True)
-class _Job:
-    """A dense refit of one receiver in flight."""
-
-    job: int
-    record: CommitRecord
-    deadline: float
-    sent: dict[str, int] = field(default_factory=dict)
-    """Owner -> payloads it sent (its :class:`~dcr.protocol.messages.SendsDone`)."""
-
-
-@dataclass(slots=True)
 class FleetCoordinator:
-    """The active-or-standby coordinator of a fleet; :meth:`serve` runs until cancelled."""
+    """The active-or-standby coordinator of a fleet; :meth:`serve` runs until cancelled.
+
+    What happens between transitions is decided by the sans-IO membership core
+    (:class:`~dcr.protocol.membership.MembershipCore`); this process holds the lease, feeds
+    the core the endpoints' reports and the commit store's state, and executes its commands:
+    transitions, dense-refit jobs, arrival checks, cleanups and gate reopenings.
+    """
 
     owners: tuple[str, ...]
     receivers: tuple[str, ...]
@@ -89,21 +98,21 @@ class FleetCoordinator:
     log: EventLog
     name: str = "coordinator"
     faults: FaultPoints | None = None
-    statuses: dict[str, msg.EndpointStatus] = field(default_factory=dict)
     epoch: int = 0
     transitions: int = 0
+    membership: MembershipCore | None = None
     _link: CoordinatorLink | None = None
     _service: CoordinatorService | None = None
-    _restarted: set[str] = field(default_factory=set)
-    _unverified: set[str] = field(default_factory=set)
-    """Receivers started, restarted or restored since a complete fingerprint checked them."""
-    _jobs: dict[str, _Job] = field(default_factory=dict)
-    _engaged: frozenset[str] = frozenset()
-    """Receivers the running (or just finished) transition requires: not dense-refitted."""
-    _counter: int = 0
     _wake: anyio.Event = field(default_factory=anyio.Event)
     _tg: TaskGroup | None = None
     _catalog_names: tuple[frozenset[str] | None] | None = None
+    _early: list[msg.Reply] = field(default_factory=list)
+    """Reports that arrived before the lease was won (fed to the core once it exists)."""
+
+    @property
+    def statuses(self) -> dict[str, msg.EndpointStatus]:
+        """Endpoint -> its last status report."""
+        return self.membership.statuses if self.membership is not None else {}
 
     async def serve(self) -> None:
         """Wait to become active (lease), then coordinate until cancelled."""
@@ -118,54 +127,88 @@ class FleetCoordinator:
                     break
                 await anyio.sleep(lease / 4)
             self.epoch = epoch
+            self.membership = self._core(epoch)
             self.log.emit("active", epoch=epoch, address=link.address)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._dispatch, link)
                 tg.start_soon(self._renew)
-                tg.start_soon(self._refit_joiners)
-                await self._coordinate(link, tg)
+                await self._tick()
         finally:
             with anyio.CancelScope(shield=True):
                 await link.aclose()
 
-    # -- transitions ------------------------------------------------------------------------
+    def _core(self, epoch: int) -> MembershipCore:
+        c = self.config.coordinator
+        proof = self.config.proof
+        return MembershipCore(
+            MembershipConfig(
+                owners=self.owners,
+                receivers=self.receivers,
+                join_wait_s=c.join_wait_s,
+                dense_timeout_s=c.dense_timeout_s,
+                settle_s=c.timeouts.stop_s,
+                silent_s=SILENT_S,
+                fingerprint_on_join=proof is not None and proof.fingerprint_on_join,
+            ),
+            epoch=epoch,
+        )
 
-    async def _coordinate(self, link: CoordinatorLink, tg: TaskGroup) -> None:
-        staged_since: float | None = None
-        active_since = anyio.current_time()
-        said = -math.inf
+    # -- the membership core's clock and commands --------------------------------------------
+
+    async def _tick(self) -> None:
+        """Feed the core the time and the commit record, about every 100 ms (at once when a
+        report arrives), and execute what it asks for."""
+        core = self.membership
+        assert core is not None
         while True:
-            now = anyio.current_time()
-            if now - active_since >= SILENT_S and now - said >= SILENT_S:
-                said = now if self._say_silent() else said
             state = await self._store_op(self.store.read)
-            old = self._unfinished(state)
-            staged = self._owners_staged(state.record)
-            if staged and staged_since is None:
-                staged_since = anyio.current_time()
-            waited = anyio.current_time() - (staged_since or 0.0)
-            joining = self._joining(state.record)
-            if old is not None or (
-                staged and (not joining or waited >= self.config.coordinator.join_wait_s)
-            ):
-                if joining and old is None:
-                    self.log.emit("not-waiting", receivers=sorted(joining))
-                staged_since = None
-                await self._transition(link, state, old)
-            else:
-                with anyio.move_on_after(0.1):
-                    await self._wake.wait()
-                self._wake = anyio.Event()
+            info = None
+            if state.info:
+                with contextlib.suppress(ConfigError):
+                    info = attempt_from_json(state.info)
+            await self._execute(
+                core.handle(Tick(now=anyio.current_time(), record=state.record, attempt=info))
+            )
+            with anyio.move_on_after(0.1):
+                await self._wake.wait()
+            self._wake = anyio.Event()
 
-    def _say_silent(self) -> bool:
+    async def _execute(self, commands: list[MembershipCommand]) -> None:
+        for c in commands:
+            match c:
+                case RunTransition():
+                    if c.not_waiting:
+                        self.log.emit("not-waiting", receivers=list(c.not_waiting))
+                    self._spawn(partial(self._transition, c))
+                case StartDense(job=job, receiver=receiver, record=record):
+                    call = msg.DenseRefit(
+                        job=job, record=record, owners=self.owners, receivers=frozenset({receiver})
+                    )
+                    self._spawn(partial(self._dense, (*self.owners, receiver), call))
+                case CheckArrival(job=job, receiver=receiver, expected=expected):
+                    arrival = msg.CheckArrival(attempt=job, expected=expected)
+                    self._spawn(partial(self._call, receiver, arrival))
+                case ReleaseJob(job=job):
+                    self._spawn(partial(self._cleanup, job))
+                case ReopenGate(job=job, receiver=receiver, record=record):
+                    reopen = msg.ReopenGate(attempt=job, epoch=self._current_epoch(), record=record)
+                    self._spawn(partial(self._call, receiver, reopen))
+                case Retire(endpoint=endpoint):
+                    service = self._service
+                    info = service.core.attempt if service is not None and service.core else None
+                    if service is not None and info is not None:
+                        await service.report(msg.Retired(attempt=info.attempt, endpoint=endpoint))
+                case Say(kind="waiting", fields=fields):
+                    self._say_silent(fields)
+                case Say(kind=kind, fields=fields):
+                    self.log.emit(kind, **fields)
+
+    def _say_silent(self, fields: dict[str, object]) -> None:
         """Say which members of the fleet file never reported (a trainer with fewer ranks
         than ``[trainer]`` names, a receiver never started): a fleet waiting on a member that
-        does not exist waits forever otherwise, without a word.  True when it said so."""
-        owners = sorted(o for o in self.owners if o not in self.statuses)
-        receivers = sorted(r for r in self.receivers if r not in self.statuses)
-        if not owners and not receivers:
-            return False
+        does not exist waits forever otherwise, without a word."""
+        owners, receivers = fields["owners"], fields["receivers"]
         parts = []
         if owners:
             parts.append(
@@ -178,42 +221,8 @@ class FleetCoordinator:
         message = "waiting for members that never reported: " + "; ".join(parts)
         self.log.emit("waiting", owners=owners, receivers=receivers, message=message)
         print(f"dcr coordinator: {message}", file=sys.stderr, flush=True)
-        return True
 
-    def _joining(self, record: CommitRecord) -> set[str]:
-        """Receivers not (yet) holding ``record``: starting, restoring or behind."""
-        return {
-            r for r in self.receivers if (s := self.statuses.get(r)) is None or s.record != record
-        }
-
-    def _unfinished(self, state: CommitState) -> AttemptInfo | None:
-        """An attempt a replaced coordinator registered whose transition is not finished:
-        not committed while owners still hold its candidate, or committed while some owner
-        has not moved its baseline yet."""
-        if not state.info:
-            return None
-        try:
-            info = attempt_from_json(state.info)
-        except ConfigError:
-            return None
-        if info.coordinator >= self.epoch:
-            return None
-        owners = [self.statuses.get(o) for o in self.owners]
-        if any(s is None for s in owners):
-            return None  # wait until every owner has said where it stands
-        if state.record == info.base and all(s.candidate for s in owners if s is not None):
-            return info
-        if state.record == info.target and any(
-            s.record == info.base for s in owners if s is not None
-        ):
-            return info
-        return None
-
-    def _owners_staged(self, record: CommitRecord) -> bool:
-        return all(
-            (s := self.statuses.get(o)) is not None and s.record == record and s.candidate
-            for o in self.owners
-        )
+    # -- transitions ------------------------------------------------------------------------
 
     def refused_reports(self) -> dict[str, frozenset[str]]:
         """Receiver -> the names its last status report says its loader does not preserve
@@ -256,23 +265,12 @@ class FleetCoordinator:
 
     def members(self, record: CommitRecord) -> tuple[str, ...]:
         """Receivers whose last report says they hold ``record`` exactly: the required ones."""
-        return tuple(
-            sorted(
-                r
-                for r in self.receivers
-                if (s := self.statuses.get(r)) is not None and s.record == record
-            )
-        )
+        return self.membership.members(record) if self.membership is not None else ()
 
-    async def _transition(
-        self, link: CoordinatorLink, state: CommitState, old: AttemptInfo | None
-    ) -> None:
+    async def _transition(self, run: RunTransition) -> None:
+        assert self._link is not None and self.membership is not None
         c = self.config.coordinator
-        base = old.base if old is not None else state.record
-        members = self.members(base)
-        proof = self.config.proof
-        unverified = bool(self._unverified & set(members))
-        fingerprint = proof is not None and proof.fingerprint_on_join and unverified
+        base, members, old = run.base, run.members, run.take_over
         reports = self.refused_reports()
         service = CoordinatorService(
             owners=self.owners,
@@ -284,17 +282,15 @@ class FleetCoordinator:
             timeouts=c.timeouts,
             mode=Mode.MIXED,
             proof=self.config.proof,
-            fingerprint=fingerprint,
+            fingerprint=run.fingerprint,
             join_wait_s=c.join_wait_s,
             xor_refused=reports,
             supervisor=self,
-            link=link,
+            link=self._link,
             reads_replies=False,
             lease_s=c.lease_s,
         )
         self._service = service
-        self._engaged = frozenset(service.receivers)
-        self._restarted.clear()
         self.transitions += 1
         self.log.emit("transition", base=base.version, take_over=old is not None,
                       required=list(service.receivers),
@@ -306,10 +302,6 @@ class FleetCoordinator:
             self._service = None
         self.epoch = max(self.epoch, service.epoch)
         verdicts = service.core.verdicts if service.core is not None else ()
-        if fingerprint and verdicts:
-            # The first prepare fingerprinted every member; those that failed are restored
-            # by dense refit and become unverified again when they report ready.
-            self._unverified -= set(members) - set(verdicts[0].failed)
         for verdict in verdicts:
             self.log.emit(
                 "proved",
@@ -346,61 +338,42 @@ class FleetCoordinator:
             epoch=service.epoch,
             seconds=anyio.current_time() - t0,
         )
-        if ended.outcome.value == "conflict" and ended.committed_by is None and now == base:
-            self._engaged = frozenset()
-            return  # replaced: this process stands down (its lease renewal fails next)
-        await self._settle(now, self._engaged)
-        self._engaged = frozenset()
-
-    async def _settle(self, record: CommitRecord, required: frozenset[str]) -> None:
-        """Wait (bounded) until the receivers that took part report the committed record, so
-        that the next transition requires them (paper App. B.2: membership is read between
-        transitions)."""
-        with anyio.move_on_after(self.config.coordinator.timeouts.stop_s):
-            while not all(
-                (s := self.statuses.get(r)) is not None
-                and (s.record == record or s.record is None or r in self._restarted)
-                for r in required
-            ):
-                await anyio.sleep(0.05)
+        # Replaced: this process stands down (its lease renewal fails next).
+        replaced = ended.outcome.value == "conflict" and ended.committed_by is None and now == base
+        done = TransitionDone(
+            record=now,
+            epoch=service.epoch,
+            replaced=replaced,
+            disproved=frozenset(verdicts[0].failed) if verdicts else None,
+        )
+        await self._execute(self.membership.handle(done))
+        self._wake.set()
 
     # -- the supervisor of a run (dcr.engine.coordinator.Supervisor) ------------------------
 
     def retired(self) -> tuple[str, ...]:
         """Endpoints restarted since the transition began: their old process is gone."""
-        return tuple(sorted(self._restarted))
+        return self.membership.restarted() if self.membership is not None else ()
 
     async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:
         """An aborted transition asks for these receivers to be restored (paper App. B.2)."""
-        for r in receivers:
-            self._start_job(r, record)
+        assert self.membership is not None
+        await self._execute(self.membership.handle(DenseAsked(record=record, receivers=receivers)))
 
     # -- replies -----------------------------------------------------------------------------
 
     async def _dispatch(self, link: CoordinatorLink) -> None:
         async for reply in link.replies():
-            if isinstance(reply, msg.EndpointStatus):
-                await self._on_status(reply)
-            elif isinstance(reply, msg.ReceiverReady):
-                self._unverified.add(reply.receiver)
-                status = self.statuses.get(reply.receiver)
-                if status is not None:  # its status report follows; do not refit it again
-                    self.statuses[reply.receiver] = replace(status, record=reply.record)
-                job = self._jobs.get(reply.receiver)
-                if job is not None and job.record == reply.record:
-                    self._release(self._jobs.pop(reply.receiver))
-                    self.log.emit("restored", receiver=reply.receiver, version=reply.record.version)
-                    # It holds the committed version exactly: it serves again now (a rollout
-                    # engine that restarted must not wait for the next transition, which may
-                    # need its rollouts), and joins at the next prepare.
-                    reopen = msg.ReopenGate(
-                        attempt=job.job, epoch=self._current_epoch(), record=reply.record
-                    )
-                    self._spawn(partial(self._call, reply.receiver, reopen))
-            elif isinstance(reply, msg.AttemptFailed):
-                self._on_job_failed(reply)
-            elif isinstance(reply, msg.SendsDone) and self._on_job_sent(reply):
-                continue
+            core = self.membership
+            if core is None:
+                continue  # not active yet: every endpoint reports again to the active one
+            if isinstance(reply, msg.EndpointStatus | msg.ReceiverReady):
+                await self._execute(core.handle(reply))
+            elif isinstance(reply, msg.AttemptFailed | msg.SendsDone):
+                job = core.job_of(reply.attempt) is not None
+                await self._execute(core.handle(reply))
+                if job and isinstance(reply, msg.SendsDone):
+                    continue
             service = self._service
             info = service.core.attempt if service is not None and service.core else None
             replied = isinstance(reply, msg.GateClosed | msg.Acked)
@@ -410,100 +383,17 @@ class FleetCoordinator:
                 await service.report(reply)
             self._wake.set()
 
-    async def _on_status(self, status: msg.EndpointStatus) -> None:
-        before = self.statuses.get(status.endpoint)
-        self.statuses[status.endpoint] = status
-        if before is None and status.endpoint in self.receivers:
-            # Seen for the first time: whatever version it claims (an engine started from a
-            # checkpoint, a preloaded rank, a receiver of a replaced coordinator's fleet), its
-            # storage is fingerprinted completely before the first transition it takes part in.
-            self._unverified.add(status.endpoint)
-        if before is not None and before.incarnation != status.incarnation:
-            # A new process of that name: the old one is gone for good.
-            self._restarted.add(status.endpoint)
-            self._unverified.add(status.endpoint)
-            self._release(self._jobs.pop(status.endpoint, None))
-            self.log.emit("restarted", endpoint=status.endpoint)
-            service = self._service
-            info = service.core.attempt if service is not None and service.core else None
-            if service is not None and info is not None:
-                await service.report(msg.Retired(attempt=info.attempt, endpoint=status.endpoint))
-
-    def _on_job_failed(self, failure: msg.AttemptFailed) -> None:
-        for receiver, job in list(self._jobs.items()):
-            if job.job == failure.attempt:
-                # Retry soon (a baseline update in progress, a damaged payload, ...).
-                job.deadline = min(job.deadline, anyio.current_time() + 1.0)
-                self.log.emit("dense-failed", receiver=receiver, job=job.job,
-                              endpoint=failure.endpoint, check=failure.check,
-                              message=failure.message)  # fmt: skip
-
-    def _on_job_sent(self, done: msg.SendsDone) -> bool:
-        """An owner sent its last payload of a dense job; once every owner has, the receiver
-        checks arrival against their sent lists (a payload lost with a relay node fails the
-        job within the transport's arrival grace instead of at ``dense_timeout_s``)."""
-        for receiver, job in self._jobs.items():
-            if job.job == done.attempt:
-                job.sent[done.owner] = done.payload_count
-                if set(job.sent) >= set(self.owners):
-                    call = msg.CheckArrival(attempt=job.job, expected=tuple(job.sent.items()))
-                    self._spawn(partial(self._call, receiver, call))
-                return True
-        return False
+    async def _dense(self, names: tuple[str, ...], call: msg.DenseRefit) -> None:
+        for name in names:
+            await self._call(name, call)
 
     async def _call(self, endpoint: str, call: msg.Call) -> None:
         assert self._link is not None
         await self._link.call(endpoint, call, epoch=self._current_epoch())
 
-    # -- dense refits of joining receivers --------------------------------------------------
-
-    async def _refit_joiners(self) -> None:
-        while True:
-            record = (await self._store_op(self.store.read)).record
-            now = anyio.current_time()
-            for r in self.receivers:
-                s = self.statuses.get(r)
-                if s is not None and s.record == record:
-                    self._release(self._jobs.pop(r, None))
-                if s is None or s.record == record:
-                    continue
-                job = self._jobs.get(r)
-                if r in self._engaged and (job is None or job.record != record):
-                    # Part of the running transition: restored only when it asks (a failed
-                    # proof), and then sent again below when that job failed or lapsed.
-                    continue
-                if job is None or job.record != record or now >= job.deadline:
-                    self._start_job(r, record)
-            await anyio.sleep(0.1)
-
-    def _start_job(self, receiver: str, record: CommitRecord) -> None:
-        """Ask the owners to send ``record`` to ``receiver`` as a fresh dense-refit job."""
-        self._release(self._jobs.get(receiver))
-        self._counter += 1
-        job = (self.epoch << 32) | (1 << 31) | self._counter  # above every attempt of epoch
-        self._jobs[receiver] = _Job(
-            job=job,
-            record=record,
-            deadline=anyio.current_time() + self.config.coordinator.dense_timeout_s,
-        )
-        self.log.emit("dense", receiver=receiver, job=job, version=record.version)
-        call = msg.DenseRefit(
-            job=job, record=record, owners=self.owners, receivers=frozenset({receiver})
-        )
-
-        async def send() -> None:
-            for name in (*self.owners, receiver):
-                await self._call(name, call)
-
-        self._spawn(send)
-
-    def _release(self, job: _Job | None) -> None:
+    async def _cleanup(self, job: int) -> None:
         """A dense job that ended or was replaced: the transport releases what it holds of
         it (on object storage, its payloads; paper App. B.2, cleanup)."""
-        if job is not None:
-            self._spawn(partial(self._cleanup, job.job))
-
-    async def _cleanup(self, job: int) -> None:
         with (
             anyio.move_on_after(self.config.coordinator.timeouts.stop_s),
             contextlib.suppress(TransportError),

@@ -27,11 +27,12 @@ import torch
 from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
 from dcr.apply.applier import Applier, xor_allowed_across
 from dcr.catalog import read_catalog, read_config
+from dcr.delta.build import BuildConfig
 from dcr.delta.layout import TrainingPlan, TrainLayout, build_plan
-from dcr.delta.owner import BuildConfig
 from dcr.engine.integration import Integration
 from dcr.errors import CheckpointError, ConfigError
-from dcr.fleet.config import FleetConfig, ReceiverSpec
+from dcr.fleet.config import FleetConfig
+from dcr.fleet.sections import ReceiverSpec
 from dcr.models.families import FAMILIES, canonical_shapes, tiny_config
 from dcr.models.synthetic import SyntheticRun
 from dcr.tensors.bits import bits, dtype_name

@@ -44,10 +44,11 @@ from dcr.engine.integration import Integration
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
 from dcr.errors import ConfigError
 from dcr.fleet.checks import holds_request, proof_to_json
-from dcr.fleet.config import FleetConfig, ReceiverSpec
+from dcr.fleet.config import FleetConfig
 from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
+from dcr.fleet.sections import ReceiverSpec
 from dcr.fleet.timing import time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
 from dcr.tensors.records import TensorSpec

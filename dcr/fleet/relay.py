@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 
-from dcr.adapters.transport.relay_node import RelayConfig, RelayNode, balanced_tree
+from dcr.adapters.transport.relay import RelayConfig, RelayNode, balanced_tree
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.eventlog import EventLog
 from dcr.fleet.runtime import _options

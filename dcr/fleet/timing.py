@@ -30,13 +30,13 @@ from collections.abc import Container, Iterator, Sequence
 from dcr.adapters.transport.base import Transport, TransportWrapper
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.objstore import (
-    PAYLOADS,
     ObjectBackend,
     ObjectInfo,
     ObjectStoreTransport,
 )
+from dcr.adapters.transport.objstore.layout import PAYLOADS
+from dcr.delta.build import Bucket
 from dcr.delta.group import TrainingGroup
-from dcr.delta.owner import Bucket
 from dcr.engine.owner import TrainingSide
 from dcr.fleet.eventlog import NAMES_SHOWN, EventLog
 from dcr.protocol.types import Mode, PayloadKey

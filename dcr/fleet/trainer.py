@@ -49,8 +49,8 @@ import anyio
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup, TrainingGroup
-from dcr.delta.owner import BuildConfig
 from dcr.engine.integration import Integration
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.errors import ConfigError
@@ -325,7 +325,7 @@ async def join_trainer(
             if side is not None
             else TrainingSide(group, integration.xor_names)
         )
-        service = OwnerService(
+        async with open_owner(
             name=name,
             rank=rank,
             side=training,
@@ -336,10 +336,9 @@ async def join_trainer(
             baseline=record,
             sends_in_flight=cfg.trainer.sends_in_flight,
             on_sent=sent,
-        )
-        log.emit("started", role="owner", rank=rank, version=record.version,
-                 incarnation=service.incarnation)  # fmt: skip
-        async with open_owner(service):
+        ) as service:
+            log.emit("started", role="owner", rank=rank, version=record.version,
+                     incarnation=service.incarnation)  # fmt: skip
             yield TrainerRank(
                 fleet=cfg, source=source, service=service, joined=record, log=log,
                 _traffic=traffic,

@@ -4,20 +4,33 @@ One :class:`CoordinatorCore` drives one transition ``K^v -> v+1``.  It holds two
 from the edge table: the transition lifecycle and the lifecycle of the current attempt.  It
 never waits: every control call is a command, and its replies, timeouts and failures come
 back as events.
+
+The core decides what the transition does next (admission, commit, failure, stop, cleanup,
+retry, takeover, operator abort); its parts live beside it:
+
+* :mod:`dcr.protocol.transition`: :class:`CoordinatorConfig` and the transition lifecycle's
+  machine with its guards;
+* :mod:`dcr.protocol.attempt`: the current attempt's replies, guards, streaming steps and
+  stop-path calls;
+* :mod:`dcr.protocol.prepare`: what a prepare binds (:func:`bound_refused`, the proof request)
+  and the verdict over the endpoints' proofs;
+* :mod:`dcr.protocol.retry`: attempt ids, the mixed -> overwrite fallback and the join wait;
+* :mod:`dcr.protocol.outcome`: the owners' baseline update after a commit and the dense
+  refits an operator abort waits for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-
-from dcr.errors import ConfigError, LocalProtocolError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
+from dcr.protocol.attempt import ATTEMPT_EVENTS, RUNNING, STAGE_PHASES, Attempt, AttemptEvent
 from dcr.protocol.lifecycle import AttemptPhase, TransitionPhase, Trigger
-from dcr.protocol.machine import StateMachine
-from dcr.protocol.proof import Proof, ProofConfig, ProofRequest, Verdict, judge, seed_for
+from dcr.protocol.outcome import AbortRefits, BaselineUpdate
+from dcr.protocol.prepare import BaseProofs, bound_refused
+from dcr.protocol.proof import ProofRequest, Verdict
+from dcr.protocol.retry import RetryPolicy
+from dcr.protocol.transition import CoordinatorConfig, Transition
 from dcr.protocol.types import (
     AttemptInfo,
     CommitOutcome,
@@ -25,7 +38,6 @@ from dcr.protocol.types import (
     IdSource,
     Mode,
     Stage,
-    Timeouts,
     TransitionOutcome,
 )
 
@@ -35,139 +47,8 @@ _A = AttemptPhase
 _T = TransitionPhase
 _X = Trigger
 
-_RUNNING = frozenset({_A.PREPARING, _A.STREAMING, _A.GATING, _A.APPLYING, _A.FLUSHING})
-_AWAITING_OUTCOME = frozenset({_A.COMMITTING, _A.UNKNOWN, _A.RESOLVING, _A.COMMITTED})
-_AttemptEvent = (
-    ev.Registered | msg.PrepareAccepted | msg.PrepareRejected | msg.AttemptFailed
-    | msg.SendsDone | msg.Staged | msg.GateClosed | msg.Acked | ev.CommitReplied | ev.CommitRead
-    | ev.ObsoleteMarked | msg.Stopped | msg.Retired | ev.DeadlineExpired
-)  # fmt: skip
-_ATTEMPT_EVENTS = (
-    ev.Registered, msg.PrepareAccepted, msg.PrepareRejected, msg.AttemptFailed, msg.SendsDone,
-    msg.Staged, msg.GateClosed, msg.Acked, ev.CommitReplied, ev.CommitRead, ev.ObsoleteMarked,
-    msg.Stopped, msg.Retired, ev.DeadlineExpired,
-)  # fmt: skip
 _NOT_A_MEMBER = frozenset({"joining", "version", "proof"})
 """Prepare failures after which a receiver must dense-refit and report ready to rejoin."""
-_STAGE_PHASES = {
-    Stage.PREPARE: frozenset({_A.PREPARING}),
-    Stage.ARRIVAL: frozenset({_A.STREAMING}),
-    Stage.GATE: frozenset({_A.GATING}),
-    Stage.FLUSH: frozenset({_A.APPLYING, _A.FLUSHING}),
-}
-
-
-def bound_refused(
-    reports: Mapping[str, frozenset[str]] | None, receivers: Iterable[str]
-) -> frozenset[str] | None:
-    """What a mixed-mode prepare of ``receivers`` binds as ``xor_refused``: the union of their
-    reported refused sets (``reports``: receiver -> the canonical names its loader path does
-    not preserve bit for bit).
-
-    ``None`` -- the integration setup's ``xor_names`` decide -- when there are no reports, a
-    receiver has not reported, or the union is larger than a control message carries
-    (:data:`~dcr.protocol.messages.XOR_REFUSED_MAX_BYTES`).
-    """
-    if reports is None:
-        return None
-    union: set[str] = set()
-    for r in receivers:
-        mine = reports.get(r)
-        if mine is None:
-            return None
-        union |= mine
-    if msg.refused_size(union) > msg.XOR_REFUSED_MAX_BYTES:
-        return None
-    return frozenset(union)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CoordinatorConfig:
-    """What a coordinator needs to run one transition."""
-
-    base: CommitRecord
-    """``K^v``: the committed record the transition starts from."""
-    owners: tuple[str, ...]
-    """Every owner (source membership is fixed during a transition)."""
-    receivers: tuple[str, ...]
-    """Receivers that hold ``K^v`` now; they are required at the first prepare."""
-    epoch: int
-    """This coordinator's epoch at the control plane (the engine registers it)."""
-    sync: bool = True
-    """Synchronous RL closes the gate at the first attempt; asynchronous RL stages first."""
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    require_post_apply: bool = False
-    """Fail an attempt whose ACKs do not report post-apply checks."""
-    mode: Mode = Mode.MIXED
-    """Mode of the first attempt; retries after admission always use overwrite mode."""
-    proof: ProofConfig | None = None
-    """Ask for a proof of the base version at every prepare before admission (``None``: no
-    proof).  Receivers whose proof fails leave the membership and are dense-refitted."""
-    fingerprint: bool = False
-    """Request the complete fingerprint at the first prepare (the supervisor sets it for
-    receivers started or restored since the last check); needs ``proof``."""
-    join_wait_s: float = 0.0
-    """After an attempt failed because receivers' proofs failed, how long the retry waits
-    for those receivers to be restored by dense refit and report ready, so that they join
-    the retry and take part in the commit (0: retry at once without them).  The retry
-    starts as soon as every one of them is ready, or when the wait ends."""
-    xor_refused: Mapping[str, frozenset[str]] | None = None
-    """The receivers' loader classifications, from their status reports: receiver -> the
-    canonical names its native loader path does not preserve bit for bit.  Each mixed-mode
-    prepare binds the union over its required receivers (:func:`bound_refused`), so owners
-    encode exactly the other names relative; ``None``, or a required receiver missing here,
-    binds ``None``: the integration setup's ``xor_names``."""
-
-    def __post_init__(self) -> None:
-        if not self.owners:
-            raise ConfigError("a transition needs at least one owner")
-        if len(set(self.owners)) != len(self.owners):
-            raise ConfigError(f"duplicate owner names in {self.owners}")
-        if len(set(self.receivers)) != len(self.receivers):
-            raise ConfigError(f"duplicate receiver names in {self.receivers}")
-        if set(self.owners) & set(self.receivers):
-            raise ConfigError("an endpoint cannot be both owner and receiver")
-        if self.join_wait_s < 0:
-            raise ConfigError(f"join_wait_s must be >= 0, got {self.join_wait_s}")
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """Bookkeeping of the current attempt (replies collected so far)."""
-
-    info: AttemptInfo
-    machine: StateMachine[AttemptPhase]
-    registered: bool = False
-    accepted: set[str] = field(default_factory=set)
-    sends: dict[str, int] = field(default_factory=dict)
-    staged: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
-    gated: set[str] = field(default_factory=set)
-    acks: set[str] = field(default_factory=set)
-    stopped: set[str] = field(default_factory=set)
-    retired: set[str] = field(default_factory=set)
-    commit_deadline_passed: bool = False
-    arrival_checked: bool = False
-    joined: frozenset[str] = frozenset()
-    proof: ProofRequest | None = None
-    xor_refused: frozenset[str] | None = None
-    proofs: dict[str, Proof | None] = field(default_factory=dict)
-    judged: bool = False
-
-    @property
-    def phase(self) -> AttemptPhase:
-        return self.machine.phase
-
-    @property
-    def endpoints(self) -> frozenset[str]:
-        return frozenset(self.info.owners) | self.info.receivers
-
-    @property
-    def everyone(self) -> tuple[str, ...]:
-        """Owners in their order, then receivers sorted: the order calls go out in."""
-        return (*self.info.owners, *sorted(self.info.receivers))
-
-    def expected(self) -> tuple[tuple[str, int], ...]:
-        return tuple((o, self.sends[o]) for o in self.info.owners)
 
 
 class CoordinatorCore:
@@ -177,40 +58,19 @@ class CoordinatorCore:
         self.config = config
         self._ids = ids
         self._record = config.base
-        self._mode = config.mode
-        self._admitted = False
+        self._policy = RetryPolicy(mode=config.mode, join_wait_s=config.join_wait_s)
         self._members: set[str] = set(config.receivers)
         self._joiners: dict[str, CommitRecord] = {}
-        self._attempt: _Attempt | None = None
-        self._committed: CommitRecord | None = None
-        self._took_over_commit = False
-        self._reports: set[str] = set()
-        self._dirty: set[str] = set()
-        self._refit_needed: frozenset[str] = frozenset()
-        self._refitted: set[str] = set()
+        self._attempt: Attempt | None = None
+        self._baseline = BaselineUpdate(config.owners)
+        self._refits = AbortRefits()
         self._abort_reason: str | None = None
-        self._reason = ""
-        self._last_attempt = 0
-        self._outcome: TransitionOutcome | None = None
-        proof = config.proof
-        self._fingerprint_due = proof is not None and (
-            config.fingerprint or proof.fingerprint_each_commit
-        )
-        self._verdicts: list[Verdict] = []
-        self._restoring: set[str] = set()
-        """Receivers a failed proof sent to a dense refit that have not reported ready."""
-        self._join_wait = False
-        """The retry waits for ``_restoring`` (until ready or the JOIN deadline)."""
-        self._transition = StateMachine(
-            TransitionPhase,
-            name=f"coordinator {config.epoch}",
-            guards={
-                _X.PREPARE: self._previous_attempt_cleaned,
-                _X.READ_COMMIT: self._old_attempt_stopped,
-                _X.CLEANUP: self._cleanup_allowed,
-                _X.REOPEN_GATE: self._refits_done,
-                _X.ABORT: self._abortable,
-            },
+        self._proofs = BaseProofs(config.proof, fingerprint=config.fingerprint)
+        self._transition = Transition(
+            config.epoch,
+            current=lambda: self._attempt,
+            baseline=self._baseline,
+            refits=self._refits,
         )
 
     # -- read-only views -------------------------------------------------------------------
@@ -230,11 +90,11 @@ class CoordinatorCore:
     @property
     def mode(self) -> Mode:
         """Mode of the next attempt: mixed until admission, overwrite after (paper §6.3)."""
-        return self._mode
+        return self._policy.mode
 
     @property
     def admitted(self) -> bool:
-        return self._admitted
+        return self._policy.admitted
 
     @property
     def members(self) -> frozenset[str]:
@@ -248,21 +108,21 @@ class CoordinatorCore:
     @property
     def reported(self) -> frozenset[str]:
         """Owners that reported the baseline update named by the commit."""
-        return frozenset(self._reports)
+        return frozenset(self._baseline.reports)
 
     @property
     def committed(self) -> CommitRecord | None:
         """The record a commit (ours or the replaced coordinator's) wrote, once known."""
-        return self._committed
+        return self._baseline.committed
 
     @property
     def outcome(self) -> TransitionOutcome | None:
-        return self._outcome
+        return self._transition.outcome
 
     @property
     def verdicts(self) -> tuple[Verdict, ...]:
         """The proofs of the base version judged so far, one per proving prepare."""
-        return tuple(self._verdicts)
+        return self._proofs.verdicts
 
     # -- events ----------------------------------------------------------------------------
 
@@ -273,7 +133,7 @@ class CoordinatorCore:
         use for (late replies, stale deadlines), change nothing and return no commands.
         """
         out: list[cmd.CoordinatorCommand] = []
-        if self._outcome is not None:
+        if self._transition.outcome is not None:
             return out
         match event:
             case ev.StartTransition():
@@ -291,23 +151,18 @@ class CoordinatorCore:
             case msg.ReceiverReady(receiver=receiver, record=record):
                 self._on_receiver_ready(receiver, record, out)
             case _:
-                if isinstance(event, _ATTEMPT_EVENTS) and self._is_current(event.attempt):
+                if isinstance(event, ATTEMPT_EVENTS) and self._is_current(event.attempt):
                     self._on_attempt_event(event, out)
         return out
 
-    def _on_attempt_event(self, event: _AttemptEvent, out: list[cmd.CoordinatorCommand]) -> None:
+    def _on_attempt_event(self, event: AttemptEvent, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
         match event:
             case ev.Registered():
-                if a.phase is _A.PREPARING and not a.registered:
-                    a.registered = True
-                    prepare = msg.Prepare(info=a.info, proof=a.proof, xor_refused=a.xor_refused)
-                    out.append(cmd.Call(to=a.everyone, message=prepare))
+                a.on_registered(out)
             case msg.PrepareAccepted(endpoint=endpoint, proof=proof):
-                if endpoint in a.endpoints:
-                    a.accepted.add(endpoint)
-                    a.proofs[endpoint] = proof
+                if a.accept(endpoint, proof):
                     self._admit_if_prepared(out)
             case msg.PrepareRejected(endpoint=endpoint, check=check, message=message):
                 self._on_rejected(
@@ -319,17 +174,8 @@ class CoordinatorCore:
                     # a dense refit restored the committed record.
                     self._members.discard(endpoint)
                 self._fail(out, f"{endpoint} failed the attempt ({check}) {message}")
-            case msg.SendsDone(owner=owner, payload_count=count):
-                if owner in a.info.owners and a.phase in _RUNNING:
-                    a.sends[owner] = count
-                    self._advance(out)
-            case msg.Staged(receiver=receiver):
-                if receiver in a.info.receivers and a.phase in _RUNNING:
-                    a.staged[receiver] = event.counts
-                    self._advance(out)
-            case msg.GateClosed(receiver=receiver):
-                if receiver in a.info.receivers and a.phase is _A.GATING:
-                    a.gated.add(receiver)
+            case msg.SendsDone() | msg.Staged() | msg.GateClosed():
+                if a.take(event):
                     self._advance(out)
             case msg.Acked():
                 self._on_acked(event, out)
@@ -338,17 +184,7 @@ class CoordinatorCore:
             case ev.CommitRead(record=record):
                 self._on_commit_read(record, out)
             case ev.ObsoleteMarked():
-                if a.phase is _A.OBSOLETE:
-                    self._fire(_X.STOP_AND_WAIT)
-                    out.append(cmd.StopDelivery(attempt=a.info.attempt))
-                    out.extend(self._stop_and_wait_commands())
-                    out.append(
-                        cmd.ArmDeadline(
-                            attempt=a.info.attempt,
-                            stage=Stage.STOP,
-                            seconds=self._timeout(Stage.STOP),
-                        )
-                    )
+                if a.stop_and_wait(out):
                     # Stops and retirements may all have arrived while the attempt was being
                     # marked obsolete: then nothing else would complete the stop.
                     self._after_stopped(out)
@@ -356,7 +192,7 @@ class CoordinatorCore:
                 if endpoint in a.endpoints:
                     a.stopped.add(endpoint)
                     if dirty:
-                        self._dirty.add(endpoint)
+                        self._refits.dirty.add(endpoint)
                     self._after_stopped(out)
             case msg.Retired(endpoint=endpoint):
                 self._on_retired(endpoint, out)
@@ -370,11 +206,7 @@ class CoordinatorCore:
         mode, their loader classification (what may travel relative)."""
         if not self._transition.can_fire(_X.PREPARE):
             self._transition.fire(_X.PREPARE)  # raises, naming the phase or the guard
-        tau, g = self._ids.fresh()
-        if tau <= self._last_attempt:
-            # Endpoints order attempts by id (a late prepare of a stopped attempt is refused).
-            raise ConfigError(f"attempt id {tau} does not follow attempt {self._last_attempt}")
-        self._last_attempt = tau
+        tau, g = self._policy.fresh(self._ids)
         joined = frozenset(r for r, rec in self._joiners.items() if rec == self._record)
         for r in joined:
             del self._joiners[r]
@@ -383,18 +215,17 @@ class CoordinatorCore:
             attempt=tau,
             candidate=g,
             base=self._record,
-            mode=self._mode,
+            mode=self._policy.mode,
             sync=self.config.sync,
             coordinator=self.config.epoch,
             owners=self.config.owners,
             receivers=frozenset(self._members),
         )
         self._transition.fire(_X.PREPARE)
-        self._attempt = _Attempt(
-            info=info,
-            machine=self._attempt_machine(tau),
+        self._attempt = self._new_attempt(
+            info,
             joined=joined,
-            proof=self._proof_request(tau, g, joined),
+            proof=self._proofs.request(tau, g, joined, admitted=self._policy.admitted),
             xor_refused=(
                 bound_refused(self.config.xor_refused, info.receivers)
                 if info.mode is Mode.MIXED
@@ -405,21 +236,7 @@ class CoordinatorCore:
         # Endpoints learn the attempt only after the control plane registered it, so that no
         # endpoint binds an attempt of a coordinator that was already replaced.
         out.append(cmd.RegisterAttempt(info=info))
-        out.append(
-            cmd.ArmDeadline(attempt=tau, stage=Stage.PREPARE, seconds=self._timeout(Stage.PREPARE))
-        )
-
-    def _proof_request(self, tau: int, g: str, joined: frozenset[str]) -> ProofRequest | None:
-        """What this prepare asks endpoints to prove (only before admission: after it,
-        receivers may hold the failed attempt's partial writes, which the overwrite retry
-        repairs)."""
-        proof = self.config.proof
-        if proof is None or self._admitted:
-            return None
-        fingerprint = self._fingerprint_due or (bool(joined) and proof.fingerprint_on_join)
-        if not proof.samples and not fingerprint:
-            return None
-        return ProofRequest(seed=seed_for(tau, g), samples=proof.samples, fingerprint=fingerprint)
+        out.append(self._attempt.deadline(Stage.PREPARE))
 
     def _disproved(self, out: list[cmd.CoordinatorCommand]) -> bool:
         """Judge the proofs once every endpoint accepted; True when a receiver failed.
@@ -428,150 +245,47 @@ class CoordinatorCore:
         membership, are restored by dense refit, and the attempt fails (before admission,
         so the retry runs in mixed mode without them).
         """
-        a = self._attempt
-        assert a is not None
-        if a.proof is None or a.judged:
+        assert self._attempt is not None
+        disproved = self._proofs.disproved(self._attempt, self._record, out)
+        if disproved is None:
             return False
-        a.judged = True
-        owners = {o: a.proofs.get(o) for o in a.info.owners}
-        receivers = {r: a.proofs.get(r) for r in a.info.receivers}
-        verdict = judge(a.proof, owners, receivers)
-        self._verdicts.append(verdict)
-        if a.proof.fingerprint:
-            self._fingerprint_due = False
-        if not verdict.failed:
-            return False
-        failed = frozenset(verdict.failed)
+        failed, reason = disproved
         self._members -= failed
-        self._restoring |= failed
-        tau = a.info.attempt
-        for r in sorted(failed):
-            out.append(
-                cmd.Call(
-                    to=(r,),
-                    message=msg.Disproved(
-                        attempt=tau, epoch=self.config.epoch, reason=verdict.failed[r]
-                    ),
-                )
-            )
-        out.append(cmd.RequestDenseRefit(record=self._record, receivers=failed))
-        first = min(failed)
-        self._fail(
-            out,
-            f"{len(failed)} receivers do not hold {self._record} ({first}: "
-            f"{verdict.failed[first]})",
-        )
+        self._policy.restoring |= failed
+        self._fail(out, reason)
         return True
 
     def _admit_if_prepared(self, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
-        if a.phase is not _A.PREPARING or not self._attempt_machine_allows(_X.SEND):
+        if a.phase is not _A.PREPARING or not a.allows(_X.SEND):
             return
         if self._disproved(out):
             return
         self._fire(_X.SEND)
         if self.phase is _T.ADMITTING:
             self._transition.fire(_X.SEND)
-            self._admitted = True
-        out.append(cmd.Call(to=a.info.owners, message=msg.StartStreaming(attempt=a.info.attempt)))
-        if not a.info.sync:
-            out.append(
-                cmd.ArmDeadline(
-                    attempt=a.info.attempt,
-                    stage=Stage.ARRIVAL,
-                    seconds=self._timeout(Stage.ARRIVAL),
-                )
-            )
-        self._advance(out)
+            self._policy.admit()
+        self._fail_on(a.start_streaming(out), out)
 
     def _advance(self, out: list[cmd.CoordinatorCommand]) -> None:
         """Take every streaming step whose replies are complete (gate, open_apply, flush)."""
-        a = self._attempt
-        assert a is not None
-        tau = a.info.attempt
-        if a.phase is _A.STREAMING and not a.info.sync and self._arrival_mismatch():
-            self._fail(out, f"arrival check failed: {self._arrival_mismatch()}")
-            return
-        if (
-            a.phase is _A.STREAMING
-            and not a.info.sync
-            and not a.arrival_checked
-            and len(a.sends) == len(a.info.owners)
-        ):
-            # Every owner declared its sent list: receivers that still miss a payload fail
-            # the attempt after the transport's arrival grace instead of waiting for the
-            # arrival deadline (paper App. B.1, arrival check).
-            a.arrival_checked = True
-            out.append(
-                cmd.Call(
-                    to=tuple(sorted(a.info.receivers)),
-                    message=msg.CheckArrival(attempt=tau, expected=a.expected()),
-                )
-            )
-        if a.phase is _A.STREAMING and self._attempt_machine_allows(_X.WAIT_FOR_REQUESTS):
-            # Synchronous RL closes the gate when the attempt starts; asynchronous RL only
-            # after every expected payload arrived (paper §7.2, App. B.1 streaming).
-            self._fire(_X.WAIT_FOR_REQUESTS)
-            out.append(
-                cmd.Call(
-                    to=tuple(sorted(a.info.receivers)),
-                    message=msg.WaitForRequests(attempt=tau, epoch=self.config.epoch),
-                )
-            )
-            out.append(
-                cmd.ArmDeadline(attempt=tau, stage=Stage.GATE, seconds=self._timeout(Stage.GATE))
-            )
-        if a.phase is _A.GATING and self._attempt_machine_allows(_X.OPEN_APPLY):
-            self._fire(_X.OPEN_APPLY)
-            out.append(
-                cmd.Call(
-                    to=tuple(sorted(a.info.receivers)),
-                    message=msg.OpenApply(attempt=tau, epoch=self.config.epoch),
-                )
-            )
-            # One deadline covers the rest of streaming, the arrival check and the drain.
-            out.append(
-                cmd.ArmDeadline(attempt=tau, stage=Stage.FLUSH, seconds=self._timeout(Stage.FLUSH))
-            )
-        if a.phase is _A.APPLYING and self._attempt_machine_allows(_X.FLUSH):
-            self._fire(_X.FLUSH)
-            out.append(
-                cmd.Call(to=a.everyone, message=msg.Flush(attempt=tau, expected=a.expected()))
-            )
-        if a.phase is _A.FLUSHING and self._attempt_machine_allows(_X.COMMIT):
-            self._commit(out)
+        assert self._attempt is not None
+        self._fail_on(self._attempt.advance(out), out)
 
     def _on_acked(self, event: msg.Acked, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
         if event.receiver not in a.info.receivers or a.phase is not _A.FLUSHING:
             return
-        if event.applied != a.expected():
-            # Arrival check of flush: the ACK must cover every payload the owners declared.
-            self._fail(out, f"{event.receiver} applied {event.applied}, owners sent {a.expected()}")
-            return
-        if self.config.require_post_apply and not event.post_apply_checked:
-            self._fail(out, f"{event.receiver} acknowledged without post-apply checks")
-            return
-        a.acks.add(event.receiver)
-        self._advance(out)
+        problem = a.ack_problem(event, self.config.require_post_apply)
+        if problem is not None:
+            self._fail(out, problem)
+        else:
+            a.acks.add(event.receiver)
+            self._advance(out)
 
     # -- commit (Algorithm B.2, lines 22-35) -----------------------------------------------
-
-    def _commit(self, out: list[cmd.CoordinatorCommand]) -> None:
-        a = self._attempt
-        assert a is not None
-        self._fire(_X.COMMIT)
-        out.append(
-            cmd.CompareAndSet(
-                attempt=a.info.attempt,
-                epoch=self.config.epoch,
-                expected=a.info.base,
-                new=a.info.target,
-                deadline_s=self._timeout(Stage.COMMIT),
-            )
-        )
 
     def _on_commit_replied(self, outcome: CommitOutcome, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
@@ -586,15 +300,7 @@ class CoordinatorCore:
             self._stand_down(out, "commit conflict")
         else:
             self._fire(_X.COMMIT_UNKNOWN)
-            self._read_commit_if_final(out)
-
-    def _read_commit_if_final(self, out: list[cmd.CoordinatorCommand]) -> None:
-        """Paper App. B.2: read_commit waits until no commit of tau can change the record."""
-        a = self._attempt
-        assert a is not None
-        if a.phase is _A.UNKNOWN and self._attempt_machine_allows(_X.READ_COMMIT):
-            self._fire(_X.READ_COMMIT)
-            out.append(cmd.ReadCommit(attempt=a.info.attempt))
+            a.read_commit_if_final(out)
 
     def _on_commit_read(self, record: CommitRecord, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
@@ -604,11 +310,11 @@ class CoordinatorCore:
             self._record = record
             if record == a.info.target:
                 self._transition.fire(_X.COMMIT_SUCCEEDED)
-                self._took_over_commit = True
+                self._baseline.took_over = True
                 self._start_baseline_update(record, out)
             elif record == a.info.base:
                 self._transition.fire(_X.COMMIT_FAILED)
-                self._mode = Mode.OVERWRITE
+                self._policy.overwrite()
                 self._cleanup_then_continue(out)
             else:
                 self._stand_down(out, f"the commit record moved to {record}")
@@ -631,56 +337,36 @@ class CoordinatorCore:
         self, record: CommitRecord, out: list[cmd.CoordinatorCommand]
     ) -> None:
         """Owners update trackers and residual baseline once they read ``(v+1, g)``."""
-        self._committed = record
-        self._reports.clear()
-        out.append(cmd.Call(to=self.config.owners, message=msg.ReadRecord()))
-        out.append(self._baseline_deadline())
-
-    def _baseline_deadline(self) -> cmd.ArmDeadline:
-        a = self._attempt
-        assert a is not None
-        return cmd.ArmDeadline(
-            attempt=a.info.attempt, stage=Stage.BASELINE, seconds=self._timeout(Stage.BASELINE)
-        )
+        assert self._attempt is not None
+        out.extend(self._baseline.start(record, self._attempt.deadline(Stage.BASELINE)))
 
     def _commit_failed(self, out: list[cmd.CoordinatorCommand]) -> None:
         self._fire(_X.COMMIT_FAILED)
         self._transition.fire(_X.COMMIT_FAILED)
-        self._mode = Mode.OVERWRITE
+        self._policy.overwrite()
         if not self._abort_if_requested(out):
             self._mark_obsolete(out)
 
     def _on_baseline_updated(
         self, owner: str, record: CommitRecord, out: list[cmd.CoordinatorCommand]
     ) -> None:
-        if (
-            self.phase is not _T.FINISHING
-            or record != self._committed
-            or owner not in self.config.owners
-        ):
+        if self.phase is not _T.FINISHING or not self._baseline.take(owner, record):
             return
-        self._reports.add(owner)
         self._transition.fire(_X.BASELINE_UPDATE)
         if not self._transition.can_fire(_X.CLEANUP):
             return
         # Every owner reported: clean up, then reopen the gate under the committed attempt;
         # receivers drop their KV caches before the gate reopens (paper App. B.2).
         a = self._attempt
-        assert a is not None and self._committed is not None
+        committed = self._baseline.committed
+        assert a is not None and committed is not None
         self._fire(_X.CLEANUP)
         self._transition.fire(_X.CLEANUP)
-        out.extend(self._cleanup_commands())
+        out.extend(a.cleanup_commands())
         self._transition.fire(_X.REOPEN_GATE)
-        out.append(
-            cmd.Call(
-                to=tuple(sorted(a.info.receivers - a.retired)),
-                message=msg.ReopenGate(
-                    attempt=a.info.attempt, epoch=self.config.epoch, record=self._committed
-                ),
-            )
-        )
+        out.append(a.reopen_gate_call(sorted(a.info.receivers - a.retired), committed))
         outcome = (
-            TransitionOutcome.CONFLICT if self._took_over_commit else TransitionOutcome.COMMITTED
+            TransitionOutcome.CONFLICT if self._baseline.took_over else TransitionOutcome.COMMITTED
         )
         self._end(outcome, out)
 
@@ -697,7 +383,7 @@ class CoordinatorCore:
         if self.phase is _T.ADMITTING and endpoint not in a.joined:
             self._fire(_X.REJECT)
             self._transition.fire(_X.REJECT)
-            self._reason = reason
+            self._transition.reason = reason
             self._mark_obsolete(out)
         else:
             # After admission every reject triggers overwrite recovery (paper App. B.1).
@@ -706,59 +392,24 @@ class CoordinatorCore:
     def _fail(self, out: list[cmd.CoordinatorCommand], reason: str) -> None:
         a = self._attempt
         assert a is not None
-        if a.phase not in _RUNNING:
+        if a.phase not in RUNNING:
             return
         self._fire(_X.FAIL)
         if self.phase in (_T.ADMITTING, _T.RUNNING):
             self._transition.fire(_X.FAIL)
-        if self._admitted:
-            self._mode = Mode.OVERWRITE
-        self._reason = reason
+        self._policy.failed()
+        self._transition.reason = reason
         if not self._abort_if_requested(out):
             self._mark_obsolete(out)
 
+    def _fail_on(self, reason: str | None, out: list[cmd.CoordinatorCommand]) -> None:
+        """Fail the attempt when a step found a ``reason`` to."""
+        if reason is not None:
+            self._fail(out, reason)
+
     def _mark_obsolete(self, out: list[cmd.CoordinatorCommand]) -> None:
-        a = self._attempt
-        assert a is not None
-        self._fire(_X.MARK_OBSOLETE)
-        out.append(cmd.RecordObsolete(attempt=a.info.attempt))
-        out.append(self._mark_obsolete_call())
-        out.append(
-            cmd.ArmDeadline(
-                attempt=a.info.attempt, stage=Stage.STOP, seconds=self._timeout(Stage.STOP)
-            )
-        )
-
-    def _mark_obsolete_call(self) -> cmd.Call:
-        a = self._attempt
-        assert a is not None
-        return cmd.Call(
-            to=a.everyone, message=msg.MarkObsolete(attempt=a.info.attempt, epoch=self.config.epoch)
-        )
-
-    def _stop_and_wait_commands(self) -> list[cmd.CoordinatorCommand]:
-        """Ask the endpoints that have not stopped yet; the supervisor retires dead ones."""
-        a = self._attempt
-        assert a is not None
-        receivers = sorted(a.info.receivers - a.stopped - a.retired)
-        to = (*a.info.owners, *receivers)
-        return [
-            cmd.Call(
-                to=to, message=msg.StopAndWait(attempt=a.info.attempt, epoch=self.config.epoch)
-            ),
-            cmd.CheckRetired(attempt=a.info.attempt, endpoints=to),
-        ]
-
-    def _cleanup_commands(self) -> list[cmd.CoordinatorCommand]:
-        a = self._attempt
-        assert a is not None
-        return [
-            cmd.ReleaseDelivery(attempt=a.info.attempt),
-            cmd.Call(
-                to=(*a.info.owners, *sorted(a.info.receivers - a.retired)),
-                message=msg.Cleanup(attempt=a.info.attempt),
-            ),
-        ]
+        assert self._attempt is not None
+        self._attempt.mark_obsolete(out)
 
     def _on_retired(self, endpoint: str, out: list[cmd.CoordinatorCommand]) -> None:
         """An endpoint that cannot resume leaves the membership between attempts (App. B.2)."""
@@ -769,7 +420,7 @@ class CoordinatorCore:
         a.retired.add(endpoint)
         if endpoint in a.info.receivers:
             self._members.discard(endpoint)
-        if a.phase in _RUNNING:
+        if a.phase in RUNNING:
             self._fail(out, f"{endpoint} was retired")
         else:
             self._after_stopped(out)
@@ -777,7 +428,7 @@ class CoordinatorCore:
     def _after_stopped(self, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt
         assert a is not None
-        if a.phase is not _A.STOPPING or not self._stop_complete():
+        if a.phase is not _A.STOPPING or not a.stop_complete():
             return
         if self.phase is _T.TAKING_OVER:
             self._transition.fire(_X.READ_COMMIT)
@@ -792,7 +443,7 @@ class CoordinatorCore:
         assert a is not None
         if a.phase is _A.STOPPING:
             self._fire(_X.CLEANUP)
-            out.extend(self._cleanup_commands())
+            out.extend(a.cleanup_commands())
         if self.phase is _T.REJECTING:
             self._transition.fire(_X.CLEANUP)
             self._end(TransitionOutcome.REJECTED, out)
@@ -801,10 +452,7 @@ class CoordinatorCore:
             # Paper App. B.2, operator intervention: a closed gate stays closed until a dense
             # refit restores every receiver where writes landed; receivers that report no
             # write hold the committed record already and reopen at once.
-            self._refit_needed = frozenset(self._dirty & self._members)
-            self._refitted = {r for r, rec in self._joiners.items() if rec == self._record}
-            if self._refit_needed - self._refitted:
-                out.append(cmd.RequestDenseRefit(record=self._record, receivers=self._refit_needed))
+            out.extend(self._refits.begin(self._members, self._joiners, self._record))
             self._reopen_after_refit(out)
         elif not self._abort_if_requested(out):
             self._retry(out)
@@ -812,22 +460,16 @@ class CoordinatorCore:
     def _retry(self, out: list[cmd.CoordinatorCommand]) -> None:
         """Prepare the next attempt, first waiting (bounded) for disproved receivers being
         restored, so that the retry does not commit without them."""
-        a = self._attempt
-        assert a is not None
-        if self.config.join_wait_s > 0 and self._restoring:
-            self._join_wait = True
-            out.append(
-                cmd.ArmDeadline(
-                    attempt=a.info.attempt, stage=Stage.JOIN, seconds=self.config.join_wait_s
-                )
-            )
-            return
-        self._prepare(out)
+        assert self._attempt is not None
+        wait = self._policy.wait_for_joiners(self._attempt.info.attempt)
+        if wait is not None:
+            out.append(wait)
+        else:
+            self._prepare(out)
 
     def _retry_now(self, out: list[cmd.CoordinatorCommand]) -> None:
         """End the join wait: prepare at once (receivers not ready by now join later)."""
-        self._join_wait = False
-        self._restoring.clear()
+        self._policy.end_wait()
         if not self._abort_if_requested(out) and self._transition.can_fire(_X.PREPARE):
             self._prepare(out)
 
@@ -835,35 +477,16 @@ class CoordinatorCore:
         a = self._attempt
         assert a is not None
         if stage is Stage.JOIN:
-            if self._join_wait:
+            if self._policy.join_wait:
                 self._retry_now(out)
         elif stage is Stage.BASELINE:
-            # The call must arrive (a restarted owner never got it): ask the missing again.
-            missing = [o for o in self.config.owners if o not in self._reports]
-            if self.phase is _T.FINISHING and missing:
-                out.append(cmd.Call(to=tuple(missing), message=msg.ReadRecord()))
-                out.append(self._baseline_deadline())
+            if self.phase is _T.FINISHING:
+                out.extend(self._baseline.ask_again(a.deadline(Stage.BASELINE)))
         elif stage is Stage.COMMIT:
-            a.commit_deadline_passed = True
-            if a.phase is _A.COMMITTING:
-                self._fire(_X.COMMIT_UNKNOWN)
-            self._read_commit_if_final(out)
+            a.on_commit_deadline(out)
         elif stage is Stage.STOP:
-            # Stop-path calls are idempotent: ask again and keep waiting (a receiver that never
-            # acknowledges needs the operator, paper App. B.2).
-            if a.phase is _A.OBSOLETE:
-                out.append(cmd.RecordObsolete(attempt=a.info.attempt))
-                out.append(self._mark_obsolete_call())
-            elif a.phase is _A.STOPPING and not self._stop_complete():
-                out.extend(self._stop_and_wait_commands())
-            else:
-                return
-            out.append(
-                cmd.ArmDeadline(
-                    attempt=a.info.attempt, stage=Stage.STOP, seconds=self._timeout(Stage.STOP)
-                )
-            )
-        elif a.phase in _STAGE_PHASES[stage]:
+            a.on_stop_deadline(out)
+        elif a.phase in STAGE_PHASES[stage]:
             self._fail(out, f"{stage.value} deadline expired")
 
     # -- takeover, conflict, abort (paper App. B.2) ----------------------------------------
@@ -872,23 +495,12 @@ class CoordinatorCore:
         if old is None:
             self._prepare(out)
             return
-        if old.base != self.config.base:
-            raise ConfigError(
-                f"old attempt {old.attempt} starts from {old.base}, not {self.config.base}"
-            )
-        if old.coordinator >= self.config.epoch:
-            raise LocalProtocolError(
-                f"epoch {self.config.epoch} cannot take over attempt of epoch {old.coordinator}",
-                attempt=old.attempt,
-            )
         # Algorithm B.2, lines 2-12: the old attempt is treated as admitted; every later
         # attempt of this coordinator uses overwrite mode.
-        self._admitted = True
-        self._mode = Mode.OVERWRITE
-        self._last_attempt = old.attempt
+        self._policy.take_over(old, base=self.config.base, epoch=self.config.epoch)
         self._transition.fire(_X.TAKE_OVER)
         self._members = set(old.receivers)
-        self._attempt = _Attempt(info=old, machine=self._attempt_machine(old.attempt))
+        self._attempt = self._new_attempt(old)
         self._fire(_X.TAKE_OVER)
         self._mark_obsolete(out)
 
@@ -897,19 +509,19 @@ class CoordinatorCore:
         if self._attempt is not None and self._attempt.machine.can_fire(_X.CONFLICT):
             self._fire(_X.CONFLICT)
         self._transition.fire(_X.CONFLICT)
-        self._reason = reason
+        self._transition.reason = reason
         self._end(TransitionOutcome.CONFLICT, out)
 
     def _abort_if_requested(self, out: list[cmd.CoordinatorCommand]) -> bool:
         """Take a pending operator abort once the transition may abort; True if it did."""
         if self._abort_reason is None or not self._transition.can_fire(_X.ABORT):
             return False
-        self._join_wait = False
+        self._policy.join_wait = False
         self._transition.fire(_X.ABORT)
-        self._reason = f"operator abort: {self._abort_reason}"
+        self._transition.reason = f"operator abort: {self._abort_reason}"
         a = self._attempt
         assert a is not None
-        if a.phase in _RUNNING:
+        if a.phase in RUNNING:
             self._fire(_X.FAIL)
         if a.phase is _A.FAILED:
             self._mark_obsolete(out)
@@ -924,11 +536,9 @@ class CoordinatorCore:
         if record != self._record:
             return  # the record moved on: it must refit again before joining (App. B.2)
         self._joiners[receiver] = record
-        self._restoring.discard(receiver)
-        if self._join_wait and not self._restoring:
+        if self._policy.ready(receiver):
             self._retry_now(out)
-        if self.phase is _T.REFITTING and receiver in self._refit_needed:
-            self._refitted.add(receiver)
+        if self.phase is _T.REFITTING and self._refits.restored(receiver):
             self._transition.fire(_X.DENSE_REFIT)
             self._reopen_after_refit(out)
 
@@ -939,155 +549,11 @@ class CoordinatorCore:
         a = self._attempt
         assert a is not None
         if self._members:
-            out.append(
-                cmd.Call(
-                    to=tuple(sorted(self._members)),
-                    message=msg.ReopenGate(
-                        attempt=a.info.attempt, epoch=self.config.epoch, record=self._record
-                    ),
-                )
-            )
+            out.append(a.reopen_gate_call(sorted(self._members), self._record))
         self._end(TransitionOutcome.ABORTED, out)
 
     def _end(self, outcome: TransitionOutcome, out: list[cmd.CoordinatorCommand]) -> None:
-        self._outcome = outcome
-        a = self._attempt
-        committed_by = None
-        if self._committed is not None and a is not None:
-            # Our own commit, or the replaced coordinator's that takeover found (App. B.2).
-            committed_by = a.info.coordinator
-        out.append(
-            cmd.TransitionEnded(
-                outcome=outcome,
-                record=self._record,
-                attempt=a.info.attempt if a else None,
-                reason=self._reason,
-                committed_by=committed_by,
-            )
-        )
-
-    # -- guards (a failing guard raises LocalProtocolError) --------------------------------
-
-    def _attempt_machine(self, tau: int) -> StateMachine[AttemptPhase]:
-        return StateMachine(
-            AttemptPhase,
-            name=f"attempt {tau}",
-            attempt=tau,
-            guards={
-                _X.SEND: self._all_prepared,
-                _X.WAIT_FOR_REQUESTS: self._arrived_or_sync,
-                _X.OPEN_APPLY: self._all_gated,
-                _X.FLUSH: self._all_sent,
-                _X.COMMIT: self._all_acked,
-                _X.READ_COMMIT: self._no_commit_can_land,
-                _X.CLEANUP: self._attempt_cleanup_allowed,
-            },
-        )
-
-    def _all_prepared(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        missing = a.endpoints - a.accepted
-        if not a.registered:
-            return "the control plane has not registered the attempt"
-        return f"prepare not accepted by {sorted(missing)}" if missing else None
-
-    def _arrival_mismatch(self) -> str | None:
-        """Asynchronous RL: every receiver holds what the owners declared, or why not."""
-        a = self._attempt
-        assert a is not None
-        if len(a.sends) < len(a.info.owners):
-            return None
-        expected = a.expected()
-        for r, counts in a.staged.items():
-            if counts != expected:
-                return f"{r} staged {counts}, owners sent {expected}"
-        return None
-
-    def _arrived_or_sync(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        if a.info.sync:
-            return None
-        if len(a.sends) < len(a.info.owners):
-            return "owners are still sending"
-        missing = a.info.receivers - a.staged.keys()
-        if missing:
-            return f"payloads have not all arrived at {sorted(missing)}"
-        return self._arrival_mismatch()
-
-    def _all_gated(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        missing = a.info.receivers - a.gated
-        return f"gate not closed at {sorted(missing)}" if missing else None
-
-    def _all_sent(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        missing = set(a.info.owners) - a.sends.keys()
-        return f"owners {sorted(missing)} are still sending" if missing else None
-
-    def _all_acked(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        missing = a.info.receivers - a.acks
-        return f"no completion ACK from {sorted(missing)}" if missing else None
-
-    def _no_commit_can_land(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        return None if a.commit_deadline_passed else "the commit deadline has not passed"
-
-    def _stop_complete(self) -> bool:
-        a = self._attempt
-        assert a is not None
-        return a.endpoints <= a.stopped | a.retired
-
-    def _attempt_cleanup_allowed(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        if a.phase is _A.STOPPING and not self._stop_complete():
-            return "endpoints are still stopping"
-        return self._baselines_reported() if self.phase is _T.FINISHING else None
-
-    def _baselines_reported(self) -> str | None:
-        missing = set(self.config.owners) - self._reports
-        return f"owners {sorted(missing)} have not updated their baseline" if missing else None
-
-    def _previous_attempt_cleaned(self) -> str | None:
-        a = self._attempt
-        if a is None or a.phase is _A.CLEANED:
-            return None
-        return f"attempt {a.info.attempt} is {a.phase.value}, not cleaned up"
-
-    def _old_attempt_stopped(self) -> str | None:
-        a = self._attempt
-        assert a is not None
-        return (
-            None
-            if a.phase is _A.STOPPING and self._stop_complete()
-            else "old attempt still running"
-        )
-
-    def _cleanup_allowed(self) -> str | None:
-        if self.phase is _T.FINISHING:
-            return self._baselines_reported()
-        a = self._attempt
-        assert a is not None
-        return None if a.phase is _A.CLEANED else "the attempt is not cleaned up"
-
-    def _refits_done(self) -> str | None:
-        if self.phase is not _T.REFITTING:
-            return None
-        missing = self._refit_needed - self._refitted
-        return f"receivers {sorted(missing)} have not been dense-refitted" if missing else None
-
-    def _abortable(self) -> str | None:
-        a = self._attempt
-        if a is not None and a.phase in _AWAITING_OUTCOME:
-            return "a commit outcome is pending"
-        return None
+        out.append(self._transition.end(outcome, self._record))
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -1095,12 +561,23 @@ class CoordinatorCore:
         assert self._attempt is not None
         self._attempt.machine.fire(trigger)
 
-    def _attempt_machine_allows(self, trigger: Trigger) -> bool:
-        assert self._attempt is not None
-        return self._attempt.machine.can_fire(trigger)
-
     def _is_current(self, attempt: int) -> bool:
         return self._attempt is not None and self._attempt.info.attempt == attempt
 
-    def _timeout(self, stage: Stage) -> float:
-        return self.config.timeouts.of(stage)
+    def _new_attempt(
+        self,
+        info: AttemptInfo,
+        *,
+        joined: frozenset[str] = frozenset(),
+        proof: ProofRequest | None = None,
+        xor_refused: frozenset[str] | None = None,
+    ) -> Attempt:
+        return Attempt(
+            info=info,
+            epoch=self.config.epoch,
+            timeouts=self.config.timeouts,
+            cleanup_guard=self._transition.attempt_cleanup_guard,
+            joined=joined,
+            proof=proof,
+            xor_refused=xor_refused,
+        )

@@ -17,6 +17,7 @@ from dcr.protocol.types import AttemptInfo, CommitOutcome, CommitRecord, Payload
 __all__ = [
     "BaselineWritten",
     "BucketBuilt",
+    "CandidateStaged",
     "CommitRead",
     "CommitRecordRead",
     "CommitReplied",
@@ -140,6 +141,18 @@ class PrepareChecked:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CandidateStaged:
+    """The trainer staged the next version on this owner (``staged``), or dropped it.
+
+    A prepare that arrives while nothing is staged (a trainer restarted mid-transition is still
+    computing its step) is held by the core, bounded by the coordinator's prepare deadline,
+    and handled once the candidate is staged: it does not fail attempt after attempt.
+    """
+
+    staged: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BucketBuilt:
     """The engine built and encoded one bucket into payload ``payload_id``."""
 
@@ -184,8 +197,8 @@ class BaselineWritten:
 
 
 OwnerEvent = (
-    msg.Call | PrepareChecked | BucketBuilt | PayloadSent | DenseSent | CommitRecordRead
-    | BaselineWritten
+    msg.Call | PrepareChecked | CandidateStaged | BucketBuilt | PayloadSent | DenseSent
+    | CommitRecordRead | BaselineWritten
 )  # fmt: skip
 
 # --- receivers: data plane ------------------------------------------------------------------

@@ -48,9 +48,21 @@ class _Stream:
 
 
 class OwnerCore:
-    """One owner; :meth:`handle` takes an event and returns commands."""
+    """One owner; :meth:`handle` takes an event and returns commands.
 
-    def __init__(self, name: str, *, baseline: CommitRecord, sends_in_flight: int = 1) -> None:
+    ``staged``: whether the trainer has staged a candidate on the baseline.  A prepare that
+    arrives while none is staged is held until :class:`~dcr.protocol.events.CandidateStaged`;
+    a baseline update consumes the candidate (the next version must be staged again).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        baseline: CommitRecord,
+        sends_in_flight: int = 1,
+        staged: bool = True,
+    ) -> None:
         if sends_in_flight < 1:
             raise ConfigError(f"sends_in_flight must be at least 1, got {sends_in_flight}")
         self.name = name
@@ -71,6 +83,10 @@ class OwnerCore:
         """Dense-refit jobs whose payloads are being built from the baseline."""
         self._updating: CommitRecord | None = None
         """A baseline update asked for but not written yet (it waits for dense jobs)."""
+        self._staged = staged
+        """The trainer staged a candidate that no baseline update consumed yet."""
+        self._held: msg.Prepare | ev.PrepareChecked | None = None
+        """The latest prepare that arrived while no candidate was staged."""
         self._m = StateMachine(OwnerPhase, name=f"owner {name}")
 
     @property
@@ -81,6 +97,16 @@ class OwnerCore:
     def baseline(self) -> CommitRecord:
         """The committed record that trackers and residual baseline hold."""
         return self._baseline
+
+    @property
+    def staged(self) -> bool:
+        """A candidate is staged and its baseline update has not happened yet."""
+        return self._staged
+
+    @property
+    def holding(self) -> bool:
+        """A prepare waits for the trainer to stage its candidate."""
+        return self._held is not None
 
     @property
     def attempt(self) -> AttemptInfo | None:
@@ -94,6 +120,17 @@ class OwnerCore:
         """Apply one event; return the commands to execute, in order."""
         out: list[cmd.OwnerCommand] = []
         match event:
+            case msg.Prepare(info=info) | ev.PrepareChecked(info=info) if (
+                not self._staged and not self._is_active(info.attempt)
+            ):
+                self._held = event  # handled once the candidate is staged (the latest wins)
+            case ev.CandidateStaged(staged=staged):
+                self._staged = staged
+                held, self._held = self._held, None
+                if staged and held is not None:
+                    out.extend(self.handle(held))
+                else:
+                    self._held = held
             case msg.Prepare(info=info) | ev.PrepareChecked(info=info):
                 rejection = event.rejection if isinstance(event, ev.PrepareChecked) else None
                 proof = event.proof if isinstance(event, ev.PrepareChecked) else None
@@ -351,6 +388,7 @@ class OwnerCore:
         self._baseline = record
         self._updated_to = record
         self._candidates.clear()
+        self._staged = False  # the candidate became the baseline
         out.append(cmd.Notify(message=msg.BaselineUpdated(owner=self.name, record=record)))
 
     # -- dense refit of joining receivers (paper App. B.2) --------------------------------

@@ -13,6 +13,7 @@ __all__ = [
     "CommitOutcome",
     "CommitRecord",
     "CounterIds",
+    "EpochIds",
     "IdSource",
     "Mode",
     "PayloadKey",
@@ -142,6 +143,29 @@ class CounterIds:
         tau = self.first + self._issued
         self._issued += 1
         return tau, f"{self.prefix}{tau}"
+
+
+@dataclass(slots=True)
+class EpochIds:
+    """Every id a coordinator of ``epoch`` issues: one source, so ids never collide.
+
+    Attempt ids (:meth:`attempts`) count up from ``epoch << 32``; dense-refit job ids
+    (:meth:`dense_job`) from ``(epoch << 32) | 1 << 31``: above every attempt of the epoch,
+    below every id of the next one.  A coordinator that takes over claims a newer epoch, so
+    its ids resume above everything the replaced one can have issued.
+    """
+
+    epoch: int
+    _jobs: int = field(default=0, init=False)
+
+    def attempts(self) -> CounterIds:
+        """The attempt ids (and candidate ids ``g<epoch>.<tau>``) of this epoch."""
+        return CounterIds(first=self.epoch << 32, prefix=f"g{self.epoch}.")
+
+    def dense_job(self) -> int:
+        """A fresh dense-refit job id of this epoch."""
+        self._jobs += 1
+        return (self.epoch << 32) | (1 << 31) | self._jobs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -312,7 +312,8 @@ def _run_delta(
     opts: RLOptions, directory: Path, checkpoint: Path, say: Callable[[str], None]
 ) -> dict[str, Any]:
     from dcr.fleet.config import load_fleet
-    from dcr.fleet.launcher import Fault, Launcher
+    from dcr.fleet.faults import Fault
+    from dcr.fleet.launcher import Launcher
     from dcr.rl.engine import EngineClient
 
     ready = directory / "run" / "engine-e0.ready.json"

@@ -1,4 +1,4 @@
-"""Hashing of stored bits for the proof of the base version (owners' side).
+"""Hashing of stored bits for the proof of the base version (both sides).
 
 ``h(i, x)`` mixes a canonical flat index ``i`` and the stored bits ``x`` of the element there
 (:func:`h_reference` is the definition): the key ``G*i + s`` (``s`` from the proof seed) is
@@ -9,10 +9,10 @@ about ``2^-61``.  :func:`hash_view` sums ``h`` over any strided view in cache-si
 worker threads, the key computed from the view's geometry (no index arrays).  The same
 functions serve the receivers (:mod:`dcr.apply.proof`), so both sides hash identically.
 
-An owner proves its part of the committed version from its trackers and residual baseline:
-each canonical element is counted once over all owners (replicated shards only by their
-owner, tied weights once per canonical name -- the mappings' ``blocks``), so the owners'
-fingerprints of a tensor add up to the tensor's.
+An owner proves its part of the committed version from its trackers and residual baseline
+(:mod:`dcr.delta.proof`): each canonical element is counted once over all owners (replicated
+shards only by their owner, tied weights once per canonical name -- the mappings'
+``blocks``), so the owners' fingerprints of a tensor add up to the tensor's.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dcr.delta.owner import Owner
-from dcr.protocol.proof import PRIME, Proof, ProofRequest, TensorProof
+from dcr.protocol.proof import PRIME
 from dcr.tensors.bits import bits_dtype, numpy_bits_dtype
 from dcr.tensors.parallel import default_threads
 
@@ -39,7 +38,6 @@ __all__ = [
     "h_reference",
     "hash_view",
     "locate",
-    "owner_proof",
     "salt",
     "sample_positions",
     "sample_positions_of",
@@ -369,80 +367,3 @@ def row_chunks(shape: Sequence[int]) -> Iterator[slice]:
     step = max(1, _CHUNK // per_row)
     for start in range(0, shape[0], step):
         yield slice(start, min(start + step, shape[0]))
-
-
-def _numpy_bits(t: torch.Tensor) -> npt.NDArray[np.unsignedinteger[Any]]:
-    """Stored bits of any CPU tensor (copied to contiguous first when it is a strided view)."""
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(bits_dtype(t.dtype)).numpy().view(numpy_bits_dtype(t.dtype))
-
-
-class _Tally:
-    """Samples and fingerprint of one tensor, accumulated over blocks."""
-
-    def __init__(self, name: str, request: ProofRequest, positions: Index) -> None:
-        self.name = name
-        self.request = request
-        self.positions = positions
-        self.samples: list[int] = []
-        self.count = 0
-        self.value = 0
-
-    def add_view(self, canon: torch.Tensor, shard: torch.Tensor) -> None:
-        """A block: ``canon`` is a (meta) view of the canonical tensor, ``shard`` the values."""
-        offset = int(canon.storage_offset())
-        shape = tuple(int(d) for d in canon.shape)
-        stride = tuple(int(d) for d in canon.stride())
-        if self.positions.size:
-            found = locate(self.positions, offset, shape, stride)
-            if found is not None:
-                hit, multi = found
-                if hit.size:
-                    index = tuple(torch.from_numpy(m) for m in multi)
-                    values = _numpy_bits(shard[index] if index else shard.reshape(1))
-                    for slot, v in zip(hit.tolist(), values.tolist(), strict=True):
-                        self.samples += (slot, v)
-        if self.request.fingerprint:
-            self.count += math.prod(shape)
-            self.value = (self.value + hash_view(shard, offset, stride, self.request.seed)) % PRIME
-
-    def proof(self) -> TensorProof | None:
-        if not self.samples and not self.count:
-            return None
-        return TensorProof(
-            name=self.name, samples=tuple(self.samples), count=self.count, value=self.value
-        )
-
-
-def owner_proof(owner: Owner, request: ProofRequest) -> Proof:
-    """Owner ``owner``'s proof of its committed version (trackers and residual baseline)."""
-    catalog = owner.plan.catalog
-    tallies: dict[str, _Tally] = {}
-    held = [n for s in owner.shards if s.mapping is not None for n in s.mapping.names]
-    positions = sample_positions_of(
-        request.seed,
-        {n: catalog[n].numel for n in [*held, *owner.residual_baseline]},
-        request.samples,
-    )
-
-    def tally(name: str) -> _Tally:
-        if name not in tallies:
-            tallies[name] = _Tally(name, request, positions[name])
-        return tallies[name]
-
-    for s in owner.shards:
-        if s.mapping is None:
-            continue
-        canonical = {
-            n: torch.empty(catalog[n].shape, dtype=catalog[n].dtype, device="meta")
-            for n in s.mapping.names
-        }
-        for name, canon, local in s.mapping.blocks(canonical, owner.trackers[s.key]):
-            tally(name).add_view(canon, local)
-    for name, base in owner.residual_baseline.items():
-        flat = base.reshape(-1)
-        tally(name).add_view(torch.empty(flat.shape, dtype=flat.dtype, device="meta"), flat)
-    tensors = tuple(p for t in tallies.values() if (p := t.proof()) is not None)
-    return Proof(seed=request.seed, tensors=tensors, fingerprinted=request.fingerprint)

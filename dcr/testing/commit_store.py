@@ -1,27 +1,36 @@
-"""A conformance suite for commit stores: a hypothesis state machine run against any store.
+"""A conformance suite for commit stores: :class:`CommitStoreTests`, a pytest test-class base.
 
-``CommitStoreMachine.for_store(factory)`` returns a ``RuleBasedStateMachine`` test class that
-drives a store created by ``factory(clock)`` through claims, registrations, compare-and-sets
-(with deadlines in the past or future), obsolete marks and reads, and checks every answer
-against a small reference model of the semantics in :mod:`dcr.adapters.commit.base`.  Every
-commit-store adapter runs it (``tests/adapters/test_commit_stores.py``).
+Its check is a hypothesis state machine, :class:`CommitStoreMachine`: it drives a store
+created by ``factory(clock)`` through claims, registrations, compare-and-sets (with deadlines
+in the past or future), obsolete marks and reads, and checks every answer against a small
+reference model of the semantics in :mod:`dcr.adapters.commit.base`.  A store's test module
+subclasses the suite -- ``class TestMyStore(CommitStoreTests)`` -- and gives it
+:meth:`CommitStoreTests.make_store`; dcr's own stores run it in
+``tests/adapters/test_commit_store*.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio.from_thread
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from dcr.adapters.commit.base import INITIAL_RECORD, CommitStore
 from dcr.errors import CommitConflict
 from dcr.protocol.types import CommitOutcome, CommitRecord
 
-__all__ = ["CommitStoreMachine", "ManualClock"]
+__all__ = ["CommitStoreMachine", "CommitStoreTests", "ManualClock"]
 
 
 @dataclass(slots=True)
@@ -164,3 +173,31 @@ class CommitStoreMachine(RuleBasedStateMachine):
         assert set(s.obsolete) == m.obsolete
         versions = [r.version for r in m.history]
         assert versions == sorted(set(versions))  # one commit per version, never backwards
+
+
+class CommitStoreTests:
+    """The commit-store conformance suite; subclass it as ``Test<YourStore>`` and give it
+    :meth:`make_store`.  :attr:`max_examples` and :attr:`steps` size the run (a store on a
+    remote server lowers them)."""
+
+    max_examples: ClassVar[int] = 30
+    """Runs of the state machine, each from a fresh store."""
+    steps: ClassVar[int] = 25
+    """Rules per run."""
+
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        """A fresh, empty store whose deadlines read ``clock`` (each call a new record)."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_store(clock)")
+
+    def test_answers_match_the_reference_model(self) -> None:
+        """Every answer of the store equals the reference model's; at most one commit per
+        version, never backwards."""
+        run_state_machine_as_test(
+            CommitStoreMachine.for_store(self.make_store),
+            settings=settings(
+                max_examples=self.max_examples,
+                stateful_step_count=self.steps,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )

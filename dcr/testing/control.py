@@ -1,14 +1,15 @@
-"""A conformance suite for control channels: the same checks run against every implementation.
+"""A conformance suite for control channels: :class:`ControlTests`, the base of a pytest test class.
 
-A :class:`ControlHarness` builds one world of a control channel (one coordinator link and
-endpoint links opened as their own processes would); each entry of :data:`CHECKS` is a plain
-async function that drives a fresh harness and asserts the rules of
-:mod:`dcr.adapters.control.base`: calls reach the named endpoint in order, replies reach the
-coordinator, calls to an endpoint that is not connected wait (at most ``PENDING_CALLS``, the
-oldest dropped and counted) and are delivered when it connects, calls of an older coordinator
-epoch are refused and counted, duplicates are delivered, a new link of a closed endpoint's
-name receives later calls, and ``aclose`` ends iteration.  ``tests/adapters/test_control_*.py``
-run every check with their harness through :func:`run_check`.
+Every ``test_*`` method of :class:`ControlTests` drives a fresh world of a control channel -- a
+:class:`ControlHarness`: one coordinator link and endpoint links opened as their own processes
+would -- and asserts the rules of :mod:`dcr.adapters.control.base`: calls reach the named
+endpoint in order, replies reach the coordinator, calls to an endpoint that is not connected
+wait (at most ``PENDING_CALLS``, the oldest dropped and counted) and are delivered when it
+connects, calls of an older coordinator epoch are refused and counted, duplicates are
+delivered, a new link of a closed endpoint's name receives later calls, and ``aclose`` ends
+iteration.  A channel's test module subclasses it -- ``class TestMyControl(ControlTests)`` --
+and gives it :meth:`ControlTests.make_harness`; dcr's own channels run the suite in
+``tests/adapters/test_control_*.py``.
 
 :data:`EXAMPLES` holds one representative value of every control message, and
 :func:`message_strategy` builds hypothesis strategies for any message class (codec tests).
@@ -18,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
 import anyio
 import anyio.abc
@@ -35,15 +36,14 @@ from dcr.adapters.control.base import PENDING_CALLS, CoordinatorLink, EndpointLi
 from dcr.protocol import messages as msg
 from dcr.protocol.proof import Proof, ProofRequest, TensorProof
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
-from dcr.testing.conformance import run_named_check
+from dcr.testing.conformance import AsyncSuite, until
 
 __all__ = [
-    "CHECKS",
     "EXAMPLES",
     "ControlHarness",
+    "ControlTests",
     "Inbox",
     "message_strategy",
-    "run_check",
 ]
 
 _RECORD = CommitRecord(version=7, candidate="g7")
@@ -163,11 +163,6 @@ class ControlHarness(ABC):
     link twice must be harmless).
     """
 
-    not_applicable: ClassVar[Mapping[str, str]] = {}
-    """Check name -> why the channel does not have that property (documented behaviour)."""
-    timeout_s: float = 20.0
-    """Upper bound for one check."""
-
     async def __aenter__(self) -> Self:
         return self
 
@@ -231,11 +226,7 @@ class _Replies:
 
 async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``predicate`` every 5 ms for at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await anyio.sleep(0.005)
+    await until(predicate, timeout_s, what, poll_s=0.005)
 
 
 async def _inbox(h: ControlHarness, tg: anyio.abc.TaskGroup, name: str) -> Inbox:
@@ -262,194 +253,198 @@ QUIET_S = 0.2
 """How long a check waits to see that something does *not* arrive."""
 
 
-# -- the checks --------------------------------------------------------------------------------
+class ControlTests(AsyncSuite):
+    """The control-channel conformance suite; subclass it as ``Test<YourChannel>`` and give it
+    :meth:`make_harness`."""
 
+    def make_harness(self) -> ControlHarness:
+        """A fresh world of the channel."""
+        raise NotImplementedError(f"{type(self).__name__} must define make_harness()")
 
-async def check_calls_in_order(h: ControlHarness) -> None:
-    """Calls reach exactly the named endpoint, in the order they were made, unchanged: every
-    call type once, then interleaved numbered calls to two endpoints."""
-    coordinator = await h.coordinator()
-    async with anyio.create_task_group() as tg:
-        a = await _inbox(h, tg, "ep-a")
-        b = await _inbox(h, tg, "ep-b")
-        await h.settle(connected=("ep-a", "ep-b"))
-        for call in _CALL_EXAMPLES:
-            await coordinator.call("ep-a", call, epoch=3)
-        for i in range(60):
-            await coordinator.call("ep-a" if i % 3 else "ep-b", _mark(i), epoch=3)
-        n_a = len(_CALL_EXAMPLES) + 40
-        await _until(lambda: len(a.got) >= n_a and len(b.got) >= 20, 10, "every call")
-        await anyio.sleep(QUIET_S)
-        assert a.got[: len(_CALL_EXAMPLES)] == list(_CALL_EXAMPLES)
-        assert _attempts(a.got[len(_CALL_EXAMPLES) :]) == [i for i in range(60) if i % 3]
-        assert _attempts(b.got) == [i for i in range(60) if not i % 3]
-        assert len(a.got) == n_a and len(b.got) == 20
-        tg.cancel_scope.cancel()
+    @asynccontextmanager
+    async def world(self) -> AsyncIterator[ControlHarness]:
+        """A fresh harness for one check, the check bounded by :attr:`timeout_s`."""
+        async with self.make_harness() as harness:
+            with anyio.fail_after(self.timeout_s):
+                yield harness
 
+    # -- the checks -----------------------------------------------------------------------------
 
-async def check_replies_reach_coordinator(h: ControlHarness) -> None:
-    """Replies of every type reach the coordinator unchanged, each endpoint's in order."""
-    coordinator = await h.coordinator()
-    async with anyio.create_task_group() as tg:
-        replies = await _collect(tg, coordinator)
-        links = {name: await h.endpoint(name) for name in ("ep-a", "ep-b")}
-        await h.settle(connected=links)
-        for reply in _REPLY_EXAMPLES:
-            await links["ep-a"].notify(reply)
-        for i in range(40):
-            name = "ep-a" if i % 2 else "ep-b"
-            await links[name].notify(msg.AttemptFailed(attempt=i, endpoint=name, check="order"))
-        await _until(lambda: len(replies.got) >= len(_REPLY_EXAMPLES) + 40, 10, "every reply")
-        examples = [r for r in replies.got if not isinstance(r, msg.AttemptFailed)]
-        examples_failed = [r for r in _REPLY_EXAMPLES if isinstance(r, msg.AttemptFailed)]
-        assert examples == [r for r in _REPLY_EXAMPLES if not isinstance(r, msg.AttemptFailed)]
-        numbered = [r for r in replies.got if isinstance(r, msg.AttemptFailed)]
-        assert [r for r in numbered if r.check != "order"] == examples_failed
-        for name, parity in (("ep-a", 1), ("ep-b", 0)):
-            got = [r.attempt for r in numbered if r.check == "order" and r.endpoint == name]
-            assert got == [i for i in range(40) if i % 2 == parity], (name, got)
-        tg.cancel_scope.cancel()
+    async def test_calls_in_order(self) -> None:
+        """Calls reach exactly the named endpoint, in the order they were made, unchanged: every
+        call type once, then interleaved numbered calls to two endpoints."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            async with anyio.create_task_group() as tg:
+                a = await _inbox(h, tg, "ep-a")
+                b = await _inbox(h, tg, "ep-b")
+                await h.settle(connected=("ep-a", "ep-b"))
+                for call in _CALL_EXAMPLES:
+                    await coordinator.call("ep-a", call, epoch=3)
+                for i in range(60):
+                    await coordinator.call("ep-a" if i % 3 else "ep-b", _mark(i), epoch=3)
+                n_a = len(_CALL_EXAMPLES) + 40
+                await _until(lambda: len(a.got) >= n_a and len(b.got) >= 20, 10, "every call")
+                await anyio.sleep(QUIET_S)
+                assert a.got[: len(_CALL_EXAMPLES)] == list(_CALL_EXAMPLES)
+                assert _attempts(a.got[len(_CALL_EXAMPLES) :]) == [i for i in range(60) if i % 3]
+                assert _attempts(b.got) == [i for i in range(60) if not i % 3]
+                assert len(a.got) == n_a and len(b.got) == 20
+                tg.cancel_scope.cancel()
 
+    async def test_replies_reach_coordinator(self) -> None:
+        """Replies of every type reach the coordinator unchanged, each endpoint's in order."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            async with anyio.create_task_group() as tg:
+                replies = await _collect(tg, coordinator)
+                links = {name: await h.endpoint(name) for name in ("ep-a", "ep-b")}
+                await h.settle(connected=links)
+                for reply in _REPLY_EXAMPLES:
+                    await links["ep-a"].notify(reply)
+                for i in range(40):
+                    name = "ep-a" if i % 2 else "ep-b"
+                    await links[name].notify(
+                        msg.AttemptFailed(attempt=i, endpoint=name, check="order")
+                    )
+                await _until(
+                    lambda: len(replies.got) >= len(_REPLY_EXAMPLES) + 40, 10, "every reply"
+                )
+                examples = [r for r in replies.got if not isinstance(r, msg.AttemptFailed)]
+                examples_failed = [r for r in _REPLY_EXAMPLES if isinstance(r, msg.AttemptFailed)]
+                assert examples == [
+                    r for r in _REPLY_EXAMPLES if not isinstance(r, msg.AttemptFailed)
+                ]
+                numbered = [r for r in replies.got if isinstance(r, msg.AttemptFailed)]
+                assert [r for r in numbered if r.check != "order"] == examples_failed
+                for name, parity in (("ep-a", 1), ("ep-b", 0)):
+                    got = [r.attempt for r in numbered if r.check == "order" and r.endpoint == name]
+                    assert got == [i for i in range(40) if i % 2 == parity], (name, got)
+                tg.cancel_scope.cancel()
 
-async def check_status_reaches_coordinator(h: ControlHarness) -> None:
-    """``set_status`` records the status on the link and the coordinator receives it."""
-    coordinator = await h.coordinator()
-    status = msg.EndpointStatus(endpoint="ep-s", role="owner", incarnation="i1", record=_RECORD)
-    async with anyio.create_task_group() as tg:
-        replies = await _collect(tg, coordinator)
-        link = await h.endpoint("ep-s")
-        await h.settle(connected=("ep-s",))
-        await link.set_status(status)
-        assert link.status == status
-        await _until(lambda: status in replies.got, 10, "the endpoint's status")
-        tg.cancel_scope.cancel()
+    async def test_status_reaches_coordinator(self) -> None:
+        """``set_status`` records the status on the link and the coordinator receives it."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            status = msg.EndpointStatus(
+                endpoint="ep-s", role="owner", incarnation="i1", record=_RECORD
+            )
+            async with anyio.create_task_group() as tg:
+                replies = await _collect(tg, coordinator)
+                link = await h.endpoint("ep-s")
+                await h.settle(connected=("ep-s",))
+                await link.set_status(status)
+                assert link.status == status
+                await _until(lambda: status in replies.got, 10, "the endpoint's status")
+                tg.cancel_scope.cancel()
 
+    async def test_pending_until_connect(self) -> None:
+        """Calls to an endpoint that is not connected yet are delivered, in order, once it is."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            for i in range(5):
+                await coordinator.call("ep-late", _mark(i), epoch=1)
+            async with anyio.create_task_group() as tg:
+                inbox = await _inbox(h, tg, "ep-late")
+                await _until(lambda: len(inbox.got) >= 5, 10, "the waiting calls")
+                await coordinator.call("ep-late", _mark(5), epoch=1)
+                await _until(lambda: len(inbox.got) >= 6, 10, "a call after connecting")
+                await anyio.sleep(QUIET_S)
+                assert _attempts(inbox.got) == list(range(6))
+                tg.cancel_scope.cancel()
 
-async def check_pending_until_connect(h: ControlHarness) -> None:
-    """Calls to an endpoint that is not connected yet are delivered, in order, once it is."""
-    coordinator = await h.coordinator()
-    for i in range(5):
-        await coordinator.call("ep-late", _mark(i), epoch=1)
-    async with anyio.create_task_group() as tg:
-        inbox = await _inbox(h, tg, "ep-late")
-        await _until(lambda: len(inbox.got) >= 5, 10, "the waiting calls")
-        await coordinator.call("ep-late", _mark(5), epoch=1)
-        await _until(lambda: len(inbox.got) >= 6, 10, "a call after connecting")
-        await anyio.sleep(QUIET_S)
-        assert _attempts(inbox.got) == list(range(6))
-        tg.cancel_scope.cancel()
+    async def test_pending_bound(self) -> None:
+        """At most ``PENDING_CALLS`` calls wait per endpoint; the oldest are dropped and counted."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            extra = 5
+            before = h.dropped_pending()
+            for i in range(PENDING_CALLS + extra):
+                await coordinator.call("ep-flood", _mark(i), epoch=1)
+            assert h.dropped_pending() - before == extra
+            async with anyio.create_task_group() as tg:
+                inbox = await _inbox(h, tg, "ep-flood")
+                await _until(lambda: len(inbox.got) >= PENDING_CALLS, 10, "the waiting calls")
+                await anyio.sleep(QUIET_S)
+                assert _attempts(inbox.got) == list(range(extra, PENDING_CALLS + extra))
+                tg.cancel_scope.cancel()
 
+    async def test_stale_epoch_refused(self) -> None:
+        """Calls of an older epoch than the newest one seen are refused and counted as
+        ``stale-epoch``; calls of the newest epoch and newer pass."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            epochs = [2, 1, 2, 3, 2, 3, 1, 5]
+            async with anyio.create_task_group() as tg:
+                inbox = await _inbox(h, tg, "ep-e")
+                await h.settle(connected=("ep-e",))
+                for i, epoch in enumerate(epochs):
+                    await coordinator.call("ep-e", _mark(i), epoch=epoch)
+                await _until(lambda: 7 in _attempts(inbox.got), 10, "the last call")
+                assert _attempts(inbox.got) == [0, 2, 3, 5, 7]
+                assert inbox.link.drops["stale-epoch"] == 3
+                assert inbox.link.epoch == 5
+                tg.cancel_scope.cancel()
 
-async def check_pending_bound(h: ControlHarness) -> None:
-    """At most ``PENDING_CALLS`` calls wait per endpoint; the oldest are dropped and counted."""
-    coordinator = await h.coordinator()
-    extra = 5
-    before = h.dropped_pending()
-    for i in range(PENDING_CALLS + extra):
-        await coordinator.call("ep-flood", _mark(i), epoch=1)
-    assert h.dropped_pending() - before == extra
-    async with anyio.create_task_group() as tg:
-        inbox = await _inbox(h, tg, "ep-flood")
-        await _until(lambda: len(inbox.got) >= PENDING_CALLS, 10, "the waiting calls")
-        await anyio.sleep(QUIET_S)
-        assert _attempts(inbox.got) == list(range(extra, PENDING_CALLS + extra))
-        tg.cancel_scope.cancel()
+    async def test_duplicates_delivered(self) -> None:
+        """A call or reply sent twice arrives twice (the cores deduplicate, not the channel)."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            call = msg.Prepare(info=_INFO)
+            reply = msg.PrepareAccepted(attempt=_INFO.attempt, endpoint="ep-d")
+            async with anyio.create_task_group() as tg:
+                replies = await _collect(tg, coordinator)
+                inbox = await _inbox(h, tg, "ep-d")
+                await h.settle(connected=("ep-d",))
+                for _ in range(2):
+                    await coordinator.call("ep-d", call, epoch=3)
+                    await inbox.link.notify(reply)
+                await _until(lambda: len(inbox.got) >= 2, 10, "both calls")
+                await _until(lambda: replies.got.count(reply) >= 2, 10, "both replies")
+                await anyio.sleep(QUIET_S)
+                assert inbox.got == [call, call]
+                assert replies.got.count(reply) == 2
+                tg.cancel_scope.cancel()
 
+    async def test_reconnect_same_name(self) -> None:
+        """After an endpoint's link closes, calls wait; a new link of the same name receives them
+        and later calls, and closing the old link again changes nothing."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            async with anyio.create_task_group() as tg:
+                old = await _inbox(h, tg, "ep-r")
+                await h.settle(connected=("ep-r",))
+                await coordinator.call("ep-r", _mark(0), epoch=1)
+                await _until(lambda: len(old.got) >= 1, 10, "the first call")
+                await old.link.aclose()
+                await _until(lambda: old.ended, 10, "the old link's calls() to end")
+                await h.settle(disconnected=("ep-r",))
+                for i in (1, 2):
+                    await coordinator.call("ep-r", _mark(i), epoch=1)
+                new = await _inbox(h, tg, "ep-r")
+                await _until(lambda: len(new.got) >= 2, 10, "the calls that waited")
+                await old.link.aclose()
+                await h.settle(connected=("ep-r",))
+                await coordinator.call("ep-r", _mark(3), epoch=1)
+                await _until(lambda: len(new.got) >= 3, 10, "a later call")
+                await anyio.sleep(QUIET_S)
+                assert _attempts(old.got) == [0]
+                assert _attempts(new.got) == [1, 2, 3]
+                tg.cancel_scope.cancel()
 
-async def check_stale_epoch_refused(h: ControlHarness) -> None:
-    """Calls of an older epoch than the newest one seen are refused and counted as
-    ``stale-epoch``; calls of the newest epoch and newer pass."""
-    coordinator = await h.coordinator()
-    epochs = [2, 1, 2, 3, 2, 3, 1, 5]
-    async with anyio.create_task_group() as tg:
-        inbox = await _inbox(h, tg, "ep-e")
-        await h.settle(connected=("ep-e",))
-        for i, epoch in enumerate(epochs):
-            await coordinator.call("ep-e", _mark(i), epoch=epoch)
-        await _until(lambda: 7 in _attempts(inbox.got), 10, "the last call")
-        assert _attempts(inbox.got) == [0, 2, 3, 5, 7]
-        assert inbox.link.drops["stale-epoch"] == 3
-        assert inbox.link.epoch == 5
-        tg.cancel_scope.cancel()
-
-
-async def check_duplicates_delivered(h: ControlHarness) -> None:
-    """A call or reply sent twice arrives twice (the cores deduplicate, not the channel)."""
-    coordinator = await h.coordinator()
-    call = msg.Prepare(info=_INFO)
-    reply = msg.PrepareAccepted(attempt=_INFO.attempt, endpoint="ep-d")
-    async with anyio.create_task_group() as tg:
-        replies = await _collect(tg, coordinator)
-        inbox = await _inbox(h, tg, "ep-d")
-        await h.settle(connected=("ep-d",))
-        for _ in range(2):
-            await coordinator.call("ep-d", call, epoch=3)
-            await inbox.link.notify(reply)
-        await _until(lambda: len(inbox.got) >= 2, 10, "both calls")
-        await _until(lambda: replies.got.count(reply) >= 2, 10, "both replies")
-        await anyio.sleep(QUIET_S)
-        assert inbox.got == [call, call]
-        assert replies.got.count(reply) == 2
-        tg.cancel_scope.cancel()
-
-
-async def check_reconnect_same_name(h: ControlHarness) -> None:
-    """After an endpoint's link closes, calls wait; a new link of the same name receives them
-    and later calls, and closing the old link again changes nothing."""
-    coordinator = await h.coordinator()
-    async with anyio.create_task_group() as tg:
-        old = await _inbox(h, tg, "ep-r")
-        await h.settle(connected=("ep-r",))
-        await coordinator.call("ep-r", _mark(0), epoch=1)
-        await _until(lambda: len(old.got) >= 1, 10, "the first call")
-        await old.link.aclose()
-        await _until(lambda: old.ended, 10, "the old link's calls() to end")
-        await h.settle(disconnected=("ep-r",))
-        for i in (1, 2):
-            await coordinator.call("ep-r", _mark(i), epoch=1)
-        new = await _inbox(h, tg, "ep-r")
-        await _until(lambda: len(new.got) >= 2, 10, "the calls that waited")
-        await old.link.aclose()
-        await h.settle(connected=("ep-r",))
-        await coordinator.call("ep-r", _mark(3), epoch=1)
-        await _until(lambda: len(new.got) >= 3, 10, "a later call")
-        await anyio.sleep(QUIET_S)
-        assert _attempts(old.got) == [0]
-        assert _attempts(new.got) == [1, 2, 3]
-        tg.cancel_scope.cancel()
-
-
-async def check_aclose_ends_iteration(h: ControlHarness) -> None:
-    """``aclose`` ends ``calls()`` and ``replies()`` cleanly, also for a new iteration."""
-    coordinator = await h.coordinator()
-    async with anyio.create_task_group() as tg:
-        inbox = await _inbox(h, tg, "ep-c")
-        replies = await _collect(tg, coordinator)
-        await h.settle(connected=("ep-c",))
-        await coordinator.call("ep-c", _mark(0), epoch=1)
-        await _until(lambda: len(inbox.got) == 1, 10, "a call")
-        await inbox.link.aclose()
-        await coordinator.aclose()
-        await _until(lambda: inbox.ended and replies.ended, 10, "both iterations to end")
-        with anyio.fail_after(5):
-            assert [c async for c in inbox.link.calls()] == []
-            assert [r async for r in coordinator.replies()] == []
-
-
-CHECKS: dict[str, Callable[[ControlHarness], Awaitable[None]]] = {
-    "calls_in_order": check_calls_in_order,
-    "replies": check_replies_reach_coordinator,
-    "status": check_status_reaches_coordinator,
-    "pending_until_connect": check_pending_until_connect,
-    "pending_bound": check_pending_bound,
-    "stale_epoch": check_stale_epoch_refused,
-    "duplicates": check_duplicates_delivered,
-    "reconnect_same_name": check_reconnect_same_name,
-    "aclose_ends_iteration": check_aclose_ends_iteration,
-}
-
-
-async def run_check(name: str, harness: ControlHarness) -> str | None:
-    """Run check ``name`` on ``harness`` within its time bound; ``None`` when it passed, or
-    the harness's stated reason when the check does not apply to the channel."""
-    return await run_named_check(CHECKS, name, harness)
+    async def test_aclose_ends_iteration(self) -> None:
+        """``aclose`` ends ``calls()`` and ``replies()`` cleanly, also for a new iteration."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            async with anyio.create_task_group() as tg:
+                inbox = await _inbox(h, tg, "ep-c")
+                replies = await _collect(tg, coordinator)
+                await h.settle(connected=("ep-c",))
+                await coordinator.call("ep-c", _mark(0), epoch=1)
+                await _until(lambda: len(inbox.got) == 1, 10, "a call")
+                await inbox.link.aclose()
+                await coordinator.aclose()
+                await _until(lambda: inbox.ended and replies.ended, 10, "both iterations to end")
+                with anyio.fail_after(5):
+                    assert [c async for c in inbox.link.calls()] == []
+                    assert [r async for r in coordinator.replies()] == []

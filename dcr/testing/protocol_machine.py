@@ -20,8 +20,9 @@ from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol.lifecycle import TransitionPhase
 from dcr.protocol.receiver import QueueConfig
-from dcr.testing.protocol_world import Kind, World
+from dcr.testing.protocol_world import World
 from dcr.testing.spec.invariants import violations
+from dcr.testing.world_messages import Kind
 
 __all__ = ["ProtocolMachine"]
 

@@ -16,7 +16,6 @@ are retried until they arrive.  Everything else may be lost, duplicated or reord
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import CoordinatorConfig, CoordinatorCore
-from dcr.protocol.lifecycle import AttemptPhase, ReceiverPhase, TransitionPhase
+from dcr.protocol.lifecycle import ReceiverPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.receiver import QueueConfig, ReceiverCore
 from dcr.protocol.types import (
@@ -45,84 +44,17 @@ from dcr.testing.spec.state import (
     NONE,
     V0,
     V1,
-    AttemptVar,
-    Budgets,
     Cas,
-    CoordVar,
     Encoding,
-    OwnerVar,
-    ReceiverVar,
     Reply,
     State,
     apply_entry,
 )
+from dcr.testing.world_control_plane import serve
+from dcr.testing.world_messages import ApplyDone, Body, Kind, Message, Wire
+from dcr.testing.world_projection import project
 
-__all__ = ["Body", "Kind", "Message", "World"]
-
-
-class Kind(enum.Enum):
-    PAYLOAD = "payload"
-    CALL = "call"
-    """Coordinator -> endpoint control call."""
-    REPLY = "reply"
-    """Endpoint -> coordinator (a Notify)."""
-    STORE = "store"
-    """Coordinator -> control plane request."""
-    STORE_REPLY = "store_reply"
-    LOCAL = "local"
-    """Completion of local engine work (decode, apply, build, send, gate, sync)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Body:
-    """Abstract payload content: which range it writes, how, and a digest of its bytes."""
-
-    key: PayloadKey
-    encoding: Encoding
-    final: bool
-    digest: bytes
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Message:
-    seq: int
-    kind: Kind
-    to: str
-    """``store``, ``c<epoch>``, or an endpoint name."""
-    event: object
-    epoch: int = 0
-    """Sender epoch of a control-plane request."""
-    inc: int = 0
-    """Incarnation of the receiver the message was sent to."""
-    body: Body | None = None
-
-    @property
-    def droppable(self) -> bool:
-        if self.kind is Kind.PAYLOAD:
-            return True
-        if self.kind is Kind.CALL:
-            return not isinstance(self.event, msg.Cleanup | msg.ReopenGate | msg.ReadRecord)
-        if self.kind is Kind.REPLY:
-            return not isinstance(self.event, msg.BaselineUpdated | msg.ReceiverReady)
-        return False
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Wire:
-    """A payload on its way: the key the transport names and what its bytes would show."""
-
-    key: PayloadKey
-    digest: bytes
-    final: bool
-    rejection: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _ApplyDone:
-    """Writes of an Apply land when the engine completes it."""
-
-    keys: tuple[PayloadKey, ...]
-    fail_after: int | None = None
+__all__ = ["World"]
 
 
 @dataclass(slots=True)
@@ -202,7 +134,10 @@ class World:
         # processes
         self.coordinators: dict[int, CoordinatorCore] = {}
         self.alive_coordinators: set[int] = set()
-        self.owners = {o: _Owner(core=OwnerCore(o, baseline=self.base)) for o in self.owner_names}
+        # Every trainer rank staged the candidate of the transition (``CandidateStaged``).
+        self.owners = {
+            o: _Owner(core=OwnerCore(o, baseline=self.base, staged=True)) for o in self.owner_names
+        }
         self.receivers = {
             r: _Receiver(
                 core=ReceiverCore(r, held=self.base, queue=self.queue, arrival_grace_s=1.0),
@@ -390,7 +325,7 @@ class World:
         if m.inc != rx.inc:
             return  # addressed to a process that no longer exists
         event = m.event
-        if isinstance(event, _ApplyDone):
+        if isinstance(event, ApplyDone):
             event = self._land_writes(m.to, event)
         elif isinstance(event, Wire):
             # The engine numbers the delivery; the core decides when its bytes are checked.
@@ -399,7 +334,7 @@ class World:
             event = ev.PayloadReceived(delivery=rx.count, key=event.key)
         self._run_receiver(m.to, rx.core.handle(event))  # type: ignore[arg-type]
 
-    def _land_writes(self, name: str, done: _ApplyDone) -> ev.PayloadsApplied:
+    def _land_writes(self, name: str, done: ApplyDone) -> ev.PayloadsApplied:
         rx = self.receivers[name]
         keys = done.keys if done.fail_after is None else done.keys[: done.fail_after]
         for key in keys:
@@ -414,48 +349,7 @@ class World:
         )
 
     def _store(self, m: Message) -> None:
-        request = m.event
-        to = f"c{m.epoch}"
-        if isinstance(request, cmd.RegisterAttempt):
-            info = request.info
-            if m.epoch != self.epoch or self.record != info.base:
-                self._post(Kind.STORE_REPLY, to, ev.Conflict(attempt=info.attempt))
-            else:
-                self.registered = info
-                self._post(Kind.STORE_REPLY, to, ev.Registered(attempt=info.attempt))
-        elif isinstance(request, cmd.CompareAndSet):
-            tau = request.attempt
-            if m.epoch != self.epoch:
-                outcome = CommitOutcome.CONFLICT
-            elif tau in self.obsolete or tau in self.expired:
-                outcome = (
-                    CommitOutcome.FAILED
-                    if self.record == request.expected
-                    else CommitOutcome.CONFLICT
-                )
-            elif self.record == request.expected:
-                self.record = request.new
-                self.commit_epoch = self.epoch
-                outcome = CommitOutcome.SUCCEEDED
-            else:
-                outcome = CommitOutcome.CONFLICT
-            self.cas[tau] = Cas.DONE
-            self.replies[tau] = Reply[outcome.name]
-            self._post(Kind.STORE_REPLY, to, ev.CommitReplied(attempt=tau, outcome=outcome))
-        elif isinstance(request, cmd.ReadCommit):
-            tau = request.attempt
-            pending = any(
-                x.kind is Kind.STORE
-                and isinstance(x.event, cmd.CompareAndSet)
-                and x.event.attempt == tau
-                for x in self.messages
-            )
-            if pending and tau not in self.expired and tau not in self.obsolete:
-                self.problems.append(f"read_commit({tau}) while its commit could still land")
-            self._post(Kind.STORE_REPLY, to, ev.CommitRead(attempt=tau, record=self.record))
-        elif isinstance(request, cmd.RecordObsolete):
-            self.obsolete.add(request.attempt)
-            self._post(Kind.STORE_REPLY, to, ev.ObsoleteMarked(attempt=request.attempt))
+        serve(self, m)
 
     # -- executing commands --------------------------------------------------------------
 
@@ -585,7 +479,7 @@ class World:
                 case cmd.Decode(key=key):
                     self._post(Kind.LOCAL, name, ev.PayloadDecoded(key=key), inc=rx.inc)
                 case cmd.Apply(keys=keys):
-                    self._post(Kind.LOCAL, name, _ApplyDone(keys=keys), inc=rx.inc)
+                    self._post(Kind.LOCAL, name, ApplyDone(keys=keys), inc=rx.inc)
                 case cmd.CloseGate(attempt=tau):
                     rx.gate_open = False
                     self._post(Kind.LOCAL, name, ev.RequestsDrained(attempt=tau), inc=rx.inc)
@@ -660,100 +554,7 @@ class World:
 
     def project(self) -> State:
         """The specification state this world is in (for the shared invariants)."""
-        taus = sorted(self.infos)
-        index = {tau: i + 1 for i, tau in enumerate(taus)}
-        record = NONE
-        if self.record != self.base:
-            record = next(
-                (index[t] for t in taus if self.infos[t].target == self.record), len(taus) + 1
-            )
-        coords = []
-        for epoch in range(1, max(self.coordinators, default=0) + 1):
-            core = self.coordinators.get(epoch)
-            if core is None:
-                coords.append(
-                    CoordVar(
-                        False,
-                        TransitionPhase.IDLE,
-                        AttemptPhase.PLANNED,
-                        NONE,
-                        False,
-                        False,
-                        frozenset(),
-                        False,
-                    )
-                )
-                continue
-            info = core.attempt
-            coords.append(
-                CoordVar(
-                    started=True,
-                    tphase=core.phase,
-                    aphase=core.attempt_phase or AttemptPhase.PLANNED,
-                    attempt=index.get(info.attempt, NONE) if info else NONE,
-                    overwrite=core.mode is Mode.OVERWRITE,
-                    admitted=core.admitted,
-                    reported=frozenset(self.owner_names.index(o) for o in core.reported),
-                    stopped=False,
-                )
-            )
-        attempts = tuple(
-            AttemptVar(
-                coord=self.infos[t].coordinator,
-                overwrite=self.infos[t].mode is Mode.OVERWRITE,
-                required=self.required[t],
-                acks=frozenset(self.acks.get(t, ())),
-                obsolete=t in self.obsolete,
-                cas=self.cas.get(t, Cas.NONE),
-                reply=self.replies.get(t, Reply.NONE),
-                expired=t in self.expired,
-            )
-            for t in taus
-        )
-        owners = tuple(
-            OwnerVar(
-                phase=w.core.phase,
-                attempt=index.get(w.core.attempt.attempt, NONE) if w.core.attempt else NONE,
-                baseline=w.baseline,
-                sent=bool(w.core.sent),
-            )
-            for w in self.owners.values()
-        )
-        receivers = tuple(
-            ReceiverVar(
-                phase=rx.core.phase,
-                attempt=index.get(rx.core.attempt.attempt, NONE) if rx.core.attempt else NONE,
-                inc=rx.inc,
-                gate_open=rx.gate_open,
-                kv=rx.kv,
-                storage=tuple(rx.storage[rng] for rng in self.ranges),
-                staged=frozenset(),
-                applied=frozenset(),
-                held=self._version(rx.core.held),
-                epoch=0,
-                acked=NONE,
-            )
-            for rx in self.receivers.values()
-        )
-        if record > len(taus):
-            self.problems.append(f"the record names {self.record}, which no attempt prepared")
-        return State(
-            record=record,
-            commit_epoch=self.commit_epoch,
-            epoch=self.epoch,
-            registered=index.get(self.registered.attempt, NONE) if self.registered else NONE,
-            coords=tuple(coords),
-            attempts=attempts,
-            owners=owners,
-            receivers=receivers,
-            inflight=frozenset(),
-            budgets=Budgets(),
-        )
-
-    def _version(self, record: CommitRecord | None) -> int:
-        if record is None:
-            return EMPTY
-        return V0 if record == self.base else V1
+        return project(self)
 
     # -- convenience for tests -----------------------------------------------------------
 

@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from dcr.adapters.faulty import Faults
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
+from dcr.delta.build import BuildConfig
 from dcr.delta.layout import TrainLayout
-from dcr.delta.owner import BuildConfig
 from dcr.local import LocalRefit, RefitConfig
 from dcr.models.compare import module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config

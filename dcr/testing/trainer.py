@@ -22,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 from dcr.apply.applier import Applier
+from dcr.delta.build import BuildStats
 from dcr.delta.group import TrainingGroup
-from dcr.delta.owner import BuildStats
 from dcr.errors import DcrError
 from dcr.fleet.config import free_port
 from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
-from dcr.wire.encode import encode_payload
-from dcr.wire.format import PayloadHeader
+from dcr.wire.encode import encode_bucket
 
 __all__ = ["apply_payloads", "build_payloads", "spawn"]
 
@@ -102,8 +101,16 @@ def build_payloads(
     total = BuildStats()
     for owner, (buckets, stats) in group.build(mode=mode, xor_allowed=xor_allowed).items():
         for seq, bucket in enumerate(buckets):
-            header = PayloadHeader(attempt=attempt, owner=owner, payload_id=seq, final=bucket.final)
-            payloads.append(encode_payload(header, bucket.items, level=zstd_level))
+            payloads.append(
+                encode_bucket(
+                    items=bucket.items,
+                    attempt=attempt,
+                    owner=owner,
+                    payload_id=seq,
+                    final=bucket.final,
+                    level=zstd_level,
+                )
+            )
         total.merge(stats)
     return payloads, total
 

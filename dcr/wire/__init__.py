@@ -2,6 +2,7 @@
 
 from dcr.wire.decode import decode_payload as decode_payload
 from dcr.wire.decode import read_header as read_header
+from dcr.wire.encode import encode_bucket as encode_bucket
 from dcr.wire.encode import encode_payload as encode_payload
 from dcr.wire.format import DEFAULT_LAYOUT as DEFAULT_LAYOUT
 from dcr.wire.format import DEFAULT_LEVEL as DEFAULT_LEVEL

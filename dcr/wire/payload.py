@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dcr.wire.decode import decode_payload as decode_payload
 from dcr.wire.decode import read_header as read_header
+from dcr.wire.encode import encode_bucket as encode_bucket
 from dcr.wire.encode import encode_payload as encode_payload
 from dcr.wire.format import CODEC_ZSTD as CODEC_ZSTD
 from dcr.wire.format import DEFAULT_LAYOUT as DEFAULT_LAYOUT
@@ -41,6 +42,7 @@ __all__ = [
     "PayloadHeader",
     "ValueLayout",
     "decode_payload",
+    "encode_bucket",
     "encode_payload",
     "read_header",
 ]

@@ -1,4 +1,4 @@
-"""The S3 commit store: the conformance machine on moto and on a real SeaweedFS, processes
+"""The S3 commit store: the conformance suite on moto and on a real SeaweedFS, processes
 racing compare-and-set, lost answers resolved by the nonce, both servers' failed-condition
 answers, and a damaged record."""
 
@@ -10,14 +10,13 @@ from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
 
+from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.commit.s3 import S3CommitStore
 from dcr.adapters.registry import load
 from dcr.errors import CommitStoreError, TransportError
 from dcr.protocol.types import CommitOutcome, CommitRecord
-from dcr.testing.commit_store import CommitStoreMachine, ManualClock
+from dcr.testing.commit_store import CommitStoreTests, ManualClock
 from dcr.testing.s3servers import S3Endpoint
 
 G0 = CommitRecord(version=0, candidate="g0")
@@ -43,25 +42,26 @@ def _store(endpoint: S3Endpoint, bucket: str, key: str | None = None, **kw: Any)
     )
 
 
-@pytest.mark.parametrize(("server", "examples", "steps"), [("moto", 20, 20), ("seaweedfs", 8, 15)])
-def test_conformance_machine(
-    server: str, examples: int, steps: int, request: pytest.FixtureRequest
-) -> None:
-    endpoint = request.getfixturevalue("moto_s3" if server == "moto" else "seaweed_s3")
-    bucket = request.getfixturevalue("moto_bucket" if server == "moto" else "seaweed_bucket")
-    machine = CommitStoreMachine.for_store(
-        lambda clock: _store(endpoint, bucket, clock=clock, poll_s=0.001)
-    )
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
+class TestS3StoreOnMoto(CommitStoreTests):
+    max_examples, steps = 20, 20
+
+    @pytest.fixture(autouse=True)
+    def _server(self, moto_s3: S3Endpoint, moto_bucket: str) -> None:
+        self.endpoint, self.bucket = moto_s3, moto_bucket
+
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        return _store(self.endpoint, self.bucket, clock=clock, poll_s=0.001)
+
+
+class TestS3StoreOnSeaweedfs(CommitStoreTests):
+    max_examples, steps = 8, 15
+
+    @pytest.fixture(autouse=True)
+    def _server(self, seaweed_s3: S3Endpoint, seaweed_bucket: str) -> None:
+        self.endpoint, self.bucket = seaweed_s3, seaweed_bucket
+
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        return _store(self.endpoint, self.bucket, clock=clock, poll_s=0.001)
 
 
 def _race(url: str, bucket: str, key: str, tag: int, start: Any, results: Any) -> None:

@@ -1,4 +1,5 @@
-"""Every commit store runs the conformance machine; SQLite also races real processes."""
+"""Every commit store runs the conformance suite (its state machine); SQLite also races real
+processes."""
 
 from __future__ import annotations
 
@@ -7,38 +8,28 @@ from pathlib import Path
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-from dcr.adapters.commit import MemoryCommitStore, SqliteCommitStore
+from dcr.adapters.commit import CommitStore, MemoryCommitStore, SqliteCommitStore
 from dcr.adapters.registry import available, load, register
 from dcr.errors import CommitConflict, ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord
-from dcr.testing.commit_store import CommitStoreMachine, ManualClock
+from dcr.testing.commit_store import CommitStoreMachine, CommitStoreTests, ManualClock
 
 G0 = CommitRecord(version=0, candidate="g0")
 
-SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 
-MemoryStoreMachine = CommitStoreMachine.for_store(lambda clock: MemoryCommitStore(clock=clock))
-MemoryStoreMachine.TestCase.settings = SETTINGS
-TestMemoryStore = MemoryStoreMachine.TestCase
+class TestMemoryStore(CommitStoreTests):
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        return MemoryCommitStore(clock=clock)
 
 
-def _sqlite_factory(clock: ManualClock) -> SqliteCommitStore:
-    import tempfile
+class TestSqliteStore(CommitStoreTests):
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        import tempfile
 
-    path = Path(tempfile.mkdtemp(prefix="dcr-sqlite-")) / "commit.db"
-    return SqliteCommitStore(path, clock=clock)
-
-
-SqliteStoreMachine = CommitStoreMachine.for_store(_sqlite_factory)
-SqliteStoreMachine.TestCase.settings = SETTINGS
-TestSqliteStore = SqliteStoreMachine.TestCase
+        path = Path(tempfile.mkdtemp(prefix="dcr-sqlite-")) / "commit.db"
+        return SqliteCommitStore(path, clock=clock)
 
 
 def _race(path: str, tag: int, start, results) -> None:  # runs in a child process

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import pytest
-
 from dcr.adapters.control import MemoryControl
 from dcr.adapters.control.base import CoordinatorLink, EndpointLink
 from dcr.adapters.registry import load
-from dcr.testing.control import CHECKS, ControlHarness, run_check
-
-pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+from dcr.testing.control import ControlHarness, ControlTests
 
 
 class MemoryHarness(ControlHarness):
@@ -53,10 +44,9 @@ class MemoryHarness(ControlHarness):
         await self.control.aclose()
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_memory_control_conformance(check: str) -> None:
-    async with MemoryHarness() as harness:
-        assert await run_check(check, harness) is None
+class TestMemoryControl(ControlTests):
+    def make_harness(self) -> ControlHarness:
+        return MemoryHarness()
 
 
 def test_memory_control_is_registered() -> None:

@@ -39,7 +39,7 @@ from dcr.adapters.control.zmq import (
 from dcr.adapters.registry import load
 from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
-from dcr.testing.control import CHECKS, EXAMPLES, ControlHarness, Inbox, run_check
+from dcr.testing.control import EXAMPLES, ControlHarness, ControlTests, Inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -100,10 +100,9 @@ class ZmqHarness(ControlHarness):
         await self.hub.aclose()
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_zmq_control_conformance(check: str) -> None:
-    async with ZmqHarness() as harness:
-        assert await run_check(check, harness) is None
+class TestZmqControl(ControlTests):
+    def make_harness(self) -> ControlHarness:
+        return ZmqHarness()
 
 
 def test_zmq_control_is_registered() -> None:

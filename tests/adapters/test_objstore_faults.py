@@ -18,7 +18,7 @@ from dcr.adapters.commit.s3 import S3CommitStore
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.transport.objstore import ObjectStoreConfig, ObjectStoreTransport
 from dcr.adapters.transport.s3 import S3Backend, S3Options
-from dcr.delta.owner import BuildConfig
+from dcr.delta.build import BuildConfig
 from dcr.local import RefitConfig
 from dcr.models.compare import module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config

@@ -18,14 +18,12 @@ import itertools
 import shutil
 import sys
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import anyio
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
 
 import dcr.fleet.runtime
 from dcr.adapters import registry
@@ -46,8 +44,8 @@ from dcr.fleet.runtime import (
     relayed,
 )
 from dcr.protocol.types import CommitOutcome, CommitRecord, PayloadKey
-from dcr.testing.commit_store import CommitStoreMachine, ManualClock
-from dcr.testing.transport import CHECKS, TransportHarness, run_check
+from dcr.testing.commit_store import CommitStoreTests, ManualClock
+from dcr.testing.transport import ProcessHarness, TransportHarness, TransportTests
 
 PLUGIN = Path(__file__).resolve().parent / "plugin_pkg" / "dcr_test_plugin"
 SPOOL = "dcr_test_plugin.transport:SpoolTransport"
@@ -273,68 +271,38 @@ def test_a_plugin_transport_builds_from_a_fleet_file_and_carries_payloads(
     anyio.run(main, backend="asyncio")
 
 
-class _FleetHarness(TransportHarness):
+class _FleetHarness(ProcessHarness):
     """Every owner and the coordinator build a transport of their own from the fleet file
-    (as separate processes would); the receivers subscribe on node ``b``'s."""
-
-    not_applicable: ClassVar[Mapping[str, str]] = {
-        "back_pressure": "an object-store transport: a send returns once the payload and its "
-        "manifest entry are stored (see tests/adapters/test_transport_objstore.py)",
-        "cleanup": "an object-store transport deletes an attempt's objects at cleanup (see "
-        "tests/adapters/test_transport_objstore.py)",
-    }
-    timeout_s = 30.0
+    (as separate processes would); the receivers subscribe on node ``b``'s, which counts
+    V_cross and V_payload as it fetches."""
 
     def __init__(self, cfg: FleetConfig) -> None:
-        self.cfg = cfg
-        self.node: Transport | None = None
-        self.opened: list[Transport] = []
+        async def make(node: str | None = None) -> Transport:
+            return make_transport(cfg, node=node)
 
-    def _new(self, node: str | None = None) -> Transport:
-        transport = make_transport(self.cfg, node=node)
-        self.opened.append(transport)
-        return transport
-
-    async def sender(self, owner: str) -> Transport:
-        return self._new()
-
-    async def receiver(self, name: str) -> Transport:
-        if self.node is None:
-            self.node = self._new("b")
-        return self.node
-
-    async def controller(self) -> Transport:
-        return self._new()
-
-    async def vanish(self, name: str) -> None:
-        assert self.node is not None
-        self.node.unsubscribe(name)
-
-    async def settle(self, receivers: Collection[str]) -> None:
-        return None
+        super().__init__(make, make_node=lambda: make("b"))
 
     def boundary_stats(self) -> TransportStats:
         assert isinstance(self.node, ObjectStoreTransport)
         return self.node.fetch_stats().traffic
 
-    async def aclose(self) -> None:
-        for transport in self.opened:
-            await transport.aclose()
 
+class TestPluginTransport(TransportTests):
+    """A plugin transport, built from a fleet file, passes the transport conformance suite."""
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-def test_a_plugin_transport_passes_the_transport_conformance_suite(
-    site: Path, tmp_path: Path, check: str
-) -> None:
-    install(site)
-    cfg = fleet(tmp_path, SPOOL_FLEET)
+    # An object-store transport: a send returns once the payload and its manifest entry are
+    # stored, and cleanup deletes an attempt's objects (see test_transport_objstore.py).
+    credit = False
+    keeps_sent_at_cleanup = False
+    timeout_s = 30.0
 
-    async def main() -> str | None:
-        async with _FleetHarness(cfg) as harness:
-            return await run_check(check, harness)
+    @pytest.fixture(autouse=True)
+    def _fleet(self, site: Path, tmp_path: Path) -> None:
+        install(site)
+        self.cfg = fleet(tmp_path, SPOOL_FLEET)
 
-    reason = anyio.run(main, backend="asyncio")
-    assert reason is None or check in _FleetHarness.not_applicable
+    def make_harness(self) -> TransportHarness:
+        return _FleetHarness(self.cfg)
 
 
 def test_a_plugin_commit_store_builds_from_a_fleet_file_and_compares_and_sets(
@@ -369,28 +337,22 @@ def test_a_plugin_commit_store_builds_from_a_fleet_file_and_compares_and_sets(
     anyio.run(main, backend="asyncio")
 
 
-def test_a_plugin_commit_store_passes_the_commit_store_conformance_machine(
-    site: Path, tmp_path: Path
-) -> None:
-    install(site)
-    fleets = itertools.count()
+class TestPluginCommitStore(CommitStoreTests):
+    """A plugin commit store, built from a fleet file, passes the commit-store suite."""
 
-    def factory(clock: ManualClock) -> CommitStore:
-        directory = tmp_path / f"fleet{next(fleets)}"
+    max_examples, steps = 15, 20
+
+    @pytest.fixture(autouse=True)
+    def _fleet(self, site: Path, tmp_path: Path) -> None:
+        install(site)
+        self.root = tmp_path
+        self.fleets = itertools.count()
+
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        directory = self.root / f"fleet{next(self.fleets)}"
         store = make_store(fleet(directory, '[commit_store]\nkind = "jsonfile"\n'))
         store.clock = clock
         return store
-
-    machine = CommitStoreMachine.for_store(factory)
-    run_state_machine_as_test(
-        machine,
-        settings=settings(
-            max_examples=15,
-            stateful_step_count=20,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow],
-        ),
-    )
 
 
 def test_the_context_a_fleet_gives_its_adapters(tmp_path: Path) -> None:

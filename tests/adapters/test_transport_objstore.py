@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import ClassVar
 
 import anyio
 import pytest
@@ -27,7 +26,7 @@ from dcr.adapters.transport.s3 import S3Transport
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
 from dcr.testing.s3servers import S3Endpoint
-from dcr.testing.transport import CHECKS, TransportHarness, run_check
+from dcr.testing.transport import TransportHarness, TransportTests
 
 pytestmark = pytest.mark.anyio
 
@@ -47,17 +46,6 @@ class ObjectStoreHarness(TransportHarness):
     """Every owner and the coordinator get a transport object of their own (as separate
     processes would); all receivers subscribe on one more: one rollout node, whose fetches
     they share, so what it fetched is what crossed into the rollout side."""
-
-    not_applicable: ClassVar[Mapping[str, str]] = {
-        "back_pressure": "object storage decouples the sides: a send returns once the payload "
-        "and its manifest entry are stored, whatever receivers do; a receiver that stops "
-        "taking stops its node's fetches for it at its window (test_window_bounds_fetches)",
-        "cleanup": "cleanup deletes the attempt's objects at once, so payloads a node has not "
-        "fetched by then are gone (the protocol cleans up only after commit or a completed "
-        "stop, when receivers need nothing more of the attempt); the rest of the check runs "
-        "in test_cleanup_deletes_the_attempt",
-    }
-    timeout_s = 30.0
 
     def __init__(self, make: Make) -> None:
         self.make = make
@@ -129,11 +117,29 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Make:
     )
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_object_store_conformance(check: str, make: Make) -> None:
-    async with ObjectStoreHarness(make) as harness:
-        reason = await run_check(check, harness)
-        assert reason is None or check in ObjectStoreHarness.not_applicable
+class TestObjectStoreTransport(TransportTests):
+    """The suite on a directory, on moto's S3 and on SeaweedFS (the ``make`` fixture)."""
+
+    # Object storage decouples the sides: a send returns once the payload and its manifest
+    # entry are stored, whatever receivers do; a receiver that stops taking stops its node's
+    # fetches for it at its window (test_window_bounds_fetches).
+    credit = False
+    # Cleanup deletes the attempt's objects at once, so payloads a node has not fetched by
+    # then are gone (the protocol cleans up only after commit or a completed stop, when
+    # receivers need nothing more of the attempt); the rest of the check runs in
+    # test_cleanup_deletes_the_attempt.
+    keeps_sent_at_cleanup = False
+    timeout_s = 30.0
+
+    @pytest.fixture(autouse=True)
+    def _make(self, make: Make) -> None:
+        self.make = make
+
+    def make_harness(self) -> TransportHarness:
+        return ObjectStoreHarness(self.make)
+
+    def check_world(self, harness: TransportHarness) -> None:
+        assert isinstance(harness, ObjectStoreHarness)
         if harness.node is not None:
             stats = harness.node.fetch_stats()
             assert (stats.damaged, stats.missing, stats.bad_entries) == (0, 0, 0), stats
@@ -229,7 +235,7 @@ async def test_a_late_upload_of_a_stopped_attempt_deletes_itself(make: Make) -> 
             assert {o.key for o in await control.backend.list("")} == {tombstone_key(5)}
             # A writer that ignores the rules stores a payload and entry for the attempt.
             rogue = make()
-            rogue._guard = lambda attempt: anyio.sleep(0)  # type: ignore[method-assign]
+            rogue._sender._guard = lambda attempt: anyio.sleep(0)  # type: ignore[method-assign]
             await rogue.send(_key(5, "o9", 0), b"rogue")
             await owner.send(_key(6, "o0", 0), b"fresh")
             await _until(lambda: len(got) == 1, "the next attempt")
@@ -345,14 +351,14 @@ def test_registered_and_configured() -> None:
 async def test_an_owner_remembers_a_bounded_number_of_attempts(tmp_path: Path) -> None:
     """An owner process never cleans up (the coordinator does): what it keeps per attempt
     (posting order, V_payload keys) stays bounded while it sends attempt after attempt."""
-    from dcr.adapters.transport.objstore import KEEP_ATTEMPTS
+    from dcr.adapters.transport.objstore.sender import KEEP_ATTEMPTS
 
     owner = directory_maker(tmp_path)()
     try:
         for attempt in range(1, KEEP_ATTEMPTS + 20):
             await owner.send(_key(attempt, "o0", 0), b"p")
-        assert len({a for a, _ in owner._turns}) <= KEEP_ATTEMPTS
-        assert len(owner._sent_keys) <= KEEP_ATTEMPTS
+        assert len({a for a, _ in owner._sender.turns}) <= KEEP_ATTEMPTS
+        assert len(owner._sender.sent_keys) <= KEEP_ATTEMPTS
         assert owner.stats().payloads == KEEP_ATTEMPTS + 19
     finally:
         await owner.aclose()
@@ -363,7 +369,7 @@ def test_local_refit_over_a_directory_by_name() -> None:
     directory removed when the refit closes; receivers end bit-exact."""
     from dcr import LocalRefit, StateDictSource, TrainLayout
     from dcr.adapters.loaders.reference import ShardedReferenceLoader
-    from dcr.delta.owner import BuildConfig
+    from dcr.delta.build import BuildConfig
     from dcr.local import RefitConfig
     from dcr.models.compare import module_bit_mismatches
     from dcr.models.families import random_state_dict, tiny_config

@@ -30,7 +30,7 @@ from dcr.adapters.transport.relay import (
     balanced_tree,
     start_tree,
 )
-from dcr.adapters.transport.relay_wire import (
+from dcr.adapters.transport.relay.frames import (
     Ack,
     Answer,
     Data,
@@ -53,7 +53,7 @@ from dcr.adapters.transport.relay_wire import (
 from dcr.bench.relay import relay_throughput, tree_hops
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
-from dcr.testing.transport import CHECKS, HeldLike, TransportHarness, run_check
+from dcr.testing.transport import HeldLike, TransportHarness, TransportTests
 
 pytestmark = pytest.mark.anyio
 
@@ -161,11 +161,18 @@ class RelayHarness(TransportHarness):
         return out
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_relay_transport_conformance(check: str, shape: str) -> None:
-    async with RelayHarness(shape) as harness:
-        assert await run_check(check, harness) is None
+class TestRelayTransport(TransportTests):
+    """The suite on trees of 3 and 5 nodes (the ``shape`` parameter)."""
+
+    @pytest.fixture(autouse=True, params=sorted(SHAPES))
+    def _shape(self, request: pytest.FixtureRequest) -> None:
+        self.shape = request.param
+
+    def make_harness(self) -> TransportHarness:
+        return RelayHarness(self.shape)
+
+    def check_world(self, harness: TransportHarness) -> None:
+        assert isinstance(harness, RelayHarness)
         for node in harness.nodes.values():
             assert not node.drops, f"{node.name} dropped frames: {node.drops}"
 

@@ -16,7 +16,7 @@ from test_transport_relay import CONFIG, RelayHarness
 from dcr.adapters.transport.relay import RelayConfig, RelayNode, RelayTransport, start_tree
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
-from dcr.testing.transport import CHECKS, run_check
+from dcr.testing.transport import TransportHarness, TransportTests
 
 pytestmark = pytest.mark.anyio
 
@@ -34,10 +34,12 @@ def _key(attempt: int, owner: str, pid: int) -> PayloadKey:
     return PayloadKey(attempt=attempt, owner=owner, payload_id=pid)
 
 
-@pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_relay_conformance_behind_a_link(check: str) -> None:
-    async with RelayHarness("tree3", LINK) as harness:
-        assert await run_check(check, harness) is None
+class TestRelayBehindALink(TransportTests):
+    def make_harness(self) -> TransportHarness:
+        return RelayHarness("tree3", LINK)
+
+    def check_world(self, harness: TransportHarness) -> None:
+        assert isinstance(harness, RelayHarness)
         for node in harness.nodes.values():
             assert not node.drops, f"{node.name} dropped frames: {node.drops}"
         ingress = harness.nodes["n0"].ingress.stats().bytes

@@ -25,7 +25,7 @@ from apply_helpers import (
     update,
 )
 
-import dcr.apply.applier as receiver_module
+import dcr.apply.planning as planning
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig
 from dcr.apply.geometry import IndexMap, ViewGeometry
@@ -146,8 +146,8 @@ def test_a_dense_run_writes_blocks_and_lists_no_index(monkeypatch: pytest.Monkey
         values=values,
     )
     blocks = []
-    real = receiver_module.plan_block
-    monkeypatch.setattr(receiver_module, "plan_block", lambda *a: blocks.append(1) or real(*a))
+    real = planning.plan_block
+    monkeypatch.setattr(planning, "plan_block", lambda *a: blocks.append(1) or real(*a))
     tracemalloc.start()
     try:
         report = receiver.apply_items([item], attempt=1)
@@ -199,7 +199,7 @@ def test_the_post_apply_check_catches_a_wrong_block_write(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The numpy block writer re-reads what it wrote (the C one: tests/test_native.py)."""
-    import dcr.apply.writes as writes
+    import dcr.apply.rmw as rmw
 
     w0 = {"w": torch.zeros(64, dtype=torch.bfloat16)}
     receiver = Applier(
@@ -213,7 +213,7 @@ def test_the_post_apply_check_catches_a_wrong_block_write(
     def off_by_one(dst: np.ndarray, src: np.ndarray) -> None:
         real(dst, src ^ np.uint16(1))
 
-    monkeypatch.setattr(writes.np, "copyto", off_by_one)
+    monkeypatch.setattr(rmw.np, "copyto", off_by_one)
     item = Item(
         name="w",
         shape=(64,),

@@ -15,7 +15,7 @@ from apply_helpers import (
     update,
 )
 
-import dcr.apply.writes as writes
+import dcr.apply.rmw as rmw
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig
 from dcr.errors import LoaderConditionViolated
@@ -154,7 +154,7 @@ def test_the_post_apply_check_catches_a_wrong_ulp_write(monkeypatch: pytest.Monk
         indices=idx,
         values=ulp_delta(new[idx], old[idx]),
     )
-    real = writes._ulp_add
+    real = rmw._ulp_add
     calls = []
 
     def off_by_one_once(stored: np.ndarray, delta: np.ndarray) -> np.ndarray:
@@ -162,7 +162,7 @@ def test_the_post_apply_check_catches_a_wrong_ulp_write(monkeypatch: pytest.Monk
         out = real(stored, delta)
         return out ^ 1 if len(calls) == 1 else out
 
-    monkeypatch.setattr(writes, "_ulp_add", off_by_one_once)
+    monkeypatch.setattr(rmw, "_ulp_add", off_by_one_once)
     with pytest.raises(LoaderConditionViolated) as err:
         receiver.apply_item(item)
     assert err.value.check == "post-apply"

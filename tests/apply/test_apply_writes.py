@@ -12,17 +12,10 @@ from apply_helpers import catalog_of
 from dcr import native
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig
+from dcr.apply.execution import Execution, _Stage, default_threads
 from dcr.apply.geometry import IndexMap
-from dcr.apply.writes import (
-    CHUNK,
-    Entries,
-    Execution,
-    WritePlan,
-    _Stage,
-    _write_numpy,
-    _write_torch,
-    default_threads,
-)
+from dcr.apply.rmw import _write_numpy, _write_torch
+from dcr.apply.writes import CHUNK, Entries, WritePlan
 from dcr.errors import ConfigError
 from dcr.tensors.bits import bits
 from dcr.tensors.ordered import ordered, unordered

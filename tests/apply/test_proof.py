@@ -21,10 +21,11 @@ from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
 from dcr.bench.proof import KINDS, corrupt
 from dcr.delta.group import LocalTrainingGroup
+from dcr.delta.proof import owner_proof
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.protocol.proof import PRIME, Proof, ProofRequest, judge
 from dcr.tensors import fingerprint
-from dcr.tensors.fingerprint import element_hashes, h_reference, hash_view, owner_proof
+from dcr.tensors.fingerprint import element_hashes, h_reference, hash_view
 from dcr.tensors.records import TensorSpec
 
 A_LOG = "model.layers.0.mixer.A_log"

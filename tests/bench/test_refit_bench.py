@@ -13,15 +13,13 @@ import pytest
 
 from dcr.bench.refit import (
     BenchLayout,
-    covered,
-    cpu_by_role,
     fleet_text,
     format_refit_table,
     plot_refit,
-    refit_timings,
     run_refit_bench,
     schedule,
 )
+from dcr.bench.window import covered, cpu_by_role, refit_timings
 from dcr.cli import _parser
 from dcr.errors import ConfigError
 from dcr.fleet.config import load_fleet

@@ -9,10 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, build_plan, stable_hash
 from dcr.delta.mapping import ColumnParallel, Replicated
-from dcr.delta.owner import BuildConfig
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import LayoutError
 from dcr.models.families import random_state_dict, tiny_config

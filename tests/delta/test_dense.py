@@ -13,9 +13,9 @@ from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
-from dcr.delta.owner import BuildConfig
 from dcr.errors import DcrError
 from dcr.models.compare import bit_mismatches, module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config

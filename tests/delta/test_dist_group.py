@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dcr.delta.build import BuildConfig
 from dcr.delta.dist import DistTrainingGroup
 from dcr.delta.group import BucketStreams, LocalTrainingGroup, TrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, build_plan, stable_hash
 from dcr.delta.mapping import ColumnParallel, Replicated
-from dcr.delta.owner import BuildConfig
 from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import DcrError
 from dcr.models.families import random_state_dict, tiny_config

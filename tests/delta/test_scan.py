@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcr.delta.owner as owner_module
+from dcr.delta.build import BuildConfig, BuildStats
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.mapping import ColumnParallel, FusedQKV, GatedMLP, RowParallel, Tied
-from dcr.delta.owner import BuildConfig, BuildStats
 from dcr.errors import ConfigError
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.updates import apply_to_state_dict, perturb, special_patterns

@@ -17,12 +17,10 @@ from dcr.adapters.control import MemoryControl
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.applier import Applier
+from dcr.delta.build import Bucket
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
-from dcr.delta.owner import Bucket
 from dcr.engine import (
     Integration,
-    OwnerService,
-    ReceiverService,
     TrainingSide,
     open_coordinator,
     open_owner,
@@ -85,21 +83,21 @@ async def test_publish_builds_the_first_bucket_before_the_attempt_asks(
     store = SqliteCommitStore(tmp_path / "commit.db")
     control, transport = MemoryControl(), MemoryTransport()
     base = (await store.read()).record
-    owner = OwnerService(
+    owner_options = dict(
         name="o0", rank=0, side=side, integration=setup, control=control, transport=transport,
         store=store, baseline=base, build_ahead=ahead,
     )  # fmt: skip
     module = module_from_state_dict(trained)
     receiver = Applier(TorchModuleLoader(module), setup.catalog)
     receiver.prewarm()
-    service = ReceiverService(
+    receiver_options = dict(
         name="r0", receiver=receiver, integration=setup, control=control, transport=transport,
         held=base,
     )  # fmt: skip
     new = perturb(trained, rate=0.05, seed=1)
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(open_owner(owner))
-        await stack.enter_async_context(open_receiver(service))
+        owner = await stack.enter_async_context(open_owner(**owner_options))
+        await stack.enter_async_context(open_receiver(**receiver_options))
         coordinator = await stack.enter_async_context(
             open_coordinator(
                 owners=setup.owner_ids, receivers=["r0"], store=store, control=control,

@@ -26,7 +26,6 @@ from dcr.delta.group import LocalTrainingGroup
 from dcr.engine import (
     Integration,
     OwnerService,
-    ReceiverService,
     TrainingSide,
     open_coordinator,
     open_owner,
@@ -88,28 +87,28 @@ async def test_a_receiver_of_another_checkpoint_names_what_differs(tmp_path: Pat
     base = (await store.read()).record
     side = TrainingSide(group, frozenset())
 
-    def owner(integration: Integration) -> OwnerService:
-        return OwnerService(
+    def owner(integration: Integration) -> dict[str, object]:
+        return dict(
             name="o0", rank=0, side=side, integration=integration, control=control,
             transport=transport, store=store, baseline=base,
         )  # fmt: skip
 
     # The owner checks its training side against the catalog receivers admit.
     with pytest.raises(ConfigError, match="differs from the catalog of the integration") as info:
-        owner(serving_setup)
+        OwnerService(**owner(serving_setup))  # type: ignore[arg-type]
     assert (info.value.check, info.value.tensor) == ("catalog", NORM)
     assert f"{NORM}: bfloat16 [64] instead of float16 [64]" in str(info.value)
 
     receiver = Applier(TorchModuleLoader(module_from_state_dict(served)), serving_setup.catalog)
     receiver.prewarm()
-    service = ReceiverService(
+    service = dict(
         name="r0", receiver=receiver, integration=serving_setup, control=control,
         transport=transport, held=base,
     )  # fmt: skip
     timeouts = Timeouts(prepare_s=5, arrival_s=5, gate_s=10, flush_s=10, commit_s=2, stop_s=10)
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(open_owner(owner(trainer_setup)))
-        await stack.enter_async_context(open_receiver(service))
+        await stack.enter_async_context(open_owner(**owner(trainer_setup)))
+        await stack.enter_async_context(open_receiver(**service))
         group.stage(source.candidate_shards(perturb(trained, rate=0.2, seed=1)))
         coordinator = await stack.enter_async_context(
             open_coordinator(

@@ -23,12 +23,10 @@ from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedRefere
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.applier import Applier
+from dcr.delta.build import Bucket
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
-from dcr.delta.owner import Bucket
 from dcr.engine import (
     Integration,
-    OwnerService,
-    ReceiverService,
     TrainingSide,
     open_coordinator,
     open_owner,
@@ -103,7 +101,7 @@ async def test_a_receiver_rejects_a_prepare_that_lets_through_a_name_it_refuses(
 ) -> None:
     receiver = _rank()
     control = MemoryControl()
-    service = ReceiverService(
+    served = open_receiver(
         name="r0", receiver=receiver, integration=_setup(xor_names), control=control,
         transport=MemoryTransport(), held=BASE,
     )  # fmt: skip
@@ -112,7 +110,7 @@ async def test_a_receiver_rejects_a_prepare_that_lets_through_a_name_it_refuses(
         attempt=1, candidate="g1", base=BASE, mode=mode, sync=True, coordinator=1,
         owners=("o0",), receivers=frozenset({"r0"}),
     )  # fmt: skip
-    async with open_receiver(service):
+    async with served as service:
         # What its status reports: the names its loader path does not preserve.
         assert service.refused() == frozenset({NORM})
         assert service.link is not None and service.link.status is not None
@@ -136,11 +134,10 @@ async def test_a_receiver_rejects_a_prepare_that_lets_through_a_name_it_refuses(
 
 async def test_a_receiver_not_prewarmed_reports_no_classification() -> None:
     receiver = Applier(ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY)), CATALOG)
-    service = ReceiverService(
+    async with open_receiver(
         name="r0", receiver=receiver, integration=_setup(), control=MemoryControl(),
         transport=MemoryTransport(), held=BASE,
-    )  # fmt: skip
-    async with open_receiver(service):
+    ) as service:  # fmt: skip
         assert service.refused() is None
         assert service.link is not None and service.link.status is not None
         assert service.link.status.xor_refused is None
@@ -210,18 +207,18 @@ async def test_owners_encode_the_receivers_refused_set_as_overwrites(tmp_path: P
     store = SqliteCommitStore(tmp_path / "commit.db")
     control, transport = MemoryControl(), _Recorded()
     base = (await store.read()).record
-    owner = OwnerService(
+    owned = open_owner(
         name="o0", rank=0, side=side, integration=setup, control=control, transport=transport,
         store=store, baseline=base,
     )  # fmt: skip
     receiver = _rank(states[0])
-    service = ReceiverService(
+    served = open_receiver(
         name="r0", receiver=receiver, integration=setup, control=control, transport=transport,
         held=base,
     )  # fmt: skip
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(open_owner(owner))
-        await stack.enter_async_context(open_receiver(service))
+        owner = await stack.enter_async_context(owned)
+        service = await stack.enter_async_context(served)
         assert service.link is not None and service.link.status is not None
         reports = {"r0": service.link.status.xor_refused}
         assert reports == {"r0": frozenset({NORM})}

@@ -23,12 +23,11 @@ from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.applier import Applier, xor_allowed_across
+from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout
-from dcr.delta.owner import BuildConfig
 from dcr.engine import (
     Integration,
-    OwnerService,
     ReceiverHooks,
     ReceiverService,
     TrainingSide,
@@ -127,18 +126,7 @@ async def _fleet(tmp_path: Path) -> None:
     control, transport = MemoryControl(), MemoryTransport()
     side = TrainingSide(group, integration.xor_names)
     gate = Gate()
-    services = {
-        name: ReceiverService(
-            name=name,
-            receiver=r,
-            integration=integration,
-            control=control,
-            transport=transport,
-            held=base,
-            hooks=gate.hooks(name),
-        )
-        for name, r in receivers.items()
-    }
+    services: dict[str, ReceiverService] = {}  # served below
     supervisor = Supervisor(services, {base: v0})
 
     async def transition(
@@ -184,7 +172,7 @@ async def _fleet(tmp_path: Path) -> None:
 
     async with AsyncExitStack() as stack:
         for rank in range(source.plan.layout.world_size):
-            owner = OwnerService(
+            owner = open_owner(
                 name=f"o{rank}",
                 rank=rank,
                 side=side,
@@ -194,9 +182,18 @@ async def _fleet(tmp_path: Path) -> None:
                 store=store,
                 baseline=base,
             )
-            await stack.enter_async_context(open_owner(owner))
-        for svc in services.values():
-            await stack.enter_async_context(open_receiver(svc))
+            await stack.enter_async_context(owner)
+        for name, r in receivers.items():
+            served = open_receiver(
+                name=name,
+                receiver=r,
+                integration=integration,
+                control=control,
+                transport=transport,
+                held=base,
+                hooks=gate.hooks(name),
+            )
+            services[name] = await stack.enter_async_context(served)
 
         # 1. An operator abort after writes landed: no commit, the dirty receivers are
         #    restored by dense refit, and only then does the gate reopen.
@@ -208,7 +205,7 @@ async def _fleet(tmp_path: Path) -> None:
         _assert_hold(ranks, cfg, v0)
         assert gate.calls.index("r0:close") < gate.calls.index("r0:open")
         with anyio.fail_after(5):
-            while not all(s.gate_open for s in services.values()):
+            while not all(s.core.gate_open for s in services.values()):
                 await anyio.sleep(0.01)
 
         # 2. The next transition commits from the unchanged baseline, bit-exact.

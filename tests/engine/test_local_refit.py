@@ -12,7 +12,7 @@ from dcr import LocalRefit, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.faulty import Faults
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
-from dcr.delta.owner import BuildConfig
+from dcr.delta.build import BuildConfig
 from dcr.engine.receiver import ReceiverHooks
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig, TransitionFailed
 from dcr.models.compare import module_bit_mismatches

@@ -14,7 +14,7 @@ from dcr.adapters.commit.base import CommitState, Transaction
 from dcr.adapters.commit.memory import MemoryCommitStore
 from dcr.adapters.faulty import Faults
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
-from dcr.delta.owner import BuildConfig
+from dcr.delta.build import BuildConfig
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig
 from dcr.models.compare import module_bit_mismatches
 from dcr.models.families import random_state_dict, tiny_config

@@ -10,8 +10,8 @@ from collections.abc import Container, Iterator
 import pytest
 
 from dcr.adapters.sources import StateDictSource
+from dcr.delta.build import Bucket, BuildConfig
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
-from dcr.delta.owner import Bucket, BuildConfig
 from dcr.engine import TrainingSide
 from dcr.errors import LayoutError
 from dcr.models.families import random_state_dict, tiny_config

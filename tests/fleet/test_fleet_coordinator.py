@@ -16,7 +16,8 @@ from dcr.errors import CommitConflict
 from dcr.fleet.config import load_fleet
 from dcr.fleet.coordinator import FleetCoordinator
 from dcr.fleet.eventlog import EventLog
-from dcr.fleet.launcher import Launcher, _Proc
+from dcr.fleet.launcher import Launcher
+from dcr.fleet.processes import _Proc
 
 FLEET = """
 [model]

@@ -17,7 +17,8 @@ from fleet_helpers import alive, small_fleet
 from dcr.adapters.commit.s3 import S3CommitStore
 from dcr.adapters.transport.s3 import S3Transport
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.fleet.launcher import Fault, Launcher, default_faults
+from dcr.fleet.faults import Fault, default_faults
+from dcr.fleet.launcher import Launcher
 from dcr.testing.s3servers import S3Endpoint, SeaweedServer
 
 

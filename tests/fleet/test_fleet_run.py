@@ -11,7 +11,8 @@ from fleet_helpers import alive, small_fleet
 
 from dcr.adapters.loaders.reference import ShardedReferenceLoader
 from dcr.fleet.config import load_fleet
-from dcr.fleet.launcher import Fault, Launcher, default_faults
+from dcr.fleet.faults import Fault, default_faults
+from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel, digests
 from dcr.models.synthetic import SyntheticRun
 from dcr.tensors.bits import bits

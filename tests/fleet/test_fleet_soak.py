@@ -10,7 +10,8 @@ import pytest
 from fleet_helpers import alive, small_fleet
 from test_fleet_run import committed_versions
 
-from dcr.fleet.launcher import Launcher, random_faults
+from dcr.fleet.faults import random_faults
+from dcr.fleet.launcher import Launcher
 
 REFITS = 33
 

@@ -23,7 +23,8 @@ from dcr import join_trainer
 from dcr.errors import ConfigError
 from dcr.fleet.checks import check_fingerprints, proof_from_json
 from dcr.fleet.config import free_port, load_fleet
-from dcr.fleet.launcher import Fault, Launcher
+from dcr.fleet.faults import Fault
+from dcr.fleet.launcher import Launcher
 from dcr.tensors.bits import bits
 
 PLUGINS = Path(__file__).parent / "plugins"

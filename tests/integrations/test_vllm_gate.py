@@ -22,8 +22,8 @@ from dcr.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from dcr.integrations.vllm.engine import Generation
 from dcr.integrations.vllm.gate import EngineGate, GateClient, GateServer, serving
+from dcr.integrations.vllm.generation import Generation
 from dcr.integrations.vllm.join import JoinSpec, error_from_wire, error_to_wire
 from dcr.integrations.vllm.versions import WeightSpan, label_of, record_of
 from dcr.protocol.types import CommitRecord

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from dcr.fleet.launcher import _kill, _Proc
+from dcr.fleet.processes import _kill, _Proc
 
 ENGINE = """
 import subprocess, sys, time

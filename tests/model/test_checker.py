@@ -8,11 +8,12 @@ from dataclasses import replace
 import pytest
 
 from dcr.protocol.lifecycle import EDGES, AnyEdge
-from dcr.testing.spec import actions as A
-from dcr.testing.spec.actions import ACTIONS, Action, Config, Step
+from dcr.testing.spec import commit, recovery, streaming
+from dcr.testing.spec.actions import ACTIONS
 from dcr.testing.spec.checker import Result, explore
 from dcr.testing.spec.configs import COVERAGE, HEAVY, REQUIRED
 from dcr.testing.spec.state import Cas, State
+from dcr.testing.spec.steps import Action, Config, Step
 
 _results: dict[str, Result] = {}
 
@@ -107,7 +108,7 @@ def _real_acks(s: State, t: State) -> State:
 
 
 def _retry_in_mixed_mode(s: State, cfg: Config) -> Iterator[Step]:
-    for step in A.prepare(s, cfg):
+    for step in streaming.prepare(s, cfg):
         attempts = (*step.state.attempts[:-1], step.state.attempts[-1]._replace(overwrite=False))
         yield Step(step.label, replace(step.state, attempts=attempts), step.edges)
 
@@ -117,7 +118,7 @@ def _ingest_without_dedupe(s: State, cfg: Config) -> Iterator[Step]:
         rx = s.receivers[p.receiver]
         forgetful = rx._replace(applied=frozenset(), staged=frozenset())
         receivers = (*s.receivers[: p.receiver], forgetful, *s.receivers[p.receiver + 1 :])
-        for step in A.ingest(replace(s, receivers=receivers, inflight=frozenset({p})), cfg):
+        for step in streaming.ingest(replace(s, receivers=receivers, inflight=frozenset({p})), cfg):
             got = step.state.receivers[p.receiver]
             # A receiver without deduplication takes the payload as new: applied again.
             kept = rx._replace(
@@ -140,7 +141,7 @@ def _cas_ignoring_epochs(s: State, cfg: Config) -> Iterator[Step]:
             others = tuple(
                 x._replace(cas=Cas.NONE) if i + 1 != tau else x for i, x in enumerate(s.attempts)
             )
-            for step in A.compare_and_set(replace(s, epoch=a.coord, attempts=others), cfg):
+            for step in commit.compare_and_set(replace(s, epoch=a.coord, attempts=others), cfg):
                 attempts = tuple(
                     y if i + 1 == tau else x
                     for i, (x, y) in enumerate(zip(s.attempts, step.state.attempts, strict=True))
@@ -173,7 +174,8 @@ SMALL = Config(owners=1, receivers=2, max_attempts=2, failures=1, failovers=0, a
 
 BROKEN: dict[str, tuple[str, Action, Config, str]] = {
     "commit without every ACK": (
-        "commit", _map_states(A.commit, _all_acked, _real_acks), SMALL, "CommitRequiresAllAcks"),
+        "commit", _map_states(commit.commit, _all_acked, _real_acks), SMALL,
+        "CommitRequiresAllAcks"),
     "XOR retry instead of overwrite": (
         "prepare", _retry_in_mixed_mode, SMALL, "XorAppliedOnce"),
     "no deduplication": (
@@ -181,7 +183,7 @@ BROKEN: dict[str, tuple[str, Action, Config, str]] = {
         Config(owners=1, receivers=1, max_attempts=1, failures=0, failovers=0, duplicates=1),
         "XorAppliedOnce"),
     "reopen without dropping the KV cache": (
-        "reopen_gate", _map_states(A.reopen_gate, lambda s: s, _reopen_keeping_kv), SMALL,
+        "reopen_gate", _map_states(recovery.reopen_gate, lambda s: s, _reopen_keeping_kv), SMALL,
         "GateClosedOnMixture"),
     "control plane accepts a replaced coordinator's commit": (
         "compare_and_set", _cas_ignoring_epochs,
@@ -189,7 +191,7 @@ BROKEN: dict[str, tuple[str, Action, Config, str]] = {
                atomic_delivery=True),
         "ReplacedNeverCommits"),
     "transition ends before every baseline update": (
-        "cleanup", _map_states(A.cleanup, _all_reported, _real_reports),
+        "cleanup", _map_states(recovery.cleanup, _all_reported, _real_reports),
         Config(owners=2, receivers=1, max_attempts=1, failures=0, failovers=0,
                atomic_delivery=True),
         "BaselineMatchesCommit"),

@@ -16,9 +16,10 @@ from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
 from dcr.protocol.lifecycle import AttemptPhase, ReceiverPhase, TransitionPhase
 from dcr.protocol.types import CommitRecord, Mode, Stage, TransitionOutcome
-from dcr.testing.protocol_world import Kind, Message, World
+from dcr.testing.protocol_world import World
 from dcr.testing.spec.invariants import violations
 from dcr.testing.spec.state import LOST, V0, V1
+from dcr.testing.world_messages import Kind, Message
 
 
 def checked(world: World) -> World:

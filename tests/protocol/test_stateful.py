@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from dcr.protocol.coordinator import CoordinatorCore
+from dcr.protocol.attempt import Attempt
 from dcr.testing.protocol_machine import ProtocolMachine
 
 
@@ -48,7 +48,7 @@ def test_the_machine_catches_a_coordinator_that_commits_without_every_ack(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The stateful checks can fail: break the commit guard and expect a counterexample."""
-    monkeypatch.setattr(CoordinatorCore, "_all_acked", lambda self: None)
+    monkeypatch.setattr(Attempt, "_all_acked", lambda self: None)
     with pytest.raises(AssertionError, match="CommitRequiresAllAcks"):
         run_state_machine_as_test(
             ProtocolMachine,

@@ -28,6 +28,7 @@ PUBLIC = {
     "PayloadHeader": fmt,
     "ValueLayout": fmt,
     "decode_payload": decode,
+    "encode_bucket": encode,
     "encode_payload": encode,
     "read_header": decode,
 }

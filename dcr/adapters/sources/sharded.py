@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from dcr.adapters.sources.base import Source
 from dcr.delta import mapping as affine
+from dcr.delta.build import BuildConfig
 from dcr.delta.dist import DistTrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan, TrainLayout, stable_hash
 from dcr.delta.mapping import AffineMapping, Direct
-from dcr.delta.owner import BuildConfig
 from dcr.delta.residual import ResidualPart, ResidualTask
 from dcr.errors import ConfigError, LayoutError
 from dcr.tensors.bits import DTYPE_CODES, dtype_name

@@ -11,15 +11,19 @@ for credit, so a slow receiver slows owners down instead of growing memory.
 ``stop_and_wait(attempt)`` stops delivery of the attempt and returns once nothing of it is in
 flight; ``cleanup(attempt)`` releases what the transport still holds of it.  A new transport
 is one subclass of :class:`Transport`; a layer around one (fault injection, timing) is one
-subclass of :class:`TransportWrapper`.
+subclass of :class:`TransportWrapper`.  A transport that queues deliveries per receiver hands
+each receiver a :class:`Deliveries` over its :class:`Inbox`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+
+import anyio
 
 from dcr.errors import ConfigError
 from dcr.protocol.types import PayloadKey
@@ -27,7 +31,14 @@ from dcr.protocol.types import PayloadKey
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
 
-__all__ = ["Delivery", "Transport", "TransportStats", "TransportWrapper"]
+__all__ = [
+    "Deliveries",
+    "Delivery",
+    "Inbox",
+    "Transport",
+    "TransportStats",
+    "TransportWrapper",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +47,45 @@ class Delivery:
 
     key: PayloadKey
     data: bytes
+
+
+class Inbox(Protocol):
+    """One receiver's queue of deliveries as a transport keeps it: :class:`Deliveries` reads
+    it.  The transport appends to ``inbox``, then sets ``wake`` (when there is one) to wake
+    the reader; it sets ``closed`` (and ``wake``) when the subscription ends."""
+
+    @property
+    def inbox(self) -> deque[Delivery]: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def wake(self) -> anyio.Event | None: ...
+
+    @wake.setter
+    def wake(self, event: anyio.Event) -> None: ...
+
+
+class Deliveries(AsyncIterator[Delivery]):
+    """The async iterator ``subscribe`` returns over one receiver's :class:`Inbox`: it yields
+    the deliveries in arrival order, waits on a fresh ``wake`` event while the inbox is
+    empty, and ends once the subscription is closed and its inbox drained."""
+
+    def __init__(self, sub: Inbox) -> None:
+        self._sub = sub
+
+    def __aiter__(self) -> Deliveries:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        sub = self._sub
+        while not sub.inbox:
+            if sub.closed:
+                raise StopAsyncIteration
+            wake = sub.wake = anyio.Event()
+            await wake.wait()
+        return sub.inbox.popleft()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

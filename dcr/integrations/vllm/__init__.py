@@ -23,18 +23,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcr.integrations.vllm.engine import BatchRequest as BatchRequest
-    from dcr.integrations.vllm.engine import DenseLoad as DenseLoad
     from dcr.integrations.vllm.engine import EngineReceivers as EngineReceivers
-    from dcr.integrations.vllm.engine import Generation as Generation
-    from dcr.integrations.vllm.engine import WeightsDigest as WeightsDigest
-    from dcr.integrations.vllm.engine import generate as generate
-    from dcr.integrations.vllm.engine import generate_batch as generate_batch
     from dcr.integrations.vllm.engine import join_fleet as join_fleet
-    from dcr.integrations.vllm.engine import load_checkpoint as load_checkpoint
-    from dcr.integrations.vllm.engine import weights_digest as weights_digest
     from dcr.integrations.vllm.gate import EngineGate as EngineGate
     from dcr.integrations.vllm.gate import GateCycle as GateCycle
+    from dcr.integrations.vllm.generation import BatchRequest as BatchRequest
+    from dcr.integrations.vllm.generation import Generation as Generation
+    from dcr.integrations.vllm.generation import generate as generate
+    from dcr.integrations.vllm.generation import generate_batch as generate_batch
+    from dcr.integrations.vllm.reference import DenseLoad as DenseLoad
+    from dcr.integrations.vllm.reference import WeightsDigest as WeightsDigest
+    from dcr.integrations.vllm.reference import load_checkpoint as load_checkpoint
+    from dcr.integrations.vllm.reference import weights_digest as weights_digest
     from dcr.integrations.vllm.versions import WeightSpan as WeightSpan
     from dcr.integrations.vllm.versions import weight_spans as weight_spans
 
@@ -45,20 +45,20 @@ PLAIN_WEIGHTS = "dcr_plain"
 """``load_format`` that keeps a CPU engine's weights plain (see :mod:`.plain`)."""
 
 _EXPORTS = {
-    "BatchRequest": "dcr.integrations.vllm.engine",
-    "DenseLoad": "dcr.integrations.vllm.engine",
+    "BatchRequest": "dcr.integrations.vllm.generation",
+    "DenseLoad": "dcr.integrations.vllm.reference",
     "EngineGate": "dcr.integrations.vllm.gate",
     "EngineReceivers": "dcr.integrations.vllm.engine",
     "GateCycle": "dcr.integrations.vllm.gate",
-    "Generation": "dcr.integrations.vllm.engine",
+    "Generation": "dcr.integrations.vllm.generation",
     "WeightSpan": "dcr.integrations.vllm.versions",
-    "WeightsDigest": "dcr.integrations.vllm.engine",
-    "generate": "dcr.integrations.vllm.engine",
-    "generate_batch": "dcr.integrations.vllm.engine",
+    "WeightsDigest": "dcr.integrations.vllm.reference",
+    "generate": "dcr.integrations.vllm.generation",
+    "generate_batch": "dcr.integrations.vllm.generation",
     "join_fleet": "dcr.integrations.vllm.engine",
-    "load_checkpoint": "dcr.integrations.vllm.engine",
+    "load_checkpoint": "dcr.integrations.vllm.reference",
     "weight_spans": "dcr.integrations.vllm.versions",
-    "weights_digest": "dcr.integrations.vllm.engine",
+    "weights_digest": "dcr.integrations.vllm.reference",
 }
 
 __all__ = ["EXTENSION", "PLAIN_WEIGHTS", *sorted(_EXPORTS)]

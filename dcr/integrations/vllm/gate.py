@@ -21,7 +21,7 @@ only for decode and apply).
 
 The gate's lock also orders what the engine process itself does to the engine:
 :meth:`EngineGate.admit` adds a batch of requests so that all of them enter the scheduler at
-one step (see :func:`~dcr.integrations.vllm.engine.generate_batch`), and an engine outside any
+one step (see :func:`~dcr.integrations.vllm.generation.generate_batch`), and an engine outside any
 fleet (a reference engine: a gate with ``receivers=False``) replaces its weights by a dense
 load under :meth:`EngineGate.replacing` and labels them with :meth:`EngineGate.label`.
 """

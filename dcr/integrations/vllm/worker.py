@@ -16,8 +16,8 @@ weights happen only while that gate holds the engine paused.
 
 Outside any fleet, the same extension serves a reference engine: ``dcr_check_checkpoint`` and
 ``dcr_load_checkpoint`` load a full checkpoint through the model's own ``load_weights``
-(:func:`~dcr.integrations.vllm.engine.load_checkpoint`), and ``dcr_digest`` hashes the stored
-bits of the worker's weights (:func:`~dcr.integrations.vllm.engine.weights_digest`).
+(:func:`~dcr.integrations.vllm.reference.load_checkpoint`), and ``dcr_digest`` hashes the stored
+bits of the worker's weights (:func:`~dcr.integrations.vllm.reference.weights_digest`).
 
 vLLM resolves the extension class before the worker loads its model, so importing this
 module is also where every worker learns the plain-weights load format
@@ -141,7 +141,7 @@ class DcrWorkerExtension:
                 "phase": service.core.phase.value,
                 "held": None if held is None else [held.version, held.candidate],
                 "dirty": service.core.dirty,
-                "gate_open": service.gate_open,
+                "gate_open": service.core.gate_open,
                 "applied_payloads": service.applied_payloads,
                 "decode_seconds": service.decode_seconds,
                 "apply_seconds": service.apply_seconds,
@@ -168,7 +168,7 @@ class DcrWorkerExtension:
 
     def dcr_digest(self) -> str:
         """SHA-256 (hex) of this worker's parameters and buffers, as
-        :func:`~dcr.integrations.vllm.engine.weights_digest` defines it: in sorted name order
+        :func:`~dcr.integrations.vllm.reference.weights_digest` defines it: in sorted name order
         (``remove_duplicate=False``), for each ``"<name>\\0<dtype>\\0<shape, comma-separated>\\0"``
         in UTF-8, the data's byte count (8 bytes, little-endian), then its stored bytes."""
         import torch

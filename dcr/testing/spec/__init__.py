@@ -7,10 +7,10 @@ search that reports the shortest counterexample trace.
 
 from dcr.testing.spec.actions import ACTIONS as ACTIONS
 from dcr.testing.spec.actions import ENVIRONMENT as ENVIRONMENT
-from dcr.testing.spec.actions import Config as Config
-from dcr.testing.spec.actions import initial_state as initial_state
 from dcr.testing.spec.checker import Counterexample as Counterexample
 from dcr.testing.spec.checker import Result as Result
 from dcr.testing.spec.checker import explore as explore
 from dcr.testing.spec.invariants import INVARIANTS as INVARIANTS
 from dcr.testing.spec.state import State as State
+from dcr.testing.spec.steps import Config as Config
+from dcr.testing.spec.steps import initial_state as initial_state

@@ -1,24 +1,61 @@
-"""Exhaustive breadth-first model checking of the Python mirror of ``models/refit.tla``.
+"""Exhaustive breadth-first model checking of the Python mirrors of ``models/refit.tla``
+(one transition) and ``models/membership.tla`` (runs of several transitions).
 
 The search keeps a parent pointer for every distinct state, so the first violation it meets
 comes with a shortest trace from the initial state.  Receivers are interchangeable, so states
 are stored in a canonical receiver order (symmetry reduction); traces are replayed with the
-concrete receiver names.
+concrete receiver names.  A :class:`Model` names what the search needs of a specification;
+:data:`TRANSITION` is the one-transition model, the default.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from dcr.protocol.lifecycle import AnyEdge, ReceiverPhase
-from dcr.testing.spec.actions import ACTIONS, Action, Config, Step, initial_state
-from dcr.testing.spec.invariants import INVARIANTS, Invariant
+from dcr.testing.spec.actions import ACTIONS
+from dcr.testing.spec.invariants import INVARIANTS
 from dcr.testing.spec.state import Payload, State
+from dcr.testing.spec.steps import Action, Config, Step, initial_state
 
-__all__ = ["Counterexample", "Result", "canonical", "explore", "successors"]
+__all__ = [
+    "TRANSITION",
+    "AnyStep",
+    "Counterexample",
+    "Model",
+    "Result",
+    "canonical",
+    "explore",
+    "successors",
+]
+
+
+class AnyStep(Protocol):
+    """One successor of any model: the action's label, the new state, the edges it took."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def state(self) -> Any: ...
+
+    @property
+    def edges(self) -> tuple[AnyEdge, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """What the search needs of a specification: its initial state for a configuration, its
+    actions (each yields steps), its invariants and its symmetry reduction."""
+
+    initial: Callable[[Any], Hashable]
+    actions: Mapping[str, Callable[[Any, Any], Iterable[AnyStep]]]
+    invariants: Mapping[str, Callable[[Any], str | None]]
+    canonical: Callable[[Any], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +64,7 @@ class Counterexample:
 
     invariant: str
     message: str
-    trace: tuple[Step, ...]
+    trace: tuple[AnyStep, ...]
 
     def __str__(self) -> str:
         head = f"invariant {self.invariant} violated after {len(self.trace)} steps"
@@ -118,19 +155,26 @@ def canonical(s: State) -> State:
 
 
 def explore(
-    cfg: Config,
+    cfg: Any,
     *,
-    actions: Mapping[str, Action] = ACTIONS,
-    invariants: Mapping[str, Invariant] = INVARIANTS,
+    model: Model | None = None,
+    actions: Mapping[str, Callable[[Any, Any], Iterable[AnyStep]]] | None = None,
+    invariants: Mapping[str, Callable[[Any], str | None]] | None = None,
     max_states: int | None = None,
     max_depth: int | None = None,
     symmetry: bool = True,
 ) -> Result:
-    """Breadth-first search of every reachable state; stops at the first violation."""
+    """Breadth-first search of every reachable state of ``model`` (default :data:`TRANSITION`)
+    at ``cfg``; stops at the first violation.  ``actions`` and ``invariants`` replace the
+    model's own (a broken mirror, say)."""
+    m = model if model is not None else TRANSITION
+    actions = m.actions if actions is None else actions
+    invariants = m.invariants if invariants is None else invariants
+    initial = m.initial
     started = time.perf_counter()
-    norm = canonical if symmetry else (lambda s: s)
-    init = norm(initial_state(cfg))
-    parent: dict[State, tuple[State, str] | None] = {init: None}
+    norm = m.canonical if symmetry else (lambda s: s)
+    init = norm(initial(cfg))
+    parent: dict[Any, tuple[Any, str] | None] = {init: None}
     depth_of = {init: 0}
     queue = deque([init])
     edges: set[AnyEdge] = set()
@@ -171,7 +215,7 @@ def explore(
                 depth = max(depth, d + 1)
                 bad = _check(t, invariants)
                 if bad:
-                    trace = _replay(_chain(parent, t), cfg, actions, norm)
+                    trace = _replay(_chain(parent, t), cfg, initial, actions, norm)
                     return result(Counterexample(bad[0], bad[1], trace), True)
                 if max_states is not None and len(parent) >= max_states:
                     return result(None, False)
@@ -179,7 +223,7 @@ def explore(
     return result(None, True)
 
 
-def _check(s: State, invariants: Mapping[str, Invariant]) -> tuple[str, str] | None:
+def _check(s: Any, invariants: Mapping[str, Callable[[Any], str | None]]) -> tuple[str, str] | None:
     for name, check in invariants.items():
         msg = check(s)
         if msg is not None:
@@ -187,7 +231,7 @@ def _check(s: State, invariants: Mapping[str, Invariant]) -> tuple[str, str] | N
     return None
 
 
-def _chain(parent: Mapping[State, tuple[State, str] | None], t: State) -> list[State]:
+def _chain(parent: Mapping[Any, tuple[Any, str] | None], t: Any) -> list[Any]:
     chain = [t]
     while (link := parent[chain[-1]]) is not None:
         chain.append(link[0])
@@ -195,14 +239,28 @@ def _chain(parent: Mapping[State, tuple[State, str] | None], t: State) -> list[S
 
 
 def _replay(
-    chain: list[State], cfg: Config, actions: Mapping[str, Action], norm: object
-) -> tuple[Step, ...]:
+    chain: list[Any],
+    cfg: Any,
+    initial: Callable[[Any], Any],
+    actions: Mapping[str, Callable[[Any, Any], Iterable[AnyStep]]],
+    norm: Callable[[Any], Any],
+) -> tuple[AnyStep, ...]:
     """Concrete steps whose canonical states follow ``chain`` (receiver names made consistent)."""
-    assert callable(norm)
-    state = initial_state(cfg)
-    steps: list[Step] = []
+    state = initial(cfg)
+    steps: list[AnyStep] = []
     for target in chain[1:]:
-        step = next(st for st in successors(state, cfg, actions) if norm(st.state) == target)
+        step = next(
+            st
+            for action in actions.values()
+            for st in action(state, cfg)
+            if norm(st.state) == target
+        )
         steps.append(step)
         state = step.state
     return tuple(steps)
+
+
+TRANSITION = Model(
+    initial=initial_state, actions=ACTIONS, invariants=INVARIANTS, canonical=canonical
+)
+"""The model of one transition ``v -> v+1`` (``models/refit.tla``)."""

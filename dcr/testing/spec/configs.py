@@ -8,7 +8,7 @@ refits, operator abort, a replaced coordinator that keeps running, two failovers
 
 from __future__ import annotations
 
-from dcr.testing.spec.actions import Config
+from dcr.testing.spec.steps import Config
 
 __all__ = ["COVERAGE", "HEAVY", "REQUIRED"]
 

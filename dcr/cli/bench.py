@@ -1,77 +1,16 @@
-"""The ``dcr`` command line: the RL loop, the demo fleet, fleet roles, benchmarks.
-
-Every subcommand prints a human-readable report; ``--json`` prints one JSON object instead
-(progress goes to stderr, so stdout stays machine-readable).
-"""
+"""``dcr bench``: the benchmark subcommands (codec, construct, apply, dense, proof, relay,
+refit, project), their arguments and their reports."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from dcr.errors import DcrError
-
-__all__ = ["main"]
+from dcr.cli.arguments import _err, _floats, _loaders, _modes, _positive, _transports
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-
-
-def _modes(text: str) -> list[str]:
-    modes = [m.strip().upper() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("X", "P", "F")]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(f"modes are X, P and F, got {text!r}")
-    return modes
-
-
-def _loaders(text: str) -> list[str]:
-    from dcr.bench.apply import LOADERS
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in LOADERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"loaders are {', '.join(LOADERS)}, got {text!r}")
-    return names
-
-
-def _transports(text: str) -> list[str]:
-    from dcr.bench.refit import TRANSPORTS
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in TRANSPORTS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"transports are {', '.join(TRANSPORTS)}, got {text!r}")
-    return names
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    from dcr import __version__
-
-    p = argparse.ArgumentParser(
-        prog="dcr",
-        description="Bit-exact delta-compressed refit: fleet roles, launcher, demo, benchmarks.",
-    )
-    p.add_argument("--version", action="version", version=f"dcr {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``dcr bench`` and its subcommands."""
     bench = sub.add_parser("bench", help="run a benchmark (see `dcr bench -h`)")
     bsub = bench.add_subparsers(dest="bench", required=True)
 
@@ -290,117 +229,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     project.add_argument("--json", action="store_true", help="print one JSON object")
 
-    demo = sub.add_parser(
-        "demo",
-        help="a refit fleet of real processes, every receiver checked bit for bit",
-        description=(
-            "Writes a fleet file under --dir and runs it: a TP=2 x DP=2 trainer (4 owner "
-            "processes, gloo), two rollout nodes with receivers at serving TP 1 and 2 (one "
-            "process per rank), a relay tree, a coordinator and a standby, a SQLite commit "
-            "store. Receivers start empty and restore version 0 by dense refit over the relay "
-            "tree; each refit is then applied in place and checked bit for bit against a "
-            "dense load. Exits non-zero on any mismatch."
-        ),
-    )
-    demo.add_argument("--size-mb", type=float, default=300.0, help="model size (default 300)")
-    demo.add_argument("--refits", type=_positive, default=5, help="versions to refit")
-    demo.add_argument("--rate", type=float, default=0.01, help="element change rate")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--dir", default="out/demo", help="fleet file, logs and commit store")
-    demo.add_argument(
-        "--faults",
-        nargs="?",
-        const="plan",
-        choices=["plan", "random"],
-        help="SIGKILL one process mid-refit in refits 2..N: 'plan' (the default) cycles a "
-        "receiver, a trainer rank, the active coordinator, a relay node; 'random' draws the "
-        "role each refit (seeded by --seed); each process is restarted and recovers",
-    )
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
-
-    rl = sub.add_parser(
-        "rl",
-        help="a GRPO loop on CPU: FSDP2 trainer, vLLM engine, refits by dcr (or dense)",
-        description=(
-            "A GRPO-style RL loop with real parts: a small Qwen3 policy (built here, bf16 "
-            "weights, fp32 master weights in AdamW) trained by FSDP2 over 2 ranks (gloo) on a "
-            "verifiable symbol-sorting task; rollouts sampled by one vLLM CPU engine (TP 1 or "
-            "2) with per-request seeds, every rollout tagged with the weight version that "
-            "produced it; a refit after every step. --refit delta: dcr's fleet (owners in the "
-            "trainer ranks, receivers in the engine's workers, a coordinator, the relay tree "
-            "or object storage). --refit dense: the reference, a full checkpoint per step "
-            "loaded through vLLM's own loader. The same --seed gives the same run: delta and "
-            "dense agree on every step's reward, KL, loss and sampled tokens and on the final "
-            "weights. Needs vLLM (.venv-vllm, `pip install 'dcr[rl]'`)."
-        ),
-    )
-    rl.add_argument("--steps", type=_positive, default=20, help="optimizer steps (default 20)")
-    rl.add_argument("--refit", choices=["delta", "dense"], default="delta")
-    rl.add_argument("--transport", choices=["relay", "s3", "directory"], default="relay",
-                    help="delta refits: the relay tree (default), S3 on a SeaweedFS server "
-                    "started here, or a directory")  # fmt: skip
-    rl.add_argument("--mode", choices=["sync", "async"], default="sync",
-                    help="async: a step's rollouts are generated while the previous refit "
-                    "streams (staleness 1); the gate closes only to apply and commit")  # fmt: skip
-    rl.add_argument("--max-staleness", type=int, default=None,
-                    help="most versions a trained-on rollout may lag (default 1 in async "
-                    "mode, 0 in sync mode)")  # fmt: skip
-    rl.add_argument("--tp", type=int, choices=[1, 2], default=1, help="the engine's TP")
-    rl.add_argument("--faults", action="store_true",
-                    help="SIGKILL the engine mid-refit twice and a trainer rank once; each "
-                    "restarts and recovers")  # fmt: skip
-    rl.add_argument("--seed", type=int, default=0)
-    rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
-    rl.add_argument("--against", default=None,
-                    help="a dense run's --json output: show its refit seconds and whether "
-                    "every step and the final weights agree, and plot it beside")  # fmt: skip
-    rl.add_argument("--plot", default=None, help="write reward, KL and refit time as a PNG")
-    rl.add_argument("--json", action="store_true", help="print one JSON object")
-
-    fleet = sub.add_parser(
-        "fleet",
-        help="start every process of a fleet file, supervise them, stop them cleanly",
-        description=(
-            "Starts the relay nodes, coordinator and standbys, receivers and trainer ranks of "
-            "the fleet file, each as its own process; restarts what dies; checks every "
-            "receiver bit for bit after each commit; stops everything once the trainer's last "
-            "version is committed and checked (or on Ctrl-C)."
-        ),
-    )
-    fleet.add_argument("--fleet", required=True, help="the fleet file (TOML)")
-    fleet.add_argument(
-        "--faults", nargs="?", const="plan", choices=["plan", "random"],
-        help="SIGKILL one process mid-refit per refit (see dcr demo --faults)",
-    )  # fmt: skip
-    fleet.add_argument("--seed", type=int, default=0, help="seed of --faults random")
-    fleet.add_argument("--json", action="store_true", help="print one JSON object")
-
-    roles = (
-        ("coordinator", "the coordinator (or a standby that takes over when its lease lapses)"),
-        ("owner", "one trainer rank ([trainer] kind) and its owner"),
-        ("receiver", "one serving rank (a receiver)"),
-        ("relay", "one relay node of the tree"),
-    )
-    for role, text in roles:
-        r = sub.add_parser(role, help=f"run {text} from a fleet file (the launcher uses it)")
-        r.add_argument("--fleet", required=True, help="the fleet file (TOML)")
-        if role == "coordinator":
-            r.add_argument("--name", default="coordinator", help="process name (event file)")
-        elif role == "owner":
-            r.add_argument("--rank", type=int, required=True, help="training rank")
-            r.add_argument("--store-port", type=int, default=None,
-                           help="port of the launcher's rendezvous TCP store (default: the "
-                           "MASTER_ADDR/MASTER_PORT environment)")  # fmt: skip
-        elif role == "receiver":
-            r.add_argument("--name", required=True, help="receiver name in the fleet file")
-        else:
-            r.add_argument("--node", required=True, help="rollout node name in the fleet file")
-    return p
-
-
-def _err(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 def _bench_codec(args: argparse.Namespace) -> int:
     from dcr.bench.codec import (
@@ -567,159 +395,14 @@ def _bench_project(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dcr.demo import run_demo
-
-    result: dict[str, Any] = run_demo(
-        directory=Path(args.dir),
-        size_mb=args.size_mb,
-        refits=args.refits,
-        rate=args.rate,
-        seed=args.seed,
-        faults=args.faults,
-        quiet=args.json,
-    )
-    if args.json:
-        print(json.dumps(result))
-    return 0 if result["bit_exact"] else 1
-
-
-def _rl(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from dcr.errors import ConfigError
-    from dcr.rl.run import RLOptions, compare_runs, format_rl_table, plot_rl, run_rl
-
-    console = Console(stderr=True)  # progress on stderr: stdout stays the JSON
-    against = json.loads(Path(args.against).read_text()) if args.against else None
-    try:
-        opts = RLOptions(
-            steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
-            tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
-            directory=Path(args.dir),
-        )  # fmt: skip
-        result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
-    except ConfigError as exc:
-        _err(f"dcr rl: {exc}")
-        return 2
-    if args.plot:
-        plot_rl(result, Path(args.plot), against)
-        result["plot"] = str(Path(args.plot).resolve())
-    if against is not None:
-        result["against"] = compare_runs(result, against)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(format_rl_table(result, against), end="")
-        if args.plot:
-            print(f"plot: {result['plot']}")
-    if against is not None and not result["against"]["equal"]:
-        return 1
-    return 0
-
-
-def _fleet(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from dcr.errors import DcrError
-    from dcr.fleet.config import load_fleet
-    from dcr.fleet.launcher import Launcher, fault_plan
-
-    console = Console(stderr=True, quiet=args.json)
-    try:
-        cfg = load_fleet(args.fleet)
-        launcher = Launcher(cfg, faults=fault_plan(cfg, args.faults, args.seed), say=console.print)
-        report = launcher.run()
-    except DcrError as exc:
-        _err(f"dcr fleet: {type(exc).__name__}: {exc}")
-        return 2
-    print(json.dumps(report) if args.json else json.dumps(report, indent=1))
-    return 0 if report["bit_exact"] else 1
-
-
-def _dcr_error(exc: BaseException) -> DcrError | None:
-    """The dcr error that ended a role: ``exc`` itself, or the one inside the exception
-    groups anyio's task groups wrap it in."""
-    from dcr.errors import DcrError
-
-    if isinstance(exc, DcrError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _dcr_error(inner)
-            if found is not None:
-                return found
-    return None
-
-
-def _role(args: argparse.Namespace) -> int:
-    """Run one role of a fleet file; a configuration or protocol error ends it with one line
-    on stderr (what is wrong and what to do) and status 2, not a traceback."""
-    try:
-        return _run_role(args)
-    except BaseException as exc:
-        error = _dcr_error(exc)
-        if error is None:
-            raise
-        _err(f"dcr {args.command}: {type(error).__name__}: {error}")
-        return 2
-
-
-def _run_role(args: argparse.Namespace) -> int:
-    import anyio
-
-    from dcr.alloc import keep_freed_memory
-    from dcr.fleet.config import load_fleet
-    from dcr.fleet.runtime import die_with_parent, serve_until_signalled
-
-    die_with_parent()
-    keep_freed_memory()
-    cfg = load_fleet(args.fleet)
-    if args.command == "coordinator":
-        from dcr.fleet.coordinator import run_coordinator
-
-        main = lambda: run_coordinator(cfg, args.name)  # noqa: E731
-    elif args.command == "owner":
-        from dcr.fleet.trainer import run_trainer
-
-        main = lambda: run_trainer(cfg, args.rank, args.store_port)  # noqa: E731
-    elif args.command == "receiver":
-        from dcr.fleet.receiver import run_receiver
-
-        main = lambda: run_receiver(cfg, args.name)  # noqa: E731
-    else:
-        from dcr.fleet.relay import run_relay
-
-        main = lambda: run_relay(cfg, args.node)  # noqa: E731
-    anyio.run(serve_until_signalled, main, backend="asyncio")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "bench":
-        return {
-            "apply": _bench_apply,
-            "codec": _bench_codec,
-            "construct": _bench_construct,
-            "dense": _bench_dense,
-            "project": _bench_project,
-            "proof": _bench_proof,
-            "refit": _bench_refit,
-            "relay": _bench_relay,
-        }[args.bench](args)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "fleet":
-        return _fleet(args)
-    if args.command == "rl":
-        return _rl(args)
-    return _role(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run_bench(args: argparse.Namespace) -> int:
+    return {
+        "apply": _bench_apply,
+        "codec": _bench_codec,
+        "construct": _bench_construct,
+        "dense": _bench_dense,
+        "project": _bench_project,
+        "proof": _bench_proof,
+        "refit": _bench_refit,
+        "relay": _bench_relay,
+    }[args.bench](args)

@@ -1,0 +1,111 @@
+"""ZeroMQ sockets of the relay tree (paper App. B "Transports"): routing ids that carry a peer's
+role, the options every relay socket shares, sends that never wait, and received messages
+checked before they are decoded.  Relay nodes and the transport's client side both use them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import cast
+
+import zmq
+import zmq.asyncio
+
+from dcr.adapters.transport.relay.config import RelayConfig
+from dcr.adapters.transport.relay.frames import HEADER_LIMIT, Frame, FrameError, Sized, decode
+from dcr.errors import ConfigError, TransportError
+
+__all__ = [
+    "CLIENT",
+    "NODE",
+    "RECEIVER",
+    "bind",
+    "connect",
+    "decode_frames",
+    "receive",
+    "routing_id",
+    "send_now",
+    "set_common_options",
+]
+
+CLIENT, NODE, RECEIVER = b"c:", b"n:", b"r:"
+"""Routing-id prefixes: a peer's role is part of its routing id."""
+
+
+def routing_id(prefix: bytes, name: str) -> bytes:
+    """A peer's ZeroMQ routing id (at most 255 bytes)."""
+    ident = prefix + name.encode()
+    if not name or len(ident) > 255:
+        raise ConfigError(f"relay peer name {name!r} must be 1 to 253 UTF-8 bytes")
+    return ident
+
+
+def set_common_options(sock: zmq.asyncio.Socket, config: RelayConfig) -> None:
+    """Options every relay socket shares: no linger, high-water marks, the frame-size limit."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, config.hwm)
+    sock.setsockopt(zmq.RCVHWM, config.hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+
+
+def send_now(sock: zmq.asyncio.Socket, parts: Sequence[bytes | Sized]) -> bool:
+    """Send without waiting; ``False`` if the peer is gone or its queue is full.
+
+    Relay nodes and subscriptions never wait on a send, so pyzmq completes a ``NOBLOCK`` send
+    at once (with ``EHOSTUNREACH`` under ``ROUTER_MANDATORY`` when the peer vanished).
+    """
+    future = cast(
+        "asyncio.Future[object]", sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+    )
+    if not future.done():
+        future.cancel()
+        raise TransportError("a relay send did not complete at once", retryable=True)
+    exc = future.exception()
+    if exc is None:
+        return True
+    if isinstance(exc, zmq.ZMQError) and exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+        return False
+    raise TransportError(f"relay send failed: {exc}", retryable=True) from exc
+
+
+def decode_frames(parts: Sequence[zmq.Frame], *, max_size: int) -> tuple[Frame, Sized | None]:
+    """Check a received message (routing id removed); the header's length is checked
+    before its bytes are copied out of the ZeroMQ frame."""
+    if not parts:
+        raise FrameError("an empty message", check="parts")
+    if len(parts[0]) > HEADER_LIMIT:
+        raise FrameError("header larger than HEADER_LIMIT", check="oversized")
+    return decode(parts[0].bytes, parts[1:], max_size=max_size)
+
+
+def connect(sock: zmq.asyncio.Socket, address: str) -> None:
+    """Connect, closing the socket if the address is refused."""
+    try:
+        sock.connect(address)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+
+
+async def receive(sock: zmq.asyncio.Socket, name: str) -> list[zmq.Frame]:
+    try:
+        return await sock.recv_multipart(copy=False)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"relay node {name}: {exc}", retryable=True, check="socket") from exc
+
+
+def bind(sock: zmq.asyncio.Socket, address: str) -> str:
+    """Bind ``address``; a port of ``0`` picks a free one.  Returns the bound address."""
+    try:
+        if address.startswith("tcp://") and address.endswith(":0"):
+            host = address[: -len(":0")]
+            port = sock.bind_to_random_port(host)
+            return f"{host}:{port}"
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"cannot bind {address}: {exc}", retryable=True, check="bind") from exc
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

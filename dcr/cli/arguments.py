@@ -1,0 +1,55 @@
+"""Argument types and output helpers shared by the ``dcr`` subcommands: comma-separated
+numbers, construction modes, loader and transport names, positive integers, progress on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip().upper() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("X", "P", "F")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"modes are X, P and F, got {text!r}")
+    return modes
+
+
+def _loaders(text: str) -> list[str]:
+    from dcr.bench.apply import LOADERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in LOADERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"loaders are {', '.join(LOADERS)}, got {text!r}")
+    return names
+
+
+def _transports(text: str) -> list[str]:
+    from dcr.bench.refit import TRANSPORTS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in TRANSPORTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"transports are {', '.join(TRANSPORTS)}, got {text!r}")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

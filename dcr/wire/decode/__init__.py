@@ -1,0 +1,67 @@
+"""The strict payload decoder (paper App. D): bytes received from the network into a
+:class:`~dcr.wire.format.Payload`, or a rejection.
+
+Decoding is strict and all-or-nothing: every length, offset, count, code, name, shape and index
+is checked against :class:`~dcr.wire.format.DecodeLimits` and, when given, the receiver's
+prewarm metadata before anything is returned, and any failure raises
+:class:`~dcr.errors.PayloadRejected` naming the check.
+
+Cost is bounded by the input: the header is checked first (with a catalog, the item count and
+the body length against what the catalog allows), then the body is decompressed as a stream,
+part by part -- the preamble, the table (bounded by the item count), and only then the buffers,
+whose sizes the checked table implies.  Decoded entries are compact (one indices array, one
+value array per width, :class:`~dcr.wire.format.Items`); version 2 checks its item records with
+array operations, never a Python object per item.  Received bytes are never unpickled.
+
+The header is :mod:`~dcr.wire.decode.header`, the decompressed body and what both versions read
+from it :mod:`~dcr.wire.decode.body`, the version 1 body :mod:`~dcr.wire.decode.v1`, the
+version 2 body :mod:`~dcr.wire.decode.v2` (its tables in :mod:`~dcr.wire.decode.records`, its
+positions in :mod:`~dcr.wire.decode.positions`, its Rice-split streams joined in
+:mod:`~dcr.wire.decode.rice`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Mapping
+
+from dcr.tensors.records import TensorSpec
+from dcr.wire.decode.body import Body
+from dcr.wire.decode.header import (
+    DEFAULT_LIMITS,
+    as_bytes_view,
+    check_catalog,
+    read_framing,
+    read_header,
+)
+from dcr.wire.decode.v1 import decode_v1
+from dcr.wire.decode.v2 import decode_v2
+from dcr.wire.format import HEADER_SIZE, V1, DecodeLimits, Payload
+
+__all__ = ["decode_payload", "read_header"]
+
+
+def decode_payload(
+    data: bytes | bytearray | memoryview,
+    *,
+    catalog: Mapping[str, TensorSpec] | None = None,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    xor_allowed: Container[str] | None = None,
+) -> Payload:
+    """Fully decode and validate a payload, or raise :class:`PayloadRejected`.
+
+    ``catalog`` (the receiver's prewarm metadata) requires every item's name to be known and its
+    shape and dtype to match exactly, and bounds the item count and the body length before
+    anything is decompressed; ``xor_allowed`` names the tensors whose loader path allows
+    relative (XOR and ULP) entries.  The items are an :class:`~dcr.wire.format.Items`: compact
+    arrays owned by the payload, :class:`~dcr.tensors.records.Item` views made on demand.
+    """
+    view = as_bytes_view(data)
+    header, framing = read_framing(view, limits)
+    attempt = header.attempt
+    if catalog is not None:
+        check_catalog(framing, attempt, limits, catalog)
+    body = Body(view[HEADER_SIZE:], framing.body_bytes, attempt, framing.version)
+    args = (body, framing, attempt, limits, catalog, xor_allowed)
+    items = decode_v1(*args) if framing.version == V1 else decode_v2(*args)
+    body.finish()
+    return Payload(header=header, items=items)
