@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.apply.applier import Applier
 from dcr.catalog import (
     INDEX_FILE,
@@ -325,14 +325,14 @@ def test_uncovered_parameters_are_what_the_catalog_does_not_write() -> None:
     config = tiny_config("qwen3")
     catalog = _specs(random_state_dict(config, "qwen3", seed=1))
     for rank in (0, 1):
-        model = ShardedReferenceModel(config, "qwen3", tp_size=2, tp_rank=rank)
-        receiver = Applier(ShardedReferenceLoader(model), catalog)
+        model = ShardedServingModel(config, "qwen3", tp_size=2, tp_rank=rank)
+        receiver = Applier(ShardedServingLoader(model), catalog)
         receiver.prewarm()
         assert uncovered_parameters(receiver) == []
     short = {n: s for n, s in catalog.items() if "layers.1.self_attn.k_proj" not in n}
     short = {n: s for n, s in short.items() if n != "model.layers.0.input_layernorm.weight"}
-    model = ShardedReferenceModel(config, "qwen3", tp_size=2, tp_rank=1)
-    receiver = Applier(ShardedReferenceLoader(model), short)
+    model = ShardedServingModel(config, "qwen3", tp_size=2, tp_rank=1)
+    receiver = Applier(ShardedServingLoader(model), short)
     receiver.prewarm()
     assert uncovered_parameters(receiver) == [
         "model.layers.0.input_layernorm.weight",

@@ -104,11 +104,11 @@ def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
 def test_bench_apply_json(capsys):
     out = run_json(
         capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,0.05", "--repeats", "1",
-        "--loaders", "torch,reference-tp2",
+        "--loaders", "torch,sharded-tp2",
     )  # fmt: skip
     rows = out["results"]
     assert [(r["loader"], r["rate"]) for r in rows] == [
-        ("torch", 0.01), ("torch", 0.05), ("reference-tp2", 0.01), ("reference-tp2", 0.05),
+        ("torch", 0.01), ("torch", 0.05), ("sharded-tp2", 0.01), ("sharded-tp2", 0.05),
     ]  # fmt: skip
     for r in rows:
         assert {"rate", "loader", "apply_seconds", "dense_load_seconds", "entries"} <= set(r)
@@ -138,7 +138,7 @@ def test_bench_apply_rejects_unknown_loaders(capsys):
     with pytest.raises(SystemExit) as err:
         cli.main(["bench", "apply", "--loaders", "torch,sglang"])
     assert err.value.code == 2
-    assert "loaders are torch, reference-tp2, vllm" in capsys.readouterr().err
+    assert "loaders are torch, sharded-tp2, vllm" in capsys.readouterr().err
 
 
 def test_bench_codec_floor_json(capsys):
@@ -160,13 +160,13 @@ def test_bench_proof_json(capsys):
 
 def test_bench_dense_json(capsys):
     out = run_json(
-        capsys, "bench", "dense", "--size-gb", "0.02", "--loaders", "torch,reference-tp2",
+        capsys, "bench", "dense", "--size-gb", "0.02", "--loaders", "torch,sharded-tp2",
         "--bucket-mb", "4",
     )  # fmt: skip
     build = out["build"]
     assert build["payloads"] > 1 and build["payload_bytes"] > 0
     assert build["largest_bucket_bytes"] <= out["model"]["checkpoint_bytes"]
-    assert [r["loader"] for r in out["apply"]] == ["torch", "reference-tp2"]
+    assert [r["loader"] for r in out["apply"]] == ["torch", "sharded-tp2"]
     for r in out["apply"]:
         assert r["bit_exact"] is True and r["payloads"] == build["payloads"]
         assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import dcr
 from dcr import LocalRefit, Mode, StateDictSource, TorchModuleLoader, TrainLayout
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.errors import PayloadRejected
 from dcr.local import DataPlane
 from dcr.models.compare import bit_mismatches, module_bit_mismatches
@@ -23,8 +23,8 @@ from dcr.tensors.bits import bits
 def reference_ranks(cfg, family, tp, state, extra=None):
     models = []
     for r in range(tp):
-        m = ShardedReferenceModel(cfg, family, tp_size=tp, tp_rank=r, extra=extra)
-        ShardedReferenceLoader(m).dense_load(state)
+        m = ShardedServingModel(cfg, family, tp_size=tp, tp_rank=r, extra=extra)
+        ShardedServingLoader(m).dense_load(state)
         models.append(m)
     return models
 
@@ -118,7 +118,7 @@ def test_reference_receivers_match_dense_load(
     source = StateDictSource(
         sd, layout=TrainLayout(tp=train_tp, dp=dp, ep=ep), family=family, config=cfg
     )
-    with LocalRefit(source, [ShardedReferenceLoader(m) for m in receivers], mode=mode) as refit:
+    with LocalRefit(source, [ShardedServingLoader(m) for m in receivers], mode=mode) as refit:
         assert "model.norm.weight" not in refit.xor_allowed  # the cast path is overwrite-only
         assert "model.layers.0.mixer.A_log" not in refit.xor_allowed
         for v in range(2):
@@ -141,7 +141,7 @@ def test_corrupted_payload_is_rejected_and_writes_nothing():
     snapshot = {n: t.clone() for n, t in m.state_dict().items()}
     refit = DataPlane(
         StateDictSource(sd, family="llama", config=cfg, layout=TrainLayout(tp=2)),
-        [ShardedReferenceLoader(m)],
+        [ShardedServingLoader(m)],
     )
     payloads, _ = refit.build_payloads(perturb(sd, rate=0.05, seed=7))
     big = max(range(len(payloads)), key=lambda i: len(payloads[i]))
@@ -173,7 +173,7 @@ def test_overwrite_retry_repairs_a_partial_mixed_apply():
         sd, layout=TrainLayout(tp=2, ep=2, dp=2), family="qwen3_moe", config=cfg
     )
     new = perturb(sd, rate=0.05, seed=9)
-    with DataPlane(source, [ShardedReferenceLoader(m) for m in receivers]) as refit:
+    with DataPlane(source, [ShardedServingLoader(m) for m in receivers]) as refit:
         payloads, _ = refit.build_payloads(new, mode=Mode.MIXED)
         refit.apply_payloads(payloads[: len(payloads) // 2])  # the attempt dies half-way
         mixed = [

@@ -261,7 +261,7 @@ for _kind, _name, _target, _install in (
     ("control", "memory", "dcr.adapters.control.memory:MemoryControl", None),
     ("control", "zmq", "dcr.adapters.control.zmq:ZmqControl", "pip install 'dcr[zmq]'"),
     ("loader", "torch", "dcr.adapters.loaders.torch_module:TorchModuleLoader", None),
-    ("loader", "reference", "dcr.adapters.loaders.reference:ShardedReferenceLoader", None),
+    ("loader", "sharded", "dcr.adapters.loaders.sharded:ShardedServingLoader", None),
     ("loader", "vllm", "dcr.adapters.loaders.vllm:VllmLoader", "pip install 'dcr[vllm]'"),
     ("transport", "memory", "dcr.adapters.transport.memory:MemoryTransport", None),
     ("transport", "directory", "dcr.adapters.transport.directory:DirectoryTransport", None),
@@ -269,7 +269,7 @@ for _kind, _name, _target, _install in (
     ("transport", "relay", "dcr.adapters.transport.relay:RelayTransport", "pip install 'dcr[zmq]'"),
     ("trainer", "synthetic", "dcr.fleet.owner:synthetic_trainer", None),
     ("trainer", "fsdp", "dcr.rl.fleet:fsdp_trainer", "pip install 'dcr[rl]'"),
-    ("receiver", "reference", "dcr.fleet.receiver:reference_runtime", None),
+    ("receiver", "sharded", "dcr.fleet.receiver:sharded_runtime", None),
     ("receiver", "torch", "dcr.fleet.receiver:torch_runtime", None),
 ):
     register(_kind, _name, _target, install=_install)

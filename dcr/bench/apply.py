@@ -20,8 +20,8 @@ After the last apply every rank's stored bits are compared (integer views) with 
 the new version; a mismatch raises :class:`NotBitExact`.
 
 Receivers: ``torch`` (a :class:`~dcr.adapters.loaders.torch_module.TorchModuleLoader` over a
-plain module), ``reference-tp2``
-(:class:`~dcr.adapters.loaders.reference.ShardedReferenceLoader`, two serving ranks: fused QKV
+plain module), ``sharded-tp2``
+(:class:`~dcr.adapters.loaders.sharded.ShardedServingLoader`, two serving ranks: fused QKV
 and gate/up, vocabulary padding, an fp32 final norm), and ``vllm`` (vLLM's model class through
 :class:`~dcr.adapters.loaders.vllm.VllmLoader`, when ``vllm`` is importable; otherwise skipped
 with a note).
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig, Loader, xor_allowed_across
 from dcr.bench.construct import synthetic_config
@@ -58,7 +58,7 @@ from dcr.wire.format import Payload, ValueLayout
 
 __all__ = ["LOADERS", "NotBitExact", "format_apply_table", "run_apply_bench"]
 
-LOADERS = ("torch", "reference-tp2", "vllm")
+LOADERS = ("torch", "sharded-tp2", "vllm")
 FAMILY = "llama"
 
 
@@ -79,11 +79,11 @@ def _receivers(
     with ExitStack() as stack:
         if kind == "torch":
             loaders = [TorchModuleLoader(module_from_state_dict(base))]
-        elif kind == "reference-tp2":
-            from dcr.adapters.loaders.reference import ShardedReferenceLoader
+        elif kind == "sharded-tp2":
+            from dcr.adapters.loaders.sharded import ShardedServingLoader
 
             loaders = [
-                ShardedReferenceLoader(ShardedReferenceModel(cfg, FAMILY, tp_size=2, tp_rank=r))
+                ShardedServingLoader(ShardedServingModel(cfg, FAMILY, tp_size=2, tp_rank=r))
                 for r in range(2)
             ]
         elif kind == "vllm":

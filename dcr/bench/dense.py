@@ -47,7 +47,7 @@ from dcr.wire.encode import encode_bucket
 
 __all__ = ["LOADERS", "format_dense_table", "run_dense_bench"]
 
-LOADERS = ("torch", "reference-tp2", "vllm")
+LOADERS = ("torch", "sharded-tp2", "vllm")
 FAMILY = "llama"
 MiB = 1 << 20
 
@@ -224,7 +224,7 @@ def run_dense_bench(
     tp: int = 2,
     chunk_bytes: int = 16 * MiB,
     bucket_bytes: int = 64 * MiB,
-    loaders: Sequence[str] = ("torch", "reference-tp2"),
+    loaders: Sequence[str] = ("torch", "sharded-tp2"),
     threads: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] | None = None,

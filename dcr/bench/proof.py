@@ -3,7 +3,7 @@
 :func:`run_proof_bench` measures, on a plain bf16 model of ``size_mb`` megabytes held by one
 :class:`~dcr.TorchModuleLoader` receiver, the seconds per GB of resident weights of the
 sample proof and of the complete fingerprint, on each side (owners from their trackers,
-the receiver from its storage); then, on the small ``qwen3`` reference model served at
+the receiver from its storage); then, on the small ``qwen3`` sharded serving model served at
 tensor-parallel size 2, the fraction of corrupted receivers each check catches over
 ``trials`` seeded trials per kind of corruption: one flipped bit, a whole other version, one
 refit behind (3% of elements changed), one wrong layer.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.adapters.sources.state_dict import StateDictSource
 from dcr.apply.applier import Applier
@@ -107,8 +107,8 @@ def _detection(trials: int, samples: int) -> dict[str, dict[str, float]]:
     group = LocalTrainingGroup(source.plan, source.base_shards())
     receivers: dict[str, Applier] = {}
     for rank in range(2):
-        model = ShardedReferenceModel(cfg, "qwen3", tp_size=2, tp_rank=rank)
-        loader = ShardedReferenceLoader(model)
+        model = ShardedServingModel(cfg, "qwen3", tp_size=2, tp_rank=rank)
+        loader = ShardedServingLoader(model)
         loader.dense_load(sd)
         receivers[f"r{rank}"] = rx = Applier(loader, source.catalog)
         rx.prewarm()

@@ -87,7 +87,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description=(
             "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
             "encoded and decoded) are applied with Applier.apply_payloads on every rank of each "
-            "receiver (torch: a TorchModuleLoader module; reference-tp2: the sharded reference "
+            "receiver (torch: a TorchModuleLoader module; sharded-tp2: the sharded reference "
             "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
             "installed) and timed against a dense native load through the same loader in the "
             "same run (medians of --repeats), and against a read of every resident byte (the "
@@ -102,8 +102,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     app.add_argument(
         "--loaders",
         type=_loaders,
-        default=["torch", "reference-tp2", "vllm"],
-        help="subset of torch,reference-tp2,vllm",
+        default=["torch", "sharded-tp2", "vllm"],
+        help="subset of torch,sharded-tp2,vllm",
     )
     app.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     app.add_argument("--threads", type=_positive, default=None, help="apply threads")
@@ -127,8 +127,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     dense.add_argument(
         "--loaders",
         type=_loaders,
-        default=["torch", "reference-tp2"],
-        help="subset of torch,reference-tp2,vllm",
+        default=["torch", "sharded-tp2"],
+        help="subset of torch,sharded-tp2,vllm",
     )
     dense.add_argument("--chunk-mb", type=_positive, default=16, help="chunk size in MiB")
     dense.add_argument("--bucket-mb", type=_positive, default=64, help="bucket size in MiB")

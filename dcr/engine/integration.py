@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import anyio
+from anyio.abc import TaskStatus
 
 from dcr.errors import ConfigError
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
@@ -14,7 +17,13 @@ from dcr.tensors.parallel import default_threads
 from dcr.tensors.records import TensorSpec
 from dcr.wire.payload import DecodeLimits, ValueLayout
 
-__all__ = ["Integration", "attempt_from_json", "attempt_to_json", "default_limiter"]
+__all__ = [
+    "Integration",
+    "attempt_from_json",
+    "attempt_to_json",
+    "default_limiter",
+    "serving",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,3 +92,23 @@ def attempt_from_json(text: str) -> AttemptInfo:
 def default_limiter() -> anyio.CapacityLimiter:
     """Worker threads for CPU-heavy engine work (diff, encode, zstd, decode, apply)."""
     return anyio.CapacityLimiter(max(2, default_threads()))
+
+
+class _Serves(Protocol):
+    async def serve(self, *, task_status: TaskStatus[None] = ...) -> None: ...
+
+
+S = TypeVar("S", bound=_Serves)
+
+
+@asynccontextmanager
+async def serving(service: S) -> AsyncIterator[S]:
+    """Serve an endpoint service for the duration of the block, in a task group of its own
+    (what :func:`~dcr.engine.owner.open_owner` and :func:`~dcr.engine.receiver.open_receiver`
+    do once they built theirs)."""
+    async with anyio.create_task_group() as tg:
+        await tg.start(service.serve)
+        try:
+            yield service
+        finally:
+            tg.cancel_scope.cancel()

@@ -31,7 +31,7 @@ from dcr.catalog import check_catalog
 from dcr.delta.build import Bucket, BuildStats
 from dcr.delta.group import TrainingGroup
 from dcr.delta.proof import owner_proof
-from dcr.engine.integration import Integration, default_limiter
+from dcr.engine.integration import Integration, default_limiter, serving
 from dcr.errors import DcrError, TransportError
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
@@ -588,10 +588,5 @@ async def open_owner(**options: Any) -> AsyncIterator[OwnerService]:
         async with open_owner(name=..., ...) as service:
             ...
     """
-    service = OwnerService(**options)
-    async with anyio.create_task_group() as tg:
-        await tg.start(service.serve)
-        try:
-            yield service
-        finally:
-            tg.cancel_scope.cancel()
+    async with serving(OwnerService(**options)) as service:
+        yield service

@@ -28,7 +28,7 @@ from dcr.adapters.control.base import ControlChannel, EndpointLink
 from dcr.adapters.transport.base import Delivery, Transport
 from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.engine.integration import Integration, default_limiter
+from dcr.engine.integration import Integration, default_limiter, serving
 from dcr.errors import DcrError, PayloadRejected
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
@@ -422,10 +422,5 @@ async def open_receiver(**options: Any) -> AsyncIterator[ReceiverService]:
         async with open_receiver(name=..., ...) as service:
             ...
     """
-    service = ReceiverService(**options)
-    async with anyio.create_task_group() as tg:
-        await tg.start(service.serve)
-        try:
-            yield service
-        finally:
-            tg.cancel_scope.cancel()
+    async with serving(ReceiverService(**options)) as service:
+        yield service

@@ -1,7 +1,7 @@
 """How the launcher checks receivers hosted by an engine: the fingerprint of their stored bits.
 
 A ``dcr receiver`` process reports digests of its parameters, which the launcher compares with
-a dense load into the same reference rank.  An engine's worker has vLLM's own layout (fused,
+a dense load into the same sharded rank.  An engine's worker has vLLM's own layout (fused,
 padded, sharded), which the launcher cannot rebuild; instead each time it holds a committed
 version it reports the complete fingerprint of that version as its storage holds it
 (:func:`~dcr.apply.proof.receiver_proof`: per canonical tensor, the sum of ``h(i, bits)`` over

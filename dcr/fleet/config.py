@@ -311,7 +311,7 @@ def _runtimes(
     nodes: tuple[RolloutNode, ...], engines: tuple[EngineSection, ...]
 ) -> tuple[RolloutNode, ...]:
     """Each receiver's ``runtime`` with its default: ``vllm`` for an engine's workers, else
-    ``reference``; an engine's workers must be ``vllm`` and only they may be."""
+    ``sharded``; an engine's workers must be ``vllm`` and only they may be."""
     hosted = {r for e in engines for r in e.receivers}
     out = []
     for node in nodes:
@@ -320,7 +320,7 @@ def _runtimes(
             where = f"receiver {r.name!r} ([[rollout]] {node.name!r})"
             if not isinstance(r.options, dict):
                 raise ConfigError(f"{where}: options must be a table")
-            runtime = r.runtime or ("vllm" if r.name in hosted else "reference")
+            runtime = r.runtime or ("vllm" if r.name in hosted else "sharded")
             if not isinstance(runtime, str) or not runtime:
                 raise ConfigError(f"{where}: runtime must name a receiver runtime, got {runtime!r}")
             if r.name in hosted and runtime != "vllm":
@@ -406,10 +406,10 @@ def _check(cfg: FleetConfig) -> None:
     if cfg.model.refits < 1 or not all(0 < r <= 1 for r in (cfg.model.rate, *cfg.model.rates)):
         raise ConfigError("[model] needs refits >= 1 and every rate in (0, 1]")
     if not cfg.trainer.synthetic:
-        reference = [r.name for r in cfg.receivers if r.kind == "reference"]
+        reference = [r.name for r in cfg.receivers if r.kind == "sharded"]
         if reference:
             raise ConfigError(
-                f"receivers {reference} run dcr's reference model of the synthetic trainer's "
+                f"receivers {reference} run dcr's sharded serving model of the synthetic trainer's "
                 f"[model], but the trainer is {cfg.trainer.kind!r}: give them the runtime "
                 "that serves your model (runtime = 'vllm' with an [[engine]], 'torch' with "
                 "options.factory, or your own)"

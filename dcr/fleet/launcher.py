@@ -208,7 +208,7 @@ class Launcher(FleetProgress):
                 raise ConfigError(
                     f"{self.cfg.path}: receiver {r.name!r} runtime = {r.kind!r}: {exc}"
                 ) from exc
-        if self.cfg.trainer.synthetic and any(r.kind == "reference" for r in self.cfg.receivers):
+        if self.cfg.trainer.synthetic and any(r.kind == "sharded" for r in self.cfg.receivers):
             self.model.require_synthetic()
         fleet_checkpoint = self.cfg.model.checkpoint
         served = [(f"[model] checkpoint = {fleet_checkpoint!r}", fleet_checkpoint)]

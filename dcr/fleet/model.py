@@ -1,14 +1,14 @@
 """What every fleet process derives from the fleet file's ``[model]`` section.
 
 The demo fleet trains a synthetic checkpoint (:class:`~dcr.models.synthetic.SyntheticRun`)
-and serves it from vLLM-like sharded reference ranks
-(:class:`~dcr.adapters.loaders.reference.ShardedReferenceModel`).  Each process computes only its
+and serves it from vLLM-like sharded serving ranks
+(:class:`~dcr.adapters.loaders.sharded.ShardedServingModel`).  Each process computes only its
 part: a trainer rank its shards, a receiver nothing but its digests, the launcher the
 canonical tensors it checks receivers against.
 
 With ``[model] checkpoint`` the catalog is the checkpoint's (read from its safetensors
 headers, :mod:`dcr.catalog`) and the config its ``config.json``: receivers hosted by an engine
-serving that checkpoint need nothing more.  The synthetic trainer and the reference ranks
+serving that checkpoint need nothing more.  The synthetic trainer and the sharded ranks
 model it when it is a checkpoint of one of their families in one dtype (synthetic weights,
 the checkpoint's names, shapes and dtype).
 """
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.apply.applier import Applier, xor_allowed_across
 from dcr.catalog import read_catalog, read_config
 from dcr.delta.build import BuildConfig
@@ -118,14 +118,14 @@ class FleetModel:
 
     @cached_property
     def dtype(self) -> torch.dtype:
-        """The dtype of the synthetic weights and reference ranks: the catalog's one dtype
+        """The dtype of the synthetic weights and sharded ranks: the catalog's one dtype
         (bfloat16 when the catalog mixes dtypes, which :meth:`require_synthetic` refuses)."""
         dtypes = {s.dtype for s in self.catalog.values()}
         return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16
 
     @cached_property
     def synthetic_problem(self) -> str | None:
-        """Why the synthetic trainer and the reference ranks cannot model this catalog
+        """Why the synthetic trainer and the sharded ranks cannot model this catalog
         (``None``: they can -- always without ``[model] checkpoint``)."""
         checkpoint = self.fleet.model.checkpoint
         if checkpoint is None:
@@ -155,7 +155,7 @@ class FleetModel:
         problem = self.synthetic_problem
         if problem is not None:
             raise ConfigError(
-                f"dcr's synthetic trainer and reference receivers cannot model the checkpoint "
+                f"dcr's synthetic trainer and sharded receivers cannot model the checkpoint "
                 f"{self.fleet.model.checkpoint}: {problem}; receivers hosted by an engine "
                 "serving it, with your own trainer's owners, can",
                 check="checkpoint",
@@ -179,17 +179,17 @@ class FleetModel:
     def checkpoint_bytes(self) -> int:
         return sum(s.nbytes for s in self.catalog.values())
 
-    def receiver_model(self, spec: ReceiverSpec) -> ShardedReferenceModel:
+    def receiver_model(self, spec: ReceiverSpec) -> ShardedServingModel:
         """An empty serving rank (all zeros): it restores the committed version by dense
         refit over the fleet."""
         self.require_synthetic()
-        return ShardedReferenceModel(
+        return ShardedServingModel(
             self.config, self.family, tp_size=spec.tp, tp_rank=spec.rank, dtype=self.dtype
         )
 
     @cached_property
     def xor_names(self) -> frozenset[str]:
-        """Names the reference ranks' loader paths preserve bit for bit: the fallback of a
+        """Names the sharded ranks' loader paths preserve bit for bit: the fallback of a
         synthetic fleet's integration setup, for a prepare that binds no refused set.
 
         A fleet's prepares bind what travels relative from the receivers' own reports (the
@@ -197,7 +197,7 @@ class FleetModel:
         need not know the serving side; this prediction only stands in for a prepare that
         binds none.  Classification depends on the module structure, not on sizes, so it is
         computed on a narrow copy of the model with the same layers and tensor names.  A
-        checkpoint the reference ranks cannot model XORs nothing: every record is an
+        checkpoint the sharded ranks cannot model XORs nothing: every record is an
         overwrite.
         """
         if self.synthetic_problem is not None:
@@ -215,10 +215,10 @@ class FleetModel:
         }
         receivers = []
         for spec in {(r.tp, r.rank) for r in self.fleet.receivers}:
-            model = ShardedReferenceModel(
+            model = ShardedServingModel(
                 narrow, self.family, tp_size=spec[0], tp_rank=spec[1], dtype=self.dtype
             )
-            receiver = Applier(ShardedReferenceLoader(model), catalog)
+            receiver = Applier(ShardedServingLoader(model), catalog)
             receiver.prewarm()
             receivers.append(receiver)
         return xor_allowed_across(receivers)
@@ -237,7 +237,7 @@ class FleetModel:
         self.require_synthetic()
         out = {}
         for tp, rank in sorted({(s.tp, s.rank) for s in specs}):
-            loader = ShardedReferenceLoader.dense(
+            loader = ShardedServingLoader.dense(
                 self.config, self.family, state, tp_size=tp, tp_rank=rank, dtype=self.dtype
             )
             out[(tp, rank)] = digests(loader.module)

@@ -1,7 +1,7 @@
 """``dcr receiver``: one serving rank of a rollout engine, as its own process.
 
-What holds the rank's weights is its ``runtime`` (``[[rollout]]`` receivers): ``reference``
-(dcr's sharded reference model of the synthetic ``[model]``), ``torch`` (a torch module a
+What holds the rank's weights is its ``runtime`` (``[[rollout]]`` receivers): ``sharded``
+(dcr's sharded serving model of the synthetic ``[model]``), ``torch`` (a torch module a
 factory of yours builds, :func:`torch_runtime`), a runtime another package registered
 (entry point group ``dcr.receivers``) or ``"package.module:function"`` returning a
 :class:`~dcr.apply.loader.Loader` (:class:`ReceiverContext` is its argument).  An engine's
@@ -9,10 +9,10 @@ workers (runtime ``vllm``) run the same function inside the engine instead.
 
 It starts empty, restores the committed version by a dense refit the owners send over the
 transport (nothing is read from a shared filesystem) -- or, with ``[model] preloaded`` in a
-fresh fleet, a reference rank loads version 0 itself as an engine started from the first
+fresh fleet, a sharded rank loads version 0 itself as an engine started from the first
 checkpoint would --, serves it, joins at the next prepare, and then takes every refit in
 place through its native loader.  Each time its storage holds a committed record exactly it
-reports it (``holds`` events): digests of every parameter's bits for a reference rank, the
+reports it (``holds`` events): digests of every parameter's bits for a sharded rank, the
 fingerprint of its stored bits for other runtimes, which the launcher checks against the
 versions of the synthetic trainer.  On object storage it reports each payload fetch
 (``fetched``, for the refit benchmark).  A planned ``flip`` fault flips one stored bit right
@@ -34,7 +34,7 @@ from typing import Any, Literal
 import anyio
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
@@ -55,7 +55,7 @@ from dcr.tensors.records import TensorSpec
 
 __all__ = [
     "ReceiverContext",
-    "reference_runtime",
+    "sharded_runtime",
     "run_receiver",
     "runtime_receiver",
     "torch_runtime",
@@ -63,7 +63,7 @@ __all__ = [
 
 
 async def _preload(
-    cfg: FleetConfig, model: FleetModel, rank: ShardedReferenceModel
+    cfg: FleetConfig, model: FleetModel, rank: ShardedServingModel
 ) -> CommitRecord | None:
     """``[model] preloaded``: load version 0 into the empty rank through its own native loader,
     one canonical tensor at a time, while the commit record is still at version 0 (a receiver
@@ -75,7 +75,7 @@ async def _preload(
         await store.close()
     if record.version != 0:
         return None
-    loader = ShardedReferenceLoader(rank)
+    loader = ShardedServingLoader(rank)
     run = model.run
     await anyio.to_thread.run_sync(
         lambda: loader.load_weights((n, run.tensor(n, 0)) for n in model.catalog)
@@ -97,12 +97,12 @@ class ReceiverContext:
         return self.spec.options
 
 
-def reference_runtime(ctx: ReceiverContext) -> Loader:
-    """Receiver runtime ``reference``: dcr's sharded reference rank of the synthetic trainer's
+def sharded_runtime(ctx: ReceiverContext) -> Loader:
+    """Receiver runtime ``sharded``: dcr's sharded serving rank of the synthetic trainer's
     ``[model]`` (vLLM-like fused and padded layouts), empty until restored; for benchmarks
     and tests."""
     model = FleetModel(ctx.fleet)
-    return ShardedReferenceLoader(model.receiver_model(ctx.spec))
+    return ShardedServingLoader(model.receiver_model(ctx.spec))
 
 
 def torch_runtime(ctx: ReceiverContext) -> Loader:
@@ -172,12 +172,12 @@ async def run_receiver(
 ) -> None:
     """Serve receiver ``name`` until cancelled.
 
-    By default the rank is the fleet's sharded reference model, empty, restored by dense
+    By default the rank is the fleet's sharded serving model, empty, restored by dense
     refit.  An engine that hosts the rank passes ``receiver`` (prewarmed, around its own
     loader), its request-gate ``hooks`` (the fleet adds its ``holds`` report to theirs) and
     ``held``, the committed record its storage already holds (``None``: restore it by dense
     refit first).  ``report`` is what ``holds`` events carry for the launcher's check:
-    ``digests`` of every parameter (a reference rank), the ``fingerprint`` of the version as
+    ``digests`` of every parameter (a sharded rank), the ``fingerprint`` of the version as
     the storage holds it (any loader's layout, :mod:`dcr.fleet.checks`), or nothing (no
     launcher checks; hashing keeps the gate closed longer).  ``started`` is told the service
     once it serves.
@@ -186,16 +186,16 @@ async def run_receiver(
     model = FleetModel(cfg)
     log = EventLog(cfg.events_dir, name)
     preloaded = None
-    if receiver is None and spec.kind == "reference":
+    if receiver is None and spec.kind == "sharded":
         rank = model.receiver_model(spec)
         if cfg.model.preloaded and held is None:
             held = preloaded = await _preload(cfg, model, rank)
-        receiver = Applier(ShardedReferenceLoader(rank), model.catalog)
+        receiver = Applier(ShardedServingLoader(rank), model.catalog)
         await anyio.to_thread.run_sync(receiver.prewarm)
     elif receiver is None:
         receiver = await anyio.to_thread.run_sync(runtime_receiver, cfg, spec)
         if report == "digests":
-            report = "fingerprint"  # digests compare a reference rank's own layout
+            report = "fingerprint"  # digests compare a sharded rank's own layout
     module = receiver.loader.module
     engine_hooks = hooks if hooks is not None else ReceiverHooks()
     store = make_store(cfg)

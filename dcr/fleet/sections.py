@@ -148,11 +148,11 @@ class ReceiverSpec:
     runtime that holds its weights.
 
     ``runtime`` is ``vllm`` (a worker of an ``[[engine]]``: the launcher starts the engine),
-    ``reference`` (dcr's sharded reference model of the synthetic ``[model]``, for
+    ``sharded`` (dcr's sharded serving model of the synthetic ``[model]``, for
     benchmarks), ``torch`` (a torch module of yours, built by ``options.factory =
     "package.module:function"``), a name another package registered (entry point group
     ``dcr.receivers``), or ``"package.module:function"`` directly.  Default: ``vllm`` for an
-    engine's workers, else ``reference``.  ``options`` are the runtime's settings.
+    engine's workers, else ``sharded``.  ``options`` are the runtime's settings.
     """
 
     name: str
@@ -161,10 +161,14 @@ class ReceiverSpec:
     runtime: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.runtime == "reference":  # what fleet files of earlier releases call it
+            object.__setattr__(self, "runtime", "sharded")
+
     @property
     def kind(self) -> str:
         """The runtime, defaults resolved by :func:`load_fleet`."""
-        return self.runtime or "reference"
+        return self.runtime or "sharded"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Synthetic policy updates and a canonical-space reference receiver.
+"""Synthetic policy updates and a canonical-space sharded receiver.
 
 :func:`perturb` makes the benchmark's update (paper §8.1 "Element change rates"): a chosen
 fraction of elements is updated as ``bf16(w * (1 + 0.01 * eps))``, ``eps`` standard normal, so

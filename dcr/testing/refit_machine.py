@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from dcr.adapters.faulty import Faults
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.delta.build import BuildConfig
 from dcr.delta.layout import TrainLayout
@@ -80,10 +80,10 @@ class RefitMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         self.refit.close()
 
-    def _dense_ranks(self) -> list[ShardedReferenceLoader]:
+    def _dense_ranks(self) -> list[ShardedServingLoader]:
         """Every serving rank freshly loaded from the committed version."""
         return [
-            ShardedReferenceLoader.dense(self.cfg, "qwen3_moe", self.state, tp_size=tp, tp_rank=r)
+            ShardedServingLoader.dense(self.cfg, "qwen3_moe", self.state, tp_size=tp, tp_rank=r)
             for tp in SERVING
             for r in range(tp)
         ]

@@ -1,5 +1,5 @@
 """dcr's loaders run the loader conformance suite: the ``load_state_dict``-style loader of a
-plain torch module and the sharded reference receiver (the vLLM loader runs it in
+plain torch module and the sharded sharded receiver (the vLLM loader runs it in
 ``tests/vllm/test_vllm_loader_suite.py``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.loader import Loader
 from dcr.models.families import canonical_shapes, tiny_config
@@ -68,10 +68,10 @@ class ReferenceSuite(LoaderTests):
     config: dict[str, Any] = tiny_config("qwen3")
 
     def make_loader(self) -> Loader:
-        model = ShardedReferenceModel(
+        model = ShardedServingModel(
             self.config, self.family, tp_size=self.tp_size, tp_rank=self.tp_rank, extra=EXTRA
         )
-        return ShardedReferenceLoader(model)
+        return ShardedServingLoader(model)
 
     def catalog(self) -> Mapping[str, TensorSpec]:
         shapes = canonical_shapes(self.config, self.family)

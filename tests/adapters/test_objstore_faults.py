@@ -15,7 +15,7 @@ import pytest
 
 from dcr import LocalRefit, StateDictSource, TrainLayout
 from dcr.adapters.commit.s3 import S3CommitStore
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.adapters.transport.objstore import ObjectStoreConfig, ObjectStoreTransport
 from dcr.adapters.transport.s3 import S3Backend, S3Options
 from dcr.delta.build import BuildConfig
@@ -41,7 +41,7 @@ FOREVER = 10**6
 class World:
     cfg: dict[str, Any]
     w0: dict[str, Any]
-    ranks: list[ShardedReferenceLoader]
+    ranks: list[ShardedServingLoader]
     refit: LocalRefit
     transport: ObjectStoreTransport
     faulty: FaultyBackend
@@ -49,7 +49,7 @@ class World:
 
     def assert_exact(self, w: dict[str, Any]) -> None:
         fresh = [
-            ShardedReferenceLoader.dense(self.cfg, FAMILY, w, tp_size=tp, tp_rank=r)
+            ShardedServingLoader.dense(self.cfg, FAMILY, w, tp_size=tp, tp_rank=r)
             for tp in SERVING
             for r in range(tp)
         ]
@@ -72,7 +72,7 @@ def world(moto_s3: S3Endpoint, bucket: str, request: pytest.FixtureRequest) -> I
     cfg = tiny_config(FAMILY)
     w0 = random_state_dict(cfg, FAMILY, seed=0)
     ranks = [
-        ShardedReferenceLoader.dense(cfg, FAMILY, w0, tp_size=tp, tp_rank=r)
+        ShardedServingLoader.dense(cfg, FAMILY, w0, tp_size=tp, tp_rank=r)
         for tp in SERVING
         for r in range(tp)
     ]

@@ -368,7 +368,7 @@ def test_local_refit_over_a_directory_by_name() -> None:
     """``LocalRefit(transport="directory")``: the embedded default object store, a temporary
     directory removed when the refit closes; receivers end bit-exact."""
     from dcr import LocalRefit, StateDictSource, TrainLayout
-    from dcr.adapters.loaders.reference import ShardedReferenceLoader
+    from dcr.adapters.loaders.sharded import ShardedServingLoader
     from dcr.delta.build import BuildConfig
     from dcr.local import RefitConfig
     from dcr.models.compare import module_bit_mismatches
@@ -377,7 +377,7 @@ def test_local_refit_over_a_directory_by_name() -> None:
 
     cfg = tiny_config("qwen3")
     w0 = random_state_dict(cfg, "qwen3", seed=3)
-    ranks = [ShardedReferenceLoader.dense(cfg, "qwen3", w0, tp_size=2, tp_rank=r) for r in (0, 1)]
+    ranks = [ShardedServingLoader.dense(cfg, "qwen3", w0, tp_size=2, tp_rank=r) for r in (0, 1)]
     source = StateDictSource(w0, layout=TrainLayout(tp=2, dp=1), family="qwen3", config=cfg)
     small = RefitConfig(build=BuildConfig(chunk_bytes=4096, bucket_bytes=8192))
     with LocalRefit(source, ranks, config=small, transport="directory") as refit:
@@ -386,7 +386,7 @@ def test_local_refit_over_a_directory_by_name() -> None:
         w1 = perturb(w0, rate=0.05, seed=4)
         report = refit.refit(w1)
         assert report.version == 1 and report.num_payloads > 2
-        fresh = [ShardedReferenceLoader.dense(cfg, "qwen3", w1, tp_size=2, tp_rank=r)
+        fresh = [ShardedServingLoader.dense(cfg, "qwen3", w1, tp_size=2, tp_rank=r)
                  for r in (0, 1)]  # fmt: skip
         for a, b in zip(ranks, fresh, strict=True):
             assert module_bit_mismatches(a.module, b.module) == []

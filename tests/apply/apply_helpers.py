@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.tensors.bits import bits, changed_indices
 from dcr.tensors.records import Encoding, Item, TensorSpec
@@ -160,8 +160,8 @@ def dense_reference(
     tp_rank: int,
     *,
     extra: bool = True,
-) -> ShardedReferenceLoader:
-    return ShardedReferenceLoader.dense(
+) -> ShardedServingLoader:
+    return ShardedServingLoader.dense(
         config,
         family,
         state_dict,

@@ -1,4 +1,4 @@
-"""Receivers on tensor-parallel reference ranks end with the bits of a dense load (G1)."""
+"""Receivers on tensor-parallel sharded ranks end with the bits of a dense load (G1)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from apply_helpers import (
     update,
 )
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, padded_vocab
+from dcr.adapters.loaders.sharded import ShardedServingLoader, padded_vocab
 from dcr.apply import Applier, ApplyConfig, CopyStrategy, PathKind, PlaceholderScheme
 from dcr.apply.applier import xor_allowed_across
 from dcr.models.families import FAMILIES
@@ -260,5 +260,5 @@ def test_an_item_entirely_on_other_ranks_writes_nothing() -> None:
 def test_reference_loader_skips_unknown_names() -> None:
     config = tp_config("llama", 1)
     w0 = base_state_dict(config, "llama", extra=False)
-    loader = ShardedReferenceLoader.dense(config, "llama", w0)
+    loader = ShardedServingLoader.dense(config, "llama", w0)
     assert loader.load_weights([("model.unknown.weight", torch.zeros(2))]) == set()

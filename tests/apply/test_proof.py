@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcr import StateDictSource, TrainLayout
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
 from dcr.bench.proof import KINDS, corrupt
@@ -41,8 +41,8 @@ def _setup(family, tp_train, tp_serve, *, extra=None, seed=1):
     group = LocalTrainingGroup(src.plan, src.base_shards())
     receivers = {}
     for r in range(tp_serve):
-        m = ShardedReferenceModel(cfg, family, tp_size=tp_serve, tp_rank=r, extra=extra)
-        loader = ShardedReferenceLoader(m)
+        m = ShardedServingModel(cfg, family, tp_size=tp_serve, tp_rank=r, extra=extra)
+        loader = ShardedServingLoader(m)
         loader.dense_load(sd)
         rx = Applier(loader, src.catalog)
         rx.prewarm()

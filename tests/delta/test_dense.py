@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_dist_group import canonical_of, scaled_plan
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
@@ -61,10 +61,10 @@ def restore(receiver: Applier, payloads: list[bytes]) -> None:
 def receivers_of(
     family: str, cfg: dict[str, object], state: dict[str, torch.Tensor]
 ) -> list[Loader]:
-    """Serving TP 1 and 2 reference ranks plus a plain torch module, dense-loaded from ``state``."""
-    loaders: list[Loader] = [ShardedReferenceLoader.dense(cfg, family, state)]
+    """Serving TP 1 and 2 sharded ranks plus a plain torch module, dense-loaded from ``state``."""
+    loaders: list[Loader] = [ShardedServingLoader.dense(cfg, family, state)]
     loaders += [
-        ShardedReferenceLoader.dense(cfg, family, state, tp_size=2, tp_rank=r) for r in (0, 1)
+        ShardedServingLoader.dense(cfg, family, state, tp_size=2, tp_rank=r) for r in (0, 1)
     ]
     loaders.append(TorchModuleLoader(module_from_state_dict(state)))
     return loaders

@@ -3,7 +3,7 @@
 classification (``classification``), and owners encode exactly the bound set as overwrites
 and every other changed tensor relative, whatever their integration setup's ``xor_names``.
 
-The serving rank is the sharded reference model, whose final norm is stored in float32: a
+The serving rank is the sharded serving model, whose final norm is stored in float32: a
 transforming loader path (a cast on copy) that must never take a relative entry.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.control import MemoryControl
-from dcr.adapters.loaders.reference import ShardedReferenceLoader, ShardedReferenceModel
+from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.applier import Applier
@@ -65,11 +65,11 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _rank(state: dict[str, torch.Tensor] | None = None) -> Applier:
-    """A prewarmed reference rank (TP 1), empty or holding ``state``."""
+    """A prewarmed sharded rank (TP 1), empty or holding ``state``."""
     if state is None:
-        loader = ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY))
+        loader = ShardedServingLoader(ShardedServingModel(CONFIG, FAMILY))
     else:
-        loader = ShardedReferenceLoader.dense(CONFIG, FAMILY, state)
+        loader = ShardedServingLoader.dense(CONFIG, FAMILY, state)
     receiver = Applier(loader, CATALOG)
     receiver.prewarm()
     return receiver
@@ -133,7 +133,7 @@ async def test_a_receiver_rejects_a_prepare_that_lets_through_a_name_it_refuses(
 
 
 async def test_a_receiver_not_prewarmed_reports_no_classification() -> None:
-    receiver = Applier(ShardedReferenceLoader(ShardedReferenceModel(CONFIG, FAMILY)), CATALOG)
+    receiver = Applier(ShardedServingLoader(ShardedServingModel(CONFIG, FAMILY)), CATALOG)
     async with open_receiver(
         name="r0", receiver=receiver, integration=_setup(), control=MemoryControl(),
         transport=MemoryTransport(), held=BASE,
@@ -257,5 +257,5 @@ async def test_owners_encode_the_receivers_refused_set_as_overwrites(tmp_path: P
             else:
                 assert side.log == ["build mixed", "attempt asks"]  # the last prepare's set
                 assert set(side.allowed[-1]) == relative  # type: ignore[call-overload]
-            expected = ShardedReferenceLoader.dense(CONFIG, FAMILY, states[version])
+            expected = ShardedServingLoader.dense(CONFIG, FAMILY, states[version])
             assert digests(receiver.loader.module) == digests(expected.module)

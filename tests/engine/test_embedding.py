@@ -19,7 +19,7 @@ import torch
 
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.control import MemoryControl
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.adapters.sources import StateDictSource
 from dcr.adapters.transport import MemoryTransport
 from dcr.apply.applier import Applier, xor_allowed_across
@@ -92,15 +92,15 @@ class Ended:
     xor_entries: int  # relative (XOR and ULP) entries the owners built for the first attempt
 
 
-def _ranks(cfg: dict, state: Mapping[str, torch.Tensor]) -> list[ShardedReferenceLoader]:
+def _ranks(cfg: dict, state: Mapping[str, torch.Tensor]) -> list[ShardedServingLoader]:
     return [
-        ShardedReferenceLoader.dense(cfg, FAMILY, state, tp_size=tp, tp_rank=r)
+        ShardedServingLoader.dense(cfg, FAMILY, state, tp_size=tp, tp_rank=r)
         for tp in SERVING
         for r in range(tp)
     ]
 
 
-def _assert_hold(ranks: list[ShardedReferenceLoader], cfg: dict, state: Mapping) -> None:
+def _assert_hold(ranks: list[ShardedServingLoader], cfg: dict, state: Mapping) -> None:
     for i, (got, want) in enumerate(zip(ranks, _ranks(cfg, state), strict=True)):
         assert module_bit_mismatches(got.module, want.module) == [], f"rank {i}"
 

@@ -11,7 +11,7 @@ import torch
 from dcr import LocalRefit, StateDictSource, TorchModuleLoader, TrainLayout
 from dcr.adapters.commit import SqliteCommitStore
 from dcr.adapters.faulty import Faults
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.delta.build import BuildConfig
 from dcr.engine.receiver import ReceiverHooks
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig, TransitionFailed
@@ -29,7 +29,7 @@ def setup(family="qwen3_moe", layout=None, serving=(1, 2), config=None, seed=0, 
     cfg = tiny_config(family)
     w0 = random_state_dict(cfg, family, seed=seed)
     ranks = [
-        ShardedReferenceLoader.dense(cfg, family, w0, tp_size=tp, tp_rank=r)
+        ShardedServingLoader.dense(cfg, family, w0, tp_size=tp, tp_rank=r)
         for tp in serving
         for r in range(tp)
     ]
@@ -41,7 +41,7 @@ def setup(family="qwen3_moe", layout=None, serving=(1, 2), config=None, seed=0, 
 
 def assert_exact(cfg, family, w, ranks, serving=(1, 2)):
     fresh = [
-        ShardedReferenceLoader.dense(cfg, family, w, tp_size=tp, tp_rank=r)
+        ShardedServingLoader.dense(cfg, family, w, tp_size=tp, tp_rank=r)
         for tp in serving
         for r in range(tp)
     ]
@@ -174,7 +174,7 @@ def test_gate_and_kv_cache_hooks_run_in_order():
 
     cfg = tiny_config("llama")
     w = random_state_dict(cfg, "llama", seed=4)
-    module = ShardedReferenceLoader.dense(cfg, "llama", w)
+    module = ShardedServingLoader.dense(cfg, "llama", w)
     source = StateDictSource(w, layout=TrainLayout(tp=2), family="llama", config=cfg)
     with LocalRefit(source, [module], hooks={"r0": hooks("r0")}) as refit:
         new = perturb(w, rate=0.03, seed=5)
@@ -190,7 +190,7 @@ def test_gate_and_kv_cache_hooks_run_in_order():
 def test_rejected_prepare_ends_the_transition_and_changes_nothing():
     cfg = tiny_config("llama")
     w = random_state_dict(cfg, "llama", seed=6)
-    module = ShardedReferenceLoader.dense(cfg, "llama", w)
+    module = ShardedServingLoader.dense(cfg, "llama", w)
     before = {n: t.clone() for n, t in module.module.state_dict().items()}
     source = StateDictSource(w, layout=TrainLayout(tp=2), family="llama", config=cfg)
     with LocalRefit(source, [module]) as refit:

@@ -13,7 +13,7 @@ from dcr import LocalRefit, StateDictSource, TrainLayout
 from dcr.adapters.commit.base import CommitState, Transaction
 from dcr.adapters.commit.memory import MemoryCommitStore
 from dcr.adapters.faulty import Faults
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.delta.build import BuildConfig
 from dcr.local import LOCAL_TIMEOUTS, RefitConfig
 from dcr.models.compare import module_bit_mismatches
@@ -30,14 +30,14 @@ time the test out, so passing shows the recovery took an attempt's work."""
 def fleet(family: str = "llama", **config: object):  # type: ignore[no-untyped-def]
     cfg = tiny_config(family)
     w = random_state_dict(cfg, family, seed=11)
-    ranks = [ShardedReferenceLoader.dense(cfg, family, w, tp_size=2, tp_rank=r) for r in (0, 1)]
+    ranks = [ShardedServingLoader.dense(cfg, family, w, tp_size=2, tp_rank=r) for r in (0, 1)]
     source = StateDictSource(w, layout=TrainLayout(tp=2, dp=2), family=family, config=cfg)
     settings = {"build": SMALL, "timeouts": SLOW, **config}
     return cfg, w, ranks, source, RefitConfig(**settings)  # type: ignore[arg-type]
 
 
 def exact(cfg, w, ranks) -> bool:  # type: ignore[no-untyped-def]
-    fresh = [ShardedReferenceLoader.dense(cfg, "llama", w, tp_size=2, tp_rank=r) for r in (0, 1)]
+    fresh = [ShardedServingLoader.dense(cfg, "llama", w, tp_size=2, tp_rank=r) for r in (0, 1)]
     return all(
         module_bit_mismatches(a.module, b.module) == [] for a, b in zip(ranks, fresh, strict=True)
     )

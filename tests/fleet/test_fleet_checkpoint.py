@@ -12,7 +12,7 @@ import pytest
 import torch
 from fleet_helpers import small_fleet
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
 from dcr.errors import CheckpointError, ConfigError
@@ -71,13 +71,13 @@ def test_a_float32_checkpoint_trains_and_serves_in_float32(tmp_path: Path) -> No
     assert model.dtype == torch.float32
     assert {s.dtype for s in model.catalog.values()} == {torch.float32}
     assert {t.dtype for t in model.run.state(1).values()} == {torch.float32}
-    # The reference ranks store float32 too: the final norm is no longer a cast.
+    # The sharded ranks store float32 too: the final norm is no longer a cast.
     assert "model.norm.weight" in model.xor_names
 
 
 def test_a_checkpoint_the_synthetic_trainer_cannot_model(tmp_path: Path) -> None:
     """Another model type, or mixed dtypes: receivers hosted by an engine can take its
-    catalog, the synthetic trainer and reference ranks refuse it, mixed mode XORs nothing."""
+    catalog, the synthetic trainer and sharded ranks refuse it, mixed mode XORs nothing."""
     path = _checkpoint_fleet(tmp_path, torch.bfloat16)
     config = tmp_path / "ckpt" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mistral"}))
@@ -157,7 +157,7 @@ def test_the_fingerprint_check_catches_a_single_flipped_bit(tmp_path: Path) -> N
     state = model.run.state(1)
     ranks = []
     for rank in (0, 1):
-        loader = ShardedReferenceLoader.dense(
+        loader = ShardedServingLoader.dense(
             model.config, model.family, state, tp_size=2, tp_rank=rank
         )
         receiver = Applier(loader, model.catalog)
@@ -183,7 +183,7 @@ def test_the_fingerprint_check_catches_a_single_flipped_bit(tmp_path: Path) -> N
 
 @pytest.mark.heavy
 def test_a_fleet_trains_and_serves_a_float16_checkpoint_bit_exactly(tmp_path: Path) -> None:
-    """Owners and reference ranks in processes of their own, all with the catalog read from
+    """Owners and sharded ranks in processes of their own, all with the catalog read from
     a sharded float16 checkpoint: a refit, every receiver checked bit for bit."""
     cfg = load_fleet(_checkpoint_fleet(tmp_path, torch.float16, refits=1))
     report = Launcher(cfg, deadline_s=600).run()

@@ -1,6 +1,6 @@
 """A fleet of real processes: what travels relative is what the receivers report.
 
-Each reference rank stores the final norm in float32 (a cast on copy: a transforming loader
+Each sharded rank stores the final norm in float32 (a cast on copy: a transforming loader
 path).  The receivers report it in their status (``xor_refused``), the coordinator binds the
 union into every mixed-mode prepare, and the owners -- whose integration setup sends nothing
 relative on its own -- send the norm as overwrites and every other changed tensor relative;

@@ -98,7 +98,7 @@ def test_mixed_mode_xors_what_every_serving_layout_preserves(tmp_path: Path) -> 
     )
     model = FleetModel(load_fleet(write(tmp_path, text)))
     xor = model.xor_names
-    # The reference ranks keep the final norm in float32 (a cast): never XOR-encoded.
+    # The sharded ranks keep the final norm in float32 (a cast): never XOR-encoded.
     assert "model.norm.weight" not in xor
     assert "model.layers.0.self_attn.q_proj.weight" in xor and len(xor) > 10
 

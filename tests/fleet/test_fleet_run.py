@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fleet_helpers import alive, small_fleet
 
-from dcr.adapters.loaders.reference import ShardedReferenceLoader
+from dcr.adapters.loaders.sharded import ShardedServingLoader
 from dcr.fleet.config import load_fleet
 from dcr.fleet.faults import Fault, default_faults
 from dcr.fleet.launcher import Launcher
@@ -66,7 +66,7 @@ def test_the_check_catches_a_single_flipped_bit(tmp_path: Path) -> None:
     launcher = Launcher(cfg)
     model = FleetModel(cfg)
     state = model.run.state(1)
-    loader = ShardedReferenceLoader.dense(model.config, model.family, state, tp_size=2, tp_rank=1)
+    loader = ShardedServingLoader.dense(model.config, model.family, state, tp_size=2, tp_rank=1)
     launcher._check("r2", 1, digests(loader.module))
     assert launcher.mismatches == [] and launcher.rows[1].checks == {"r2": True}
     w = loader.module.get_parameter("model.layers.1.mlp.down_proj.weight")

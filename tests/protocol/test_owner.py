@@ -192,3 +192,37 @@ def test_a_dense_job_reports_its_sent_list_or_its_failure() -> None:
     out = o.handle(ev.DenseSent(job=10, payloads=1, failure="relay root restarted"))
     [failed] = notified(out, msg.AttemptFailed)
     assert failed.attempt == 10 and failed.check == "dense" and not notified(out, msg.SendsDone)
+
+
+def test_a_prepare_waits_for_the_candidate_and_a_baseline_update_consumes_it() -> None:
+    """A trainer restarted mid-transition is still computing its step: the prepare is held
+    (no failure, no acceptance) until the candidate is staged; the latest held one wins.  The
+    committed candidate is consumed: the next prepare waits for the next stage."""
+    o = OwnerCore("o", baseline=K0, staged=False)
+    assert not o.staged
+    assert o.handle(msg.Prepare(info=info(1))) == [] and o.holding
+    assert o.handle(msg.Prepare(info=info(2))) == [] and o.phase is OwnerPhase.IDLE
+    assert o.handle(ev.CandidateStaged(staged=False)) == [] and o.holding
+    out = o.handle(ev.CandidateStaged(staged=True))
+    [accepted] = notified(out, msg.PrepareAccepted)
+    assert accepted.attempt == 2 and not o.holding and o.staged
+    o.handle(msg.StartStreaming(attempt=2))
+    o.handle(ev.BucketBuilt(attempt=2, payload_id=0, final=True))
+    o.handle(ev.PayloadSent(attempt=2, payload_id=0))
+    target = info(2).target
+    o.handle(ev.CommitRecordRead(record=target))
+    o.handle(ev.BaselineWritten(record=target))
+    assert o.baseline == target and not o.staged
+    follow = AttemptInfo(
+        attempt=3, candidate="g3", base=target, mode=Mode.MIXED, sync=True, coordinator=1,
+        owners=("o",), receivers=frozenset({"r"}),
+    )  # fmt: skip
+    assert o.handle(msg.Prepare(info=follow)) == [] and o.holding
+    assert notified(o.handle(ev.CandidateStaged()), msg.PrepareAccepted)
+
+
+def test_a_repeated_prepare_of_the_running_attempt_is_answered_even_with_nothing_staged() -> None:
+    o, _ = streaming()
+    o.handle(ev.CandidateStaged(staged=False))
+    [again] = notified(o.handle(msg.Prepare(info=info(1))), msg.PrepareAccepted)
+    assert again.attempt == 1 and not o.holding

@@ -424,12 +424,11 @@ async def open_trainer(cfg: FleetConfig, stack: AsyncExitStack) -> Trainer:
         transport = FaultyTransport(make_transport(cfg))
         stack.push_async_callback(transport.inner.aclose)
         transports.append(transport)
-        owner = OwnerService(
+        owner = open_owner(
             name=name, rank=rank, side=side, integration=integration, control=control,
             transport=transport, store=store, baseline=record, sends_in_flight=4,
         )  # fmt: skip
-        await stack.enter_async_context(open_owner(owner))
-        owners.append(owner)
+        owners.append(await stack.enter_async_context(owner))
     trainer = Trainer(cfg=cfg, model=model, group=group, owners=owners, transports=transports,
                       store=store, control=control)  # fmt: skip
     trainer.records[0] = record

@@ -43,11 +43,11 @@ from engine_helpers import EngineServer, LongRequest, bit_mismatches, same_float
 
 from dcr.catalog import read_catalog
 from dcr.errors import CheckpointError, ConfigError
+from dcr.integrations.vllm.checkpoint import PARTIAL_LOAD, load_checkpoint, weights_digest
 from dcr.integrations.vllm.engine import gate_of
 from dcr.integrations.vllm.gate import EngineGate
 from dcr.integrations.vllm.generation import MAX_SEED, BatchRequest, check_batch, generate_batch
 from dcr.integrations.vllm.join import error_to_wire
-from dcr.integrations.vllm.reference import PARTIAL_LOAD, load_checkpoint, weights_digest
 from dcr.integrations.vllm.versions import UNCONFIRMED, dense_record, label_of
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.hf import write_checkpoint

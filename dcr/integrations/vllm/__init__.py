@@ -23,6 +23,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from dcr.integrations.vllm.checkpoint import DenseLoad as DenseLoad
+    from dcr.integrations.vllm.checkpoint import WeightsDigest as WeightsDigest
+    from dcr.integrations.vllm.checkpoint import load_checkpoint as load_checkpoint
+    from dcr.integrations.vllm.checkpoint import weights_digest as weights_digest
     from dcr.integrations.vllm.engine import EngineReceivers as EngineReceivers
     from dcr.integrations.vllm.engine import join_fleet as join_fleet
     from dcr.integrations.vllm.gate import EngineGate as EngineGate
@@ -31,10 +35,6 @@ if TYPE_CHECKING:
     from dcr.integrations.vllm.generation import Generation as Generation
     from dcr.integrations.vllm.generation import generate as generate
     from dcr.integrations.vllm.generation import generate_batch as generate_batch
-    from dcr.integrations.vllm.reference import DenseLoad as DenseLoad
-    from dcr.integrations.vllm.reference import WeightsDigest as WeightsDigest
-    from dcr.integrations.vllm.reference import load_checkpoint as load_checkpoint
-    from dcr.integrations.vllm.reference import weights_digest as weights_digest
     from dcr.integrations.vllm.versions import WeightSpan as WeightSpan
     from dcr.integrations.vllm.versions import weight_spans as weight_spans
 
@@ -46,19 +46,19 @@ PLAIN_WEIGHTS = "dcr_plain"
 
 _EXPORTS = {
     "BatchRequest": "dcr.integrations.vllm.generation",
-    "DenseLoad": "dcr.integrations.vllm.reference",
+    "DenseLoad": "dcr.integrations.vllm.checkpoint",
     "EngineGate": "dcr.integrations.vllm.gate",
     "EngineReceivers": "dcr.integrations.vllm.engine",
     "GateCycle": "dcr.integrations.vllm.gate",
     "Generation": "dcr.integrations.vllm.generation",
     "WeightSpan": "dcr.integrations.vllm.versions",
-    "WeightsDigest": "dcr.integrations.vllm.reference",
+    "WeightsDigest": "dcr.integrations.vllm.checkpoint",
     "generate": "dcr.integrations.vllm.generation",
     "generate_batch": "dcr.integrations.vllm.generation",
     "join_fleet": "dcr.integrations.vllm.engine",
-    "load_checkpoint": "dcr.integrations.vllm.reference",
+    "load_checkpoint": "dcr.integrations.vllm.checkpoint",
     "weight_spans": "dcr.integrations.vllm.versions",
-    "weights_digest": "dcr.integrations.vllm.reference",
+    "weights_digest": "dcr.integrations.vllm.checkpoint",
 }
 
 __all__ = ["EXTENSION", "PLAIN_WEIGHTS", *sorted(_EXPORTS)]

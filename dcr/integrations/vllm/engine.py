@@ -18,7 +18,7 @@ worker left as it was.
 Requests on the engine, labelled with the weight versions that produced their tokens, and
 reproducible seeded batches are in :mod:`~dcr.integrations.vllm.generation`; dense reloads of
 a reference engine outside any fleet and the digest of its weights in
-:mod:`~dcr.integrations.vllm.reference`.
+:mod:`~dcr.integrations.vllm.checkpoint`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
     checkpoint directory ``DIR`` (as this process sees it) through the workers' own
     ``model.load_weights`` once requests in flight finished, drops the caches and labels the
     weights ``(n, dense-<n>)`` -> ``{"version", "candidate", "tensors", "seconds",
-    "load_seconds"}`` (see :func:`~dcr.integrations.vllm.reference.load_checkpoint`).  A missing
+    "load_seconds"}`` (see :func:`~dcr.integrations.vllm.checkpoint.load_checkpoint`).  A missing
     or malformed checkpoint, or one whose tensors differ from those of ``--model``, answers
     400 and leaves the weights as they were; an engine whose workers are fleet receivers or
     whose weights were repacked (no ``--plain-weights`` on CPU) answers 409; a failure after
@@ -42,7 +42,7 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
 ``GET /dcr/digest``
     ``{"sha256", "ranks", "rank_sha256"}``: SHA-256 over the stored bits of every parameter
     and buffer of every worker, computed in the workers (defined in
-    :func:`~dcr.integrations.vllm.reference.weights_digest`).
+    :func:`~dcr.integrations.vllm.checkpoint.weights_digest`).
 ``GET /dcr/state``
     the engine's gate (closed, by which ranks, each closing's drain and closed seconds, the
     record the weights are labelled with; without ``--fleet``, each dense load's) and each
@@ -188,9 +188,9 @@ async def serve(options: ServerOptions) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from dcr.integrations.vllm import EXTENSION, PLAIN_WEIGHTS
+    from dcr.integrations.vllm.checkpoint import PARTIAL_LOAD, load_checkpoint, weights_digest
     from dcr.integrations.vllm.engine import EngineReceivers, gate_of, join_fleet
     from dcr.integrations.vllm.generation import generate, generate_batch
-    from dcr.integrations.vllm.reference import PARTIAL_LOAD, load_checkpoint, weights_digest
     from dcr.integrations.vllm.versions import dense_record
 
     load_format = "auto"

@@ -16,8 +16,8 @@ weights happen only while that gate holds the engine paused.
 
 Outside any fleet, the same extension serves a reference engine: ``dcr_check_checkpoint`` and
 ``dcr_load_checkpoint`` load a full checkpoint through the model's own ``load_weights``
-(:func:`~dcr.integrations.vllm.reference.load_checkpoint`), and ``dcr_digest`` hashes the stored
-bits of the worker's weights (:func:`~dcr.integrations.vllm.reference.weights_digest`).
+(:func:`~dcr.integrations.vllm.checkpoint.load_checkpoint`), and ``dcr_digest`` hashes the stored
+bits of the worker's weights (:func:`~dcr.integrations.vllm.checkpoint.weights_digest`).
 
 vLLM resolves the extension class before the worker loads its model, so importing this
 module is also where every worker learns the plain-weights load format
@@ -168,7 +168,7 @@ class DcrWorkerExtension:
 
     def dcr_digest(self) -> str:
         """SHA-256 (hex) of this worker's parameters and buffers, as
-        :func:`~dcr.integrations.vllm.reference.weights_digest` defines it: in sorted name order
+        :func:`~dcr.integrations.vllm.checkpoint.weights_digest` defines it: in sorted name order
         (``remove_duplicate=False``), for each ``"<name>\\0<dtype>\\0<shape, comma-separated>\\0"``
         in UTF-8, the data's byte count (8 bytes, little-endian), then its stored bytes."""
         import torch

@@ -27,6 +27,7 @@ from dcr.testing.spec.membership.rules import (
     run_transition,
     settle,
     start_job,
+    stop_bound,
     transition_done,
 )
 from dcr.testing.spec.membership.state import (
@@ -42,7 +43,6 @@ from dcr.testing.spec.membership.state import (
     Ready,
     Receiver,
     Registered,
-    Run,
     RunConfig,
     State,
     attempt_id,
@@ -118,20 +118,12 @@ def initial_state(cfg: RunConfig) -> State:
             dense_failures=cfg.dense_failures,
             timeouts=cfg.timeouts,
             settle_timeouts=cfg.settle_timeouts,
+            join_waits=cfg.join_waits,
         ),
     )
 
 
 # -- one transition, abstractly ------------------------------------------------------------
-
-
-def _stop_bound(d: Draft, run: Run) -> None:
-    """The attempt ends without a commit: its receivers stop and clean up (writes that
-    landed stay: the receiver is dirty)."""
-    for r, inc in run.bound:
-        rx = d.receivers[r]
-        if rx.inc == inc and rx.phase in (_R.PREPARED, _R.ACKED):
-            d.receiver(r, phase=_R.CLEANED, acked=NOTHING)
 
 
 def prepare(s: State, cfg: RunConfig) -> Iterator[RunStep]:
@@ -180,7 +172,7 @@ def prepare(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     new = run._replace(members=members - (disproved or frozenset()), proving=False,
                        disproved=disproved, tries=run.tries + 1)  # fmt: skip
     if run.proving and disproved:
-        _stop_bound(d, run._replace(bound=frozenset(bound)))
+        stop_bound(d, run._replace(bound=frozenset(bound)))
         d.set(run=new)
         yield d.step("prepare(disproved)")
         return
@@ -217,7 +209,7 @@ def fail_attempt(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     if not gone:
         return
     d = Draft(s)
-    _stop_bound(d, run)
+    stop_bound(d, run)
     d.set(run=run._replace(attempt=0, bound=frozenset(), applied=frozenset(), overwrite=True,
                            members=run.members - gone))  # fmt: skip
     yield d.step("fail_attempt")
@@ -403,7 +395,7 @@ def restart_owner(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         d.owner(o, inc=ow.inc + 1, baseline=s.record, staged=False, seen=0)
         run = s.run
         if run is not None and run.attempt and not run.committed:
-            _stop_bound(d, run)
+            stop_bound(d, run)
             d.set(run=run._replace(attempt=0, bound=frozenset(), applied=frozenset(),
                                    overwrite=True))  # fmt: skip
         d.set(budgets=s.budgets._replace(owner_restarts=s.budgets.owner_restarts - 1))

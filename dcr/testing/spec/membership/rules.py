@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dcr.protocol.lifecycle import ReceiverPhase
 from dcr.testing.spec.membership.state import (
     NOTHING,
     Core,
@@ -35,6 +36,8 @@ from dcr.testing.spec.membership.state import (
     job_id,
 )
 
+_R = ReceiverPhase
+
 __all__ = [
     "Draft",
     "RunStep",
@@ -42,9 +45,11 @@ __all__ = [
     "ready",
     "refit",
     "report",
+    "retire",
     "run_transition",
     "settle",
     "start_job",
+    "stop_bound",
     "transition_done",
     "unfinished",
 ]
@@ -92,6 +97,11 @@ class Draft:
         self.edit_core(jobs=tuple(jobs))
 
     def step(self, label: str) -> RunStep:
+        # Payloads no call in flight and no receiver's job refers to can never be applied:
+        # forgetting them merges states that behave alike.
+        wanted = {c.job for c in self.to_receivers}
+        wanted |= {rx.dense.job for rx in self.receivers if rx.dense is not None}
+        sent = frozenset(x for x in self.sent if x[0] in wanted)
         return RunStep(
             label,
             replace(
@@ -99,7 +109,7 @@ class Draft:
                 core=self.core,
                 receivers=tuple(self.receivers),
                 owners=tuple(self.owners),
-                **self.changes,
+                **{**self.changes, "sent": sent},
             ),
         )
 
@@ -147,7 +157,32 @@ def report(s: State, cfg: RunConfig) -> Iterator[RunStep]:
             # A new process: the old one is gone (Retire), its job is released.
             d.edit_core(restarted=d.core.restarted | {r}, unverified=d.core.unverified | {r})
             d.job(r, None)
+            if s.run is not None:
+                retire(d, s.run, r, cfg)
         yield d.step(f"report(r{r})")
+
+
+def retire(d: Draft, run: Run, r: int, cfg: RunConfig) -> None:
+    """``Retire``: the running transition learns that ``r``'s old process is gone.  The
+    coordinator core takes it out of the membership and fails the attempt it is bound to --
+    once the run prepared an attempt (before that, the fleet coordinator has nothing to tell
+    unless ``early_retire``)."""
+    if run.committed or (not run.tries and not cfg.early_retire):
+        return
+    new = run._replace(members=run.members - {r})
+    if run.attempt and any(x == r for x, _ in run.bound):
+        stop_bound(d, run)
+        new = new._replace(attempt=0, bound=frozenset(), applied=frozenset(), overwrite=True)
+    d.set(run=new)
+
+
+def stop_bound(d: Draft, run: Run) -> None:
+    """The attempt ends without a commit: its receivers stop and clean up (writes that
+    landed stay: the receiver is dirty)."""
+    for r, inc in run.bound:
+        rx = d.receivers[r]
+        if rx.inc == inc and rx.phase in (_R.PREPARED, _R.ACKED):
+            d.receiver(r, phase=_R.CLEANED, acked=NOTHING)
 
 
 def ready(s: State, cfg: RunConfig) -> Iterator[RunStep]:
@@ -251,6 +286,12 @@ def run_transition(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     old = unfinished(s)
     if not old and not owners_staged(s):
         return
+    joining = any(st is None or st.record != s.record for st in s.core.receivers)
+    budgets = s.budgets
+    if not old and joining:
+        if not budgets.join_waits:
+            return  # waits for the joiners (join_wait_s has not passed)
+        budgets = budgets._replace(join_waits=budgets.join_waits - 1)
     info = s.registered
     base = info.base if old and info is not None else s.record
     members = frozenset(
@@ -262,12 +303,14 @@ def run_transition(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     d.edit_core(engaged=members, restarted=frozenset())
     d.set(
         lease=epoch,
+        budgets=budgets,
         run=Run(
             base=base,
             required=members,
             members=info.receivers if old and info is not None else members,
             fingerprint=fingerprint,
-            proving=fingerprint,
+            # A takeover treats the old attempt as admitted: no proof is asked after admission.
+            proving=fingerprint and not old,
             take_over=old,
             epoch=epoch,
             attempt=0,

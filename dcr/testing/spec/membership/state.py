@@ -90,7 +90,14 @@ class RunConfig:
     resend after ``retry_s`` spends one)."""
     settle_timeouts: int = 1
     """Settling periods that end at their deadline rather than when the members reported."""
+    join_waits: int = 1
+    """Transitions that start after ``join_wait_s`` without a receiver still joining."""
     fingerprint_on_join: bool = True
+    early_retire: bool = False
+    """A restart reported after ``RunTransition`` but before the run prepared its first
+    attempt takes the receiver out of the run.  ``False`` is today's fleet coordinator, which
+    drops that ``Retire`` (there is no attempt to fail yet): the restarted process then takes
+    part in the first prepare without the fingerprint its restart calls for."""
 
 
 class Status(NamedTuple):
@@ -240,6 +247,7 @@ class Budgets(NamedTuple):
     timeouts: int = 0
     retries: int = 0
     settle_timeouts: int = 0
+    join_waits: int = 0
 
 
 @dataclass(frozen=True, slots=True)

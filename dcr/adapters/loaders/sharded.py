@@ -1,10 +1,10 @@
-"""A sharded reference receiver: one tensor-parallel rank of a vLLM-like model, in plain torch.
+"""A sharded sharded receiver: one tensor-parallel rank of a vLLM-like model, in plain torch.
 
 Scaffolding for tests, the demo and benchmarks.
 
-:class:`ShardedReferenceModel` holds one rank's parameters in the fused, padded layout vLLM
+:class:`ShardedServingModel` holds one rank's parameters in the fused, padded layout vLLM
 uses for the ``llama``, ``qwen3`` and ``qwen3_moe`` families of :mod:`dcr.models.families`, and
-:class:`ShardedReferenceLoader` loads canonical (Hugging Face) tensors into it the way vLLM's
+:class:`ShardedServingLoader` loads canonical (Hugging Face) tensors into it the way vLLM's
 weight loaders do: ``narrow`` views of the checkpoint tensor and one ``copy_`` per destination,
 plus ``fill_(0)`` of vocabulary padding rows.  It lets the receiver data plane be tested at any
 tensor-parallel size without vLLM:
@@ -35,7 +35,7 @@ from dcr.errors import LayoutError
 from dcr.models.families import canonical_shapes, head_dim
 from dcr.tensors.records import TensorSpec
 
-__all__ = ["ShardedReferenceLoader", "ShardedReferenceModel", "padded_vocab"]
+__all__ = ["ShardedServingLoader", "ShardedServingModel", "padded_vocab"]
 
 _VOCAB_PADDING = 64
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -60,7 +60,7 @@ def _a_name(name: str) -> str:
     return name.removesuffix("A_log") + "A"
 
 
-class ShardedReferenceModel(torch.nn.Module):
+class ShardedServingModel(torch.nn.Module):
     """One tensor-parallel rank of a vLLM-like model of ``family`` (parameters only).
 
     ``extra`` adds canonical tensors the families lack (stored replicated), e.g. a Mamba-style
@@ -166,19 +166,19 @@ class ShardedReferenceModel(torch.nn.Module):
         return out
 
 
-class ShardedReferenceLoader(Loader):
-    """vLLM-style native loader of a :class:`ShardedReferenceModel`.
+class ShardedServingLoader(Loader):
+    """vLLM-style native loader of a :class:`ShardedServingModel`.
 
     ``load_weights`` takes canonical names and returns the names of the rank's parameters it
     wrote; unknown names and other ranks' experts are skipped without a report.
     """
 
-    def __init__(self, model: ShardedReferenceModel) -> None:
+    def __init__(self, model: ShardedServingModel) -> None:
         self._model = model
         self._params = dict(model.named_parameters(remove_duplicate=False))
 
     @property
-    def module(self) -> ShardedReferenceModel:
+    def module(self) -> ShardedServingModel:
         return self._model
 
     @classmethod
@@ -192,9 +192,9 @@ class ShardedReferenceLoader(Loader):
         tp_rank: int = 0,
         dtype: torch.dtype = torch.bfloat16,
         extra: Mapping[str, TensorSpec] | None = None,
-    ) -> ShardedReferenceLoader:
+    ) -> ShardedServingLoader:
         """Build one rank and dense-load ``state_dict`` into it."""
-        model = ShardedReferenceModel(
+        model = ShardedServingModel(
             config, family, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, extra=extra
         )
         loader = cls(model)
