@@ -216,3 +216,13 @@ def test_every_module_imports_only_its_package_and_the_layers_below() -> None:
                 continue
             offenders.append(f"{path.relative_to(ROOT.parent)}: {name}")
     assert not offenders, "imports against the layer order:\n" + "\n".join(offenders)
+
+
+def test_every_module_opens_with_the_concept_it_holds() -> None:
+    """A newcomer reads a module's docstring first: every module of the package has one."""
+    bare = [
+        str(path.relative_to(ROOT.parent))
+        for path in sorted(ROOT.rglob("*.py"))
+        if len((ast.get_docstring(ast.parse(path.read_text())) or "").split()) < 5
+    ]
+    assert not bare, f"modules without an opening docstring: {bare}"

@@ -287,8 +287,8 @@ class MembershipCore:
                 self._on_tick(event, out)
             case msg.EndpointStatus():
                 self._on_status(event, out)
-            case msg.ReceiverReady(receiver=receiver, record=record):
-                self._on_ready(receiver, record, out)
+            case msg.ReceiverReady(receiver=receiver, record=record, job=job):
+                self._on_ready(receiver, record, job, out)
             case msg.SendsDone():
                 self._on_sent(event, out)
             case msg.AttemptFailed():
@@ -427,7 +427,14 @@ class MembershipCore:
             if self._running is not None:
                 out.append(Retire(endpoint=name))
 
-    def _on_ready(self, receiver: str, record: CommitRecord, out: list[MembershipCommand]) -> None:
+    def _on_ready(
+        self, receiver: str, record: CommitRecord, job_id: int | None, out: list[MembershipCommand]
+    ) -> None:
+        current = self._jobs.get(receiver)
+        if job_id is not None and (current is None or current.job != job_id):
+            # A job this core no longer runs: a late report of a process that restarted
+            # since (its job was released), or of a job a newer one replaced.
+            return
         self.unverified.add(receiver)
         status = self.statuses.get(receiver)
         if status is not None:  # its status report follows; do not refit it again

@@ -329,10 +329,16 @@ class BaselineUpdated:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiverReady:
-    """A receiver restored ``record`` by a dense refit; it may join at the next prepare."""
+    """A receiver restored ``record`` by a dense refit; it may join at the next prepare.
+
+    ``job`` is the dense-refit job that restored it (``None``: restored without one, in the
+    same process), so that a late report of a restarted receiver's old process is not taken
+    for the new one's.
+    """
 
     receiver: str
     record: CommitRecord
+    job: int | None = field(default=None, metadata={"optional": True})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

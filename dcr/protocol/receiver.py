@@ -326,7 +326,7 @@ class ReceiverCore:
     def _on_synchronized(self, tau: int, out: list[cmd.ReceiverCommand]) -> None:
         d = self._intake.dense
         if d is not None and d.attempt == tau and d.synchronizing and not d.failed:
-            self._restored(d.info.base, out)
+            self._restored(d.info.base, out, job=d.attempt)
             return
         s = self._intake.ingest
         if (
@@ -443,8 +443,10 @@ class ReceiverCore:
         )
         self._intake.dense = Ingest(info=info, dense=True, apply_open=True)
 
-    def _restored(self, record: CommitRecord, out: list[cmd.ReceiverCommand]) -> None:
-        """The storage holds ``record`` exactly (a dense refit finished)."""
+    def _restored(
+        self, record: CommitRecord, out: list[cmd.ReceiverCommand], *, job: int | None = None
+    ) -> None:
+        """The storage holds ``record`` exactly (a dense refit finished: job ``job``)."""
         if self._intake.dense is not None:
             out.append(cmd.Release(attempt=self._intake.dense.attempt))
             self._intake.dense = None
@@ -452,7 +454,8 @@ class ReceiverCore:
         self._storage.restored(record)
         self._intake.ingest = None
         self._gate_open = False
-        out.append(cmd.Notify(message=msg.ReceiverReady(receiver=self.name, record=record)))
+        ready = msg.ReceiverReady(receiver=self.name, record=record, job=job)
+        out.append(cmd.Notify(message=ready))
 
     # -- guards and helpers ----------------------------------------------------------------
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import pytest
-
 from dcr.protocol import messages as msg
 from dcr.protocol.membership import (
     CheckArrival,
@@ -357,23 +355,19 @@ def test_a_restarted_member_during_a_run_is_retired_and_refitted_after_it() -> N
     assert [(s.receiver, s.record) for s in of(StartDense, out)] == [("r1", K1)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a ready report does not name its process or job: a late one from a restarted "
-    "receiver's old process counts for the new one, whose job is released and never sent "
-    "again (proposed fix: ReceiverReady carries the job, and only the job in flight counts)",
-)
 def test_a_late_ready_report_of_a_restarted_receivers_old_process_is_not_the_new_ones() -> None:
     c = core()
     report(c, staged=False, receivers={"r0": K0, "r1": None})
-    c.handle(Tick(now=0, record=K0))  # job 1 restores r1
-    c.handle(status("r1", None, inc="i1"))  # r1 restarts; job 1 is released
-    [job] = of(StartDense, c.handle(Tick(now=1, record=K0)))  # job 2 for the new process
-    # The old process restored K0 by job 1 just before it died; its report arrives now.
-    c.handle(msg.ReceiverReady(receiver="r1", record=K0))
-    # The new process holds nothing: it must still be restored.
-    assert c.members(K0) == ("r0",)
-    assert job.job in c.jobs().values() or of(StartDense, c.handle(Tick(now=5000, record=K0)))
+    [first] = of(StartDense, c.handle(Tick(now=0, record=K0)))  # restores r1
+    c.handle(status("r1", None, inc="i1"))  # r1 restarts; the first job is released
+    [job] = of(StartDense, c.handle(Tick(now=1, record=K0)))  # a job for the new process
+    # The old process restored K0 by the first job just before it died; its report arrives.
+    assert c.handle(msg.ReceiverReady(receiver="r1", record=K0, job=first.job)) == []
+    # The new process holds nothing: it is not a member, and its job is still in flight.
+    assert c.members(K0) == ("r0",) and c.jobs() == {"r1": job.job}
+    # Its own job's report counts.
+    out = c.handle(msg.ReceiverReady(receiver="r1", record=K0, job=job.job))
+    assert of(ReopenGate, out) and c.members(K0) == ("r0", "r1") and c.jobs() == {}
 
 
 def test_a_restart_with_the_same_incarnation_is_a_report_not_a_restart() -> None:

@@ -12,10 +12,11 @@ from dcr.testing.spec.checker import Model
 from dcr.testing.spec.membership.actions import ACTIONS, initial_state
 from dcr.testing.spec.membership.invariants import INVARIANTS
 from dcr.testing.spec.membership.state import RunConfig as RunConfig
+from dcr.testing.spec.membership.symmetry import canonical
 
 __all__ = ["MEMBERSHIP", "RunConfig"]
 
 MEMBERSHIP = Model(
-    initial=initial_state, actions=ACTIONS, invariants=INVARIANTS, canonical=lambda s: s
+    initial=initial_state, actions=ACTIONS, invariants=INVARIANTS, canonical=canonical
 )
-"""Runs of several transitions (no symmetry reduction: receivers' histories differ)."""
+"""Runs of several transitions, with joins, restarts, dense refits and takeovers."""

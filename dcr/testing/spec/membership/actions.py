@@ -106,12 +106,11 @@ def initial_state(cfg: RunConfig) -> State:
         sent=frozenset(),
         reopens=frozenset(),
         readies=frozenset(),
-        last_job=0,
-        stale_below=0,
-        reissued=False,
+        stale_epoch=0,
         commits=(),
         budgets=Budgets(
             restarts=cfg.restarts,
+            checkpoints=cfg.checkpoints,
             foreign=cfg.foreign,
             owner_restarts=cfg.owner_restarts,
             takeovers=cfg.takeovers,
@@ -225,12 +224,12 @@ def commit(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     info = s.registered
     if s.lease != run.epoch or s.record != run.base or info is None or info.attempt != run.attempt:
         return
-    acks = frozenset((r, inc) for r, inc in run.bound if r in run.applied)
+    missing = frozenset((r, inc) for r, inc in run.bound if r not in run.applied)
     d = Draft(s)
     d.set(
         record=run.base + 1,
         run=run._replace(committed=True),
-        commits=(*s.commits, Commit(run.epoch, s.lease, run.bound, acks)),
+        commits=(*s.commits, Commit(run.epoch, s.lease, missing)),
     )
     yield d.step("commit")
 
@@ -350,12 +349,14 @@ def restart_receiver(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     (``foreign``) claiming the record from a checkpoint whose bits are not it."""
     for r, rx in enumerate(s.receivers):
         starts: list[tuple[str, Receiver, Budgets]] = []
-        if s.budgets.restarts:
-            spent = s.budgets._replace(restarts=s.budgets.restarts - 1)
+        b = s.budgets
+        if b.restarts:
             empty = _fresh_receiver(rx, phase=_R.JOINING, storage=LOST, held=NOTHING, gate=False)
+            starts.append(("empty", empty, b._replace(restarts=b.restarts - 1)))
+        if b.checkpoints:
             ready_ = _fresh_receiver(rx, phase=_R.READY, storage=s.record, held=s.record,
                                      gate=True)  # fmt: skip
-            starts += [("empty", empty, spent), ("checkpoint", ready_, spent)]
+            starts.append(("checkpoint", ready_, b._replace(checkpoints=b.checkpoints - 1)))
         if s.budgets.foreign:
             # Serving a foreign checkpoint before the protocol touches it is outside the
             # protocol: its gate is taken as closed.
@@ -405,8 +406,8 @@ def restart_owner(s: State, cfg: RunConfig) -> Iterator[RunStep]:
 def take_over(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     """A standby claims a newer epoch (the active coordinator's lease lapsed): it starts with
     a fresh membership core; the replaced one stands down, its calls still in flight."""
-    if not s.budgets.takeovers:
-        return
+    if not s.budgets.takeovers or s.run is None:
+        return  # (the active coordinator is replaced during a transition)
     d = Draft(s)
     epoch = s.lease + 1
     d.core = fresh_core(epoch, cfg)
@@ -414,7 +415,7 @@ def take_over(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         lease=epoch,
         generation=s.generation + 1,
         run=None,
-        stale_below=s.last_job,
+        stale_epoch=s.core.epoch,
         budgets=s.budgets._replace(takeovers=s.budgets.takeovers - 1),
     )
     yield d.step("take_over")

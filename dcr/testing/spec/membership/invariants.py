@@ -50,18 +50,18 @@ def _epoch_of(job: int) -> int:
 
 
 def jobs_of_the_active_coordinator(s: State) -> str | None:
-    if s.reissued:
-        return f"a dense job id was issued that is not above every earlier one ({s.last_job:#x})"
     for r, job in enumerate(s.core.jobs):
         if job is None:
             continue
         e = _epoch_of(job.job)
-        if not (e << 32) | (1 << 31) < job.job < (e + 1) << 32 or e > s.core.epoch:
-            return f"receiver {r}'s job {job.job:#x} is outside the dense ids of epoch {e}"
-        if job.job <= s.stale_below:
+        if not (e << 32) | (1 << 31) < job.job < (e + 1) << 32:
+            return f"receiver {r}'s job {job.job:#x} is not a dense id of epoch {e}"
+        if e > s.core.epoch:
+            return f"receiver {r}'s job {job.job:#x} is of epoch {e}, after {s.core.epoch}"
+        if e <= s.stale_epoch:
             return (
-                f"the active coordinator tracks job {job.job:#x} of receiver {r}, not above "
-                f"{s.stale_below:#x} that a replaced coordinator issued"
+                f"the active coordinator tracks job {job.job:#x} of receiver {r}, of epoch "
+                f"{e}: a replaced coordinator issued jobs under epoch {s.stale_epoch}"
             )
     return None
 
@@ -75,7 +75,8 @@ def xor_applied_once(s: State) -> str | None:
 
 def committed_receivers_exact(s: State) -> str | None:
     for r, rx in enumerate(s.receivers):
-        if rx.phase in (_R.READY, _R.REFITTED) and not rx.foreign and rx.storage != rx.held:
+        exact = not (rx.foreign or rx.dirty)
+        if rx.phase in (_R.READY, _R.REFITTED) and exact and rx.storage != rx.held:
             return f"receiver {r} is {rx.phase.value} at version {rx.held} but holds {rx.storage}"
         if rx.phase is _R.ACKED and rx.storage != rx.acked:
             return f"receiver {r} acknowledged version {rx.acked} but holds {rx.storage}"
@@ -94,8 +95,8 @@ def gate_serves_committed(s: State) -> str | None:
 
 def commit_requires_all_acks(s: State) -> str | None:
     for v, c in enumerate(s.commits, start=1):
-        if not c.required <= c.acks:
-            return f"version {v} committed without ACKs from {sorted(c.required - c.acks)}"
+        if c.missing:
+            return f"version {v} committed without ACKs from {sorted(c.missing)}"
     return None
 
 

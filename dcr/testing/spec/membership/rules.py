@@ -122,11 +122,7 @@ def start_job(d: Draft, r: int, record: int) -> None:
     d.edit_core(issued=issued)
     d.job(r, Job(job, record, False))
     call = DenseCall(job, r, record, d.lease)
-    d.set(
-        to_receivers=d.to_receivers | {call},
-        last_job=job,
-        reissued=d.reissued or job <= d.last_job,
-    )
+    d.set(to_receivers=d.to_receivers | {call})
     # The owners (a replaced coordinator's call is refused by their link) send every element
     # at their baseline, or refuse when it is not the job's record.
     if all(o.seen <= d.lease for o in d.owners):
@@ -144,8 +140,8 @@ def report(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     for r, rx in enumerate(s.receivers):
         now = Status(rx.inc, rx.held)
         before = s.core.receivers[r]
-        if before == now:
-            continue
+        if before == now or any(m.receiver == r and m.inc == rx.inc for m in s.readies):
+            continue  # (a process's reports arrive in order: its ReceiverReady first)
         d = Draft(s)
         views = list(s.core.receivers)
         views[r] = now

@@ -74,7 +74,10 @@ class RunConfig:
     transitions: int = 2
     """Versions ``0 .. transitions``: how many transitions the trainers stage."""
     restarts: int = 1
-    """Receiver processes that die and start again (empty, or from the committed checkpoint)."""
+    """Receiver processes that die and start again empty (they must be restored)."""
+    checkpoints: int = 0
+    """Receiver processes that die and start again from the committed version's checkpoint
+    (they hold and serve it at once)."""
     foreign: int = 0
     """Receiver processes that start claiming the committed record from a checkpoint whose bits
     are not it (a foreign or corrupted checkpoint)."""
@@ -234,12 +237,13 @@ class Commit(NamedTuple):
     """The epoch of the coordinator whose attempt committed."""
     lease: int
     """The active epoch when the control plane changed the record."""
-    required: frozenset[tuple[int, int]]
-    acks: frozenset[tuple[int, int]]
+    missing: frozenset[tuple[int, int]]
+    """Processes the attempt bound that did not acknowledge it."""
 
 
 class Budgets(NamedTuple):
     restarts: int = 0
+    checkpoints: int = 0
     foreign: int = 0
     owner_restarts: int = 0
     takeovers: int = 0
@@ -272,12 +276,8 @@ class State:
     """``(job, record)`` whose payloads every owner sent."""
     reopens: frozenset[Reopen]
     readies: frozenset[Ready]
-    last_job: int
-    """History: the last dense job id issued (by any coordinator; 0 before the first)."""
-    stale_below: int
-    """History: every job id a replaced coordinator issued is at most this."""
-    reissued: bool
-    """History: some job id was issued that is not above every id issued before it."""
+    stale_epoch: int
+    """History: the newest epoch a replaced coordinator issued dense jobs under (0: none)."""
     commits: tuple[Commit, ...]
     budgets: Budgets
     _hash: int = field(init=False, repr=False, compare=False)
@@ -290,8 +290,8 @@ class State:
                 (
                     self.record, self.lease, self.generation, self.registered, self.core,
                     self.run, self.owners, self.receivers, self.to_receivers,
-                    self.sent, self.reopens, self.readies, self.last_job, self.stale_below,
-                    self.reissued, self.commits, self.budgets,
+                    self.sent, self.reopens, self.readies, self.stale_epoch, self.commits,
+                    self.budgets,
                 )
             ),
         )  # fmt: skip
