@@ -17,6 +17,10 @@
 (* attempt in one step (the engine retries them; they are idempotent).     *)
 (* Payloads travel one by one and may be lost, duplicated, reordered or    *)
 (* arrive after their attempt is obsolete.                                 *)
+(*                                                                         *)
+(* What happens between transitions -- joining, restarted and restored     *)
+(* receivers, dense-refit jobs, takeovers over a run of several            *)
+(* transitions -- is membership.tla, which abstracts one transition.       *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets, TLC
 

@@ -200,6 +200,9 @@ class _Job:
     deadline: float
     sent: dict[str, int] = field(default_factory=dict)
     """Owner -> payloads it sent (its :class:`~dcr.protocol.messages.SendsDone`)."""
+    asked: bool = False
+    """A transition asked for it (:class:`DenseAsked`: a disproved or dirty member): the
+    receiver's status may still name the record, which its storage does not hold."""
 
 
 @dataclass(slots=True)
@@ -241,12 +244,15 @@ class MembershipCore:
         return self._running
 
     def members(self, record: CommitRecord) -> tuple[str, ...]:
-        """Receivers whose last report says they hold ``record`` exactly: the required ones."""
+        """Receivers whose last report says they hold ``record`` exactly and that no dense job a
+        transition asked for is restoring: the required ones."""
         return tuple(
             sorted(
                 r
                 for r in self.config.receivers
-                if (s := self.statuses.get(r)) is not None and s.record == record
+                if (s := self.statuses.get(r)) is not None
+                and s.record == record
+                and not ((job := self._jobs.get(r)) is not None and job.asked)
             )
         )
 
@@ -297,7 +303,7 @@ class MembershipCore:
                 self._on_done(event)
             case DenseAsked(record=record, receivers=receivers):
                 for r in sorted(receivers):
-                    self._start_job(r, record, out)
+                    self._start_job(r, record, out, asked=True)
         return out
 
     def _on_tick(self, tick: Tick, out: list[MembershipCommand]) -> None:
@@ -382,26 +388,36 @@ class MembershipCore:
         """Start, retry or release the dense job of every receiver not holding ``record``."""
         for r in self.config.receivers:
             s = self.statuses.get(r)
-            if s is not None and s.record == record and r in self._jobs:
-                out.append(ReleaseJob(job=self._jobs.pop(r).job))
-            if s is None or s.record == record:
-                continue
             job = self._jobs.get(r)
+            if s is not None and s.record == record and (job is None or not job.asked):
+                if job is not None:
+                    out.append(ReleaseJob(job=self._jobs.pop(r).job))
+                continue
+            if s is None:
+                continue
             if r in self._engaged and (job is None or job.record != record):
                 # Part of the running transition: restored only when it asks (a failed
                 # proof), and then sent again when that job failed or lapsed.
                 continue
             if job is None or job.record != record or now >= job.deadline:
-                self._start_job(r, record, out)
+                asked = job is not None and job.asked and job.record == record
+                self._start_job(r, record, out, asked=asked)
 
-    def _start_job(self, receiver: str, record: CommitRecord, out: list[MembershipCommand]) -> None:
+    def _start_job(
+        self,
+        receiver: str,
+        record: CommitRecord,
+        out: list[MembershipCommand],
+        *,
+        asked: bool = False,
+    ) -> None:
         old = self._jobs.get(receiver)
         if old is not None:
             out.append(ReleaseJob(job=old.job))
         job = self._ids.dense_job()
         now = self._now if self._now is not None else 0.0
         self._jobs[receiver] = _Job(
-            job=job, record=record, deadline=now + self.config.dense_timeout_s
+            job=job, record=record, deadline=now + self.config.dense_timeout_s, asked=asked
         )
         out.append(Say(kind="dense", fields={"receiver": receiver, "job": job,
                                              "version": record.version}))  # fmt: skip
@@ -485,7 +501,8 @@ class MembershipCore:
         if run.fingerprint and done.disproved is not None:
             # The first prepare fingerprinted every member; those that failed are restored
             # by dense refit and become unverified again when they report ready.
-            self.unverified -= set(run.members) - done.disproved
+            # A member restarted since that prepare checked its old process stays unverified.
+            self.unverified -= set(run.members) - done.disproved - self._restarted
         if done.replaced:
             self._engaged = frozenset()
             return

@@ -389,8 +389,14 @@ class ReceiverCore:
         self._see_epoch(epoch)
         if self.phase is _R.ACKED and self._is_active(tau):
             self._cleanup(out)  # the cleanup call was lost or overtaken
-        if not self._m.can_fire(_X.REOPEN_GATE, record=record):
-            reason = self._storage.holds(record=record) or f"receiver is {self.phase.value}"
+        restoring = self._intake.dense is not None
+        if restoring or not self._m.can_fire(_X.REOPEN_GATE, record=record):
+            # A late reopening never opens the gate while a newer dense job writes storage.
+            reason = (
+                "a dense refit is restoring the storage"
+                if restoring
+                else self._storage.holds(record=record) or f"receiver is {self.phase.value}"
+            )
             out.append(
                 cmd.Notify(
                     message=msg.AttemptFailed(

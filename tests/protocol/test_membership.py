@@ -544,3 +544,20 @@ def test_silent_members_are_named_after_silent_s_and_not_more_often() -> None:
     c.handle(status("o1", K0))
     c.handle(status("r0", K0))
     assert said("waiting", c.handle(Tick(now=500, record=K0))) == []
+
+
+def test_a_receiver_a_transition_asked_to_restore_is_not_trusted_on_its_stale_report() -> None:
+    """A disproved member still reports the base record (its storage was never written); the
+    job the transition asked for is neither released on that report nor dropped when it
+    fails (busy, still stopping its attempt): it is sent again, and the receiver is no member
+    until it reports the job done."""
+    c = core()
+    report(c, staged=False, receivers={"r0": K0, "r1": K0})
+    [asked] = of(StartDense, c.handle(DenseAsked(record=K0, receivers=frozenset({"r0"}))))
+    assert of(ReleaseJob, c.handle(Tick(now=0, record=K0))) == []
+    assert c.jobs() == {"r0": asked.job} and c.members(K0) == ("r1",)
+    c.handle(msg.AttemptFailed(attempt=asked.job, endpoint="r0", check="busy"))
+    [again] = of(StartDense, c.handle(Tick(now=5, record=K0)))
+    assert again.job > asked.job and c.members(K0) == ("r1",)
+    out = c.handle(msg.ReceiverReady(receiver="r0", record=K0, job=again.job))
+    assert of(ReopenGate, out) and c.members(K0) == ("r0", "r1")

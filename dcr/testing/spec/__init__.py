@@ -1,8 +1,11 @@
 """Python mirror of ``models/refit.tla`` and an exhaustive breadth-first model checker.
 
-:mod:`~dcr.testing.spec.state` holds the specification's variables, :mod:`.actions` one
-function per TLA+ action, :mod:`.invariants` the safety properties, and :mod:`.checker` the
-search that reports the shortest counterexample trace.
+:mod:`~dcr.testing.spec.state` holds the specification's variables, :mod:`.actions` names
+one function per TLA+ action (in :mod:`.streaming`, :mod:`.commit`, :mod:`.recovery` and
+:mod:`.environment`, on the vocabulary of :mod:`.steps`), :mod:`.invariants` the safety
+properties, and :mod:`.checker` the search that reports the shortest counterexample trace.
+:mod:`dcr.testing.spec.membership` mirrors ``models/membership.tla``: runs of several
+transitions with joins, restarts, dense refits and takeovers.
 """
 
 from dcr.testing.spec.actions import ACTIONS as ACTIONS

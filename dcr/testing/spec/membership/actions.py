@@ -86,7 +86,7 @@ def initial_state(cfg: RunConfig) -> State:
         registered=None,
         core=fresh_core(1, cfg),
         run=None,
-        owners=tuple(Owner(inc=0, baseline=0, staged=False, seen=0) for _ in range(cfg.owners)),
+        owners=tuple(Owner(inc=0, baseline=0, staged=False) for _ in range(cfg.owners)),
         receivers=tuple(
             Receiver(
                 phase=_R.READY,
@@ -132,12 +132,14 @@ def prepare(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         return
     if s.lease != run.epoch or s.record != run.base:
         return  # the control plane registers only the active coordinator's attempt
-    if any(not (o.staged and o.baseline == run.base and o.seen <= run.epoch) for o in s.owners):
+    if any(not (o.staged and o.baseline == run.base) for o in s.owners):
         return  # an owner holds the prepare until its trainer staged on the base
+    for r in run.members:
+        st = s.core.receivers[r]
+        if st is None or st.inc != s.receivers[r].inc:
+            return  # the process that would answer said hello first (one connection, in order)
     d = Draft(s)
     tau = attempt_id(run.epoch, run.tries)
-    for o in range(len(s.owners)):
-        d.owner(o, seen=run.epoch)
     bound: set[tuple[int, int]] = set()
     left: set[int] = set()
     for r in sorted(run.members):
@@ -241,12 +243,11 @@ def baseline_update(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     if run is None or not run.committed:
         return
     for o, ow in enumerate(s.owners):
-        if o in run.reported or ow.seen > run.epoch:
+        if o in run.reported:
             continue
         d = Draft(s)
         if ow.baseline == run.base:
             d.owner(o, baseline=s.record, staged=False)
-        d.owner(o, seen=run.epoch)
         d.set(run=run._replace(reported=run.reported | {o}))
         yield d.step(f"baseline_update(o{o})")
 
@@ -262,7 +263,7 @@ def reopen(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         if rx.phase in (_R.ACKED, _R.CLEANED) and rx.acked == s.record and rx.seen <= run.epoch:
             d.receiver(r, phase=_R.READY, held=s.record, dirty=False, gate=True,
                        acked=NOTHING, seen=run.epoch)  # fmt: skip
-    transition_done(d, run)
+    transition_done(d, run, cfg)
     yield d.step("reopen")
 
 
@@ -316,7 +317,7 @@ def restore(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         d = Draft(s)
         d.receiver(r, phase=_R.REFITTED, storage=job.record, held=job.record, dirty=False,
                    gate=False, dense=None, acked=NOTHING, foreign=False)  # fmt: skip
-        d.set(readies=s.readies | {Ready(r, rx.inc, job.record)})
+        d.set(readies=s.readies | {Ready(r, rx.inc, job.job, job.record)})
         yield d.step(f"restore(r{r})")
 
 
@@ -331,6 +332,8 @@ def reopen_gate(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         if call.epoch >= rx.seen and rx.phase is not _R.READY:
             d.receiver(r, seen=call.epoch)
             holds = rx.held == call.record and not rx.dirty
+            if not cfg.reopen_while_restoring and rx.dense is not None:
+                holds = False  # (the proposed fix: not while a dense job runs)
             if _can(rx.phase, Trigger.REOPEN_GATE) and holds:
                 d.receiver(r, phase=_R.READY, gate=True)
         yield d.step(f"reopen_gate(r{r},v{call.record})")
@@ -380,7 +383,9 @@ def lose_dense(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         if job is None or (job.job, job.record) not in s.sent:
             continue
         d = Draft(s)
-        d.receiver(r, storage=MIXED, dirty=True, dense=None)
+        # (Payloads of the record it holds rewrite the same bits.)
+        storage = rx.storage if job.record == rx.storage else MIXED
+        d.receiver(r, storage=storage, dirty=True, dense=None)
         _failed(d, r, job.job)
         d.set(budgets=s.budgets._replace(dense_failures=s.budgets.dense_failures - 1))
         yield d.step(f"lose_dense(r{r})")
@@ -393,7 +398,7 @@ def restart_owner(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         return
     for o, ow in enumerate(s.owners):
         d = Draft(s)
-        d.owner(o, inc=ow.inc + 1, baseline=s.record, staged=False, seen=0)
+        d.owner(o, inc=ow.inc + 1, baseline=s.record, staged=False)
         run = s.run
         if run is not None and run.attempt and not run.committed:
             stop_bound(d, run)

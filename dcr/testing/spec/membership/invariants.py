@@ -85,10 +85,17 @@ def committed_receivers_exact(s: State) -> str | None:
 
 def gate_serves_committed(s: State) -> str | None:
     for r, rx in enumerate(s.receivers):
-        if rx.gate and not (rx.storage == rx.held and 0 <= rx.held <= s.record):
+        if not rx.gate:
+            continue
+        if not (rx.storage == rx.held and 0 <= rx.held <= s.record):
             return (
                 f"receiver {r} serves storage {rx.storage} (claims {rx.held}) with record "
                 f"{s.record}"
+            )
+        if rx.dense is not None and rx.dense.record != rx.held:
+            return (
+                f"receiver {r} serves version {rx.held} while dense job {rx.dense.job:#x} of "
+                f"version {rx.dense.record} runs (its payloads land while it serves)"
             )
     return None
 

@@ -123,15 +123,12 @@ def start_job(d: Draft, r: int, record: int) -> None:
     d.job(r, Job(job, record, False))
     call = DenseCall(job, r, record, d.lease)
     d.set(to_receivers=d.to_receivers | {call})
-    # The owners (a replaced coordinator's call is refused by their link) send every element
-    # at their baseline, or refuse when it is not the job's record.
-    if all(o.seen <= d.lease for o in d.owners):
-        for o in range(len(d.owners)):
-            d.owner(o, seen=d.lease)
-        if all(o.baseline == record for o in d.owners):
-            d.set(sent=d.sent | {(job, record)})
-        else:
-            d.job(r, Job(job, record, True))
+    # The owners send every element at their baseline, or refuse when it is not the job's
+    # record (the active coordinator's calls carry the newest epoch: their link takes them).
+    if all(o.baseline == record for o in d.owners):
+        d.set(sent=d.sent | {(job, record)})
+    else:
+        d.job(r, Job(job, record, True))
 
 
 def report(s: State, cfg: RunConfig) -> Iterator[RunStep]:
@@ -182,11 +179,17 @@ def stop_bound(d: Draft, run: Run) -> None:
 
 
 def ready(s: State, cfg: RunConfig) -> Iterator[RunStep]:
-    """A ``ReceiverReady`` reaches the core (it does not name the process that sent it)."""
+    """A ``ReceiverReady`` reaches the core (it names the job, not the process)."""
     for m in sorted(s.readies):
         r, record = m.receiver, m.record
         d = Draft(s)
         d.set(readies=s.readies - {m})
+        tracked = s.core.jobs[r]
+        if tracked is None or tracked.job != m.job:
+            # A job the core no longer runs: a late report of a process that restarted
+            # since, or of a job a newer one replaced.
+            yield d.step(f"ready(r{r},i{m.inc},v{record},late)")
+            continue
         d.edit_core(unverified=d.core.unverified | {r})
         status = s.core.receivers[r]
         if status is not None:
@@ -322,12 +325,15 @@ def run_transition(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     yield d.step("run_transition(take_over)" if old else "run_transition")
 
 
-def transition_done(d: Draft, run: Run) -> None:
+def transition_done(d: Draft, run: Run, cfg: RunConfig) -> None:
     """``TransitionDone``: members the fingerprint did not disprove become verified; the next
     transition waits for the members to settle; ids continue in the run's epoch."""
     core = d.core
     if run.fingerprint and run.disproved is not None:
-        d.edit_core(unverified=core.unverified - (run.required - run.disproved))
+        checked = run.required - run.disproved
+        if not cfg.verify_restarted:
+            checked -= core.restarted
+        d.edit_core(unverified=core.unverified - checked)
     d.edit_core(settling=d.record)
     if run.epoch > core.epoch:
         d.edit_core(epoch=run.epoch, issued=0)

@@ -96,6 +96,14 @@ class RunConfig:
     join_waits: int = 1
     """Transitions that start after ``join_wait_s`` without a receiver still joining."""
     fingerprint_on_join: bool = True
+    reopen_while_restoring: bool = True
+    """A restored receiver reopens its gate at a record it holds even while a newer dense job
+    of another record runs (today's receiver core: that job's payloads then land while it
+    serves).  ``False``: it refuses the reopening until the job ended."""
+    verify_restarted: bool = True
+    """``TransitionDone`` verifies every member its fingerprint did not disprove, also one that
+    restarted after the fingerprinting prepare (today's membership core).  ``False``: those
+    stay unverified."""
     early_retire: bool = False
     """A restart reported after ``RunTransition`` but before the run prepared its first
     attempt takes the receiver out of the run.  ``False`` is today's fleet coordinator, which
@@ -181,8 +189,6 @@ class Owner(NamedTuple):
     inc: int
     baseline: int
     staged: bool
-    seen: int
-    """The newest coordinator epoch whose call reached it: older calls are refused."""
 
 
 class Receiver(NamedTuple):
@@ -223,10 +229,12 @@ class Reopen(NamedTuple):
 
 
 class Ready(NamedTuple):
-    """A ``ReceiverReady`` report in flight (from process ``inc``; the report does not say)."""
+    """A ``ReceiverReady`` report in flight: ``job`` restored ``record`` at process ``inc``
+    (the report names the job, not the process)."""
 
     receiver: int
     inc: int
+    job: int
     record: int
 
 

@@ -12,26 +12,25 @@ __all__ = ["canonical", "normalize_seen"]
 
 
 def normalize_seen(s: State) -> State:
-    """Each endpoint's ``seen`` raised to the smallest epoch in play at or above it.
+    """Each receiver's ``seen`` moved to the lowest value ranked alike among the epochs in play.
 
     ``seen`` is compared only with epochs in play -- the lease, the run's epoch and the epochs
-    of calls in flight (``call < seen``, ``seen <= run``) -- and with newer epochs, which
-    exceed every ``seen``; those comparisons come out the same after the raise.
+    of calls in flight -- and with newer epochs, which are at least the lease.  A ``seen`` in
+    play stays; one strictly between two epochs in play becomes one above the lower, so every
+    comparison (strict or not) comes out the same.
     """
     play = {0, s.lease}
     if s.run is not None:
         play.add(s.run.epoch)
     play |= {c.epoch for c in s.to_receivers} | {c.epoch for c in s.reopens}
-    ordered = sorted(play)
 
-    def up(seen: int) -> int:
-        return next(e for e in ordered if e >= seen)
+    def rank(seen: int) -> int:
+        return seen if seen in play else max(e for e in play if e < seen) + 1
 
-    receivers = tuple(rx._replace(seen=up(rx.seen)) for rx in s.receivers)
-    owners = tuple(o._replace(seen=up(o.seen)) for o in s.owners)
-    if receivers == s.receivers and owners == s.owners:
+    receivers = tuple(rx._replace(seen=rank(rx.seen)) for rx in s.receivers)
+    if receivers == s.receivers:
         return s
-    return replace(s, receivers=receivers, owners=owners)
+    return replace(s, receivers=receivers)
 
 
 def _opt(x: tuple[int | bool, ...] | None) -> tuple[int | bool, ...]:
@@ -70,7 +69,7 @@ def _key(s: State, r: int) -> tuple[object, ...]:
         s.registered is not None and r in s.registered.receivers,
         tuple(sorted((c.job, c.record, c.epoch) for c in s.to_receivers if c.receiver == r)),
         tuple(sorted((c.job, c.record, c.epoch) for c in s.reopens if c.receiver == r)),
-        tuple(sorted((m.inc, m.record) for m in s.readies if m.receiver == r)),
+        tuple(sorted((m.inc, m.job, m.record) for m in s.readies if m.receiver == r)),
         tuple(tuple(sorted(inc for x, inc in c.missing if x == r)) for c in s.commits),
     )
 
