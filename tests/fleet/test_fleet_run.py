@@ -115,7 +115,9 @@ def test_a_relay_node_killed_while_a_receiver_restores_fails_the_restore_fast(
         for line in path.read_text().splitlines()
     ]
     failed = [e for e in events if e["event"] == "dense-failed" and e["receiver"] == "r1"]
-    assert failed and failed[0]["check"] == "missing", failed
+    # A job sent while the owners move their baselines fails "version" first and is sent
+    # again; the job whose payloads died with the node fails its arrival check.
+    assert "missing" in [e["check"] for e in failed], failed
     restored = [e["version"] for e in events if e["event"] == "restored" and e["receiver"] == "r1"]
     assert restored[-1] == 2
     assert not [e for e in events if e["event"] == "not-waiting"]
