@@ -21,10 +21,11 @@ with a message that names the section and the keys it knows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dcr.adapters.security import Identity, Security
 from dcr.errors import ConfigError
 
 T = TypeVar("T")
@@ -71,6 +72,13 @@ class AdapterContext:
     store: CommitStore | None = None
     """The process's commit store (for control channels that find the coordinator through
     the commit record); ``None`` while the commit store itself is being built."""
+    security: Security = field(default_factory=lambda: Security())
+    """The fleet's key material (``[fleet] keys``, ``insecure``): CURVE on every socket and
+    the fleet secret that seals payloads; without keys, loopback only."""
+    identity: Identity | None = None
+    """Who this process is on the fleet's sockets (``receiver:r0``, ``owner:o0``,
+    ``relay:node0``, ``coordinator:main``); ``None`` in a process that opens no socket
+    (the launcher)."""
 
     def path(self, value: object) -> Path:
         """``value`` (an option) as a path: relative ones start at :attr:`base_dir`."""

@@ -1,11 +1,13 @@
-"""The ``dcr`` command line: the RL loop, the demo fleet, fleet roles, benchmarks.
+"""The ``dcr`` command line: the RL loop, the demo fleet, fleet roles, benchmarks, the commit
+store.
 
 Every subcommand prints a human-readable report; ``--json`` prints one JSON object instead
 (progress goes to stderr, so stdout stays machine-readable).
 
 This module holds the top-level parser and the dispatch; each group of subcommands lives in
 its own module: ``bench`` (the benchmarks), ``fleet`` (the demo, the launcher and the fleet
-roles) and ``rl`` (the RL loop).
+roles), ``keys`` (a fleet's key directory), ``rl`` (the RL loop) and ``store``
+(``dcr commit-store``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from dcr.cli.fleet import (
     run_fleet_command,
     run_role,
 )
+from dcr.cli.keys import add_keys_parser, run_keys_command
 from dcr.cli.rl import add_rl_parser, run_rl_command
+from dcr.cli.store import add_store_parser, run_store_command
 
 __all__ = ["main"]
 
@@ -40,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_rl_parser(sub)
     add_fleet_parser(sub)
+    add_keys_parser(sub)
     add_role_parsers(sub)
+    add_store_parser(sub)
     return p
 
 
@@ -54,4 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_fleet_command(args)
     if args.command == "rl":
         return run_rl_command(args)
+    if args.command == "commit-store":
+        return run_store_command(args)
+    if args.command == "keys":
+        return run_keys_command(args)
     return run_role(args)

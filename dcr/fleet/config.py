@@ -7,6 +7,7 @@ same description.  Adapters are chosen by their registered names (``commit_store
 
     [fleet]
     run_dir = "run"                # sqlite file, per-process logs and event files
+    keys = "keys"                  # key directory (`dcr keys init keys --fleet FILE`)
 
     [model]                        # the synthetic model the demo trainer trains
     family = "llama"
@@ -52,6 +53,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dcr.adapters.security import COORDINATOR, Identity, KeyDir, Security
 from dcr.errors import ConfigError
 from dcr.fleet.sections import (
     CoordinatorSection,
@@ -86,6 +88,13 @@ class FleetConfig:
     run_dir: Path
     name: str = "fleet"
     host: str = "127.0.0.1"
+    keys: Path | None = None
+    """The fleet's key directory (``[fleet] keys``, made by ``dcr keys init``): CURVE on the
+    control channel and the relay tree, keyed payload and manifest seals.  ``None``: no
+    authentication or encryption, so every socket binds loopback only unless ``insecure``."""
+    insecure: bool = False
+    """``[fleet] insecure = true``: bind a non-loopback ``host`` without keys (warned at every
+    start).  Anyone who reaches such a port can then send and read weights."""
     model: ModelSection = field(default_factory=ModelSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     rollout: tuple[RolloutNode, ...] = ()
@@ -106,6 +115,20 @@ class FleetConfig:
     @property
     def receivers(self) -> tuple[ReceiverSpec, ...]:
         return tuple(r for node in self.rollout for r in node.receivers)
+
+    def security(self) -> Security:
+        """The fleet's key material as its processes use it (read from :attr:`keys`)."""
+        return Security(KeyDir(self.keys) if self.keys is not None else None, self.insecure)
+
+    def identities(self) -> list[Identity]:
+        """Every identity the fleet's processes use: the coordinator, one owner per trainer
+        rank, every receiver and every rollout node's relay node."""
+        return [
+            COORDINATOR,
+            *(Identity("owner", o) for o in self.owners),
+            *(Identity("receiver", r.name) for r in self.receivers),
+            *(Identity("relay", n.name) for n in self.rollout),
+        ]
 
     def node_of(self, receiver: str) -> RolloutNode:
         for node in self.rollout:
@@ -250,6 +273,14 @@ def load_fleet(path: str | Path) -> FleetConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     top = raw.get("fleet", {})
+    if not isinstance(top, dict):
+        raise ConfigError("[fleet] must be a table")
+    keys = top.get("keys")
+    if keys is not None and (not isinstance(keys, str) or not keys):
+        raise ConfigError(f"[fleet] keys must name a key directory, got {keys!r}")
+    insecure = top.get("insecure", False)
+    if not isinstance(insecure, bool):
+        raise ConfigError(f"[fleet] insecure must be true or false, got {insecure!r}")
     allowed = {"fleet", "model", "trainer", "rollout", "engine", "coordinator", "queue",
                "commit_store", "control", "transport", "proof"}  # fmt: skip
     if set(raw) - allowed:
@@ -292,6 +323,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
         run_dir=run_dir,
         name=str(top.get("name", path.stem)),
         host=str(top.get("host", "127.0.0.1")),
+        keys=None if keys is None else path.parent / keys,
+        insecure=insecure,
         model=_model(raw.get("model"), path.parent, trainer),
         trainer=trainer,
         rollout=_runtimes(tuple(nodes), engines),

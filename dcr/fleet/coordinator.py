@@ -42,6 +42,7 @@ from anyio.abc import TaskGroup
 
 from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.control.base import ControlChannel, CoordinatorLink
+from dcr.adapters.security import COORDINATOR
 from dcr.adapters.transport.base import Transport
 from dcr.engine.coordinator import CoordinatorService
 from dcr.engine.integration import attempt_from_json
@@ -445,7 +446,7 @@ async def run_coordinator(cfg: FleetConfig, name: str = "coordinator") -> None:
     log = EventLog(cfg.events_dir, name)
     store = make_store(cfg)
     control = make_control(cfg, store)
-    transport = make_transport(cfg)
+    transport = make_transport(cfg, identity=COORDINATOR)
     coordinator = FleetCoordinator(
         owners=cfg.owners,
         receivers=tuple(r.name for r in cfg.receivers),

@@ -36,6 +36,7 @@ import torch
 
 from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.adapters.security import Identity
 from dcr.apply.applier import Applier
 from dcr.apply.loader import Loader
 from dcr.apply.proof import receiver_proof
@@ -200,7 +201,9 @@ async def run_receiver(
     engine_hooks = hooks if hooks is not None else ReceiverHooks()
     store = make_store(cfg)
     control = make_control(cfg, store)
-    transport = make_transport(cfg, node=cfg.node_of(name).name)
+    transport = make_transport(
+        cfg, node=cfg.node_of(name).name, identity=Identity("receiver", name)
+    )
     time_fetches(transport, log)
 
     async def holds(record: CommitRecord) -> None:

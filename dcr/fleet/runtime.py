@@ -24,6 +24,7 @@ from dcr.adapters.commit.base import CommitStore
 from dcr.adapters.context import AdapterContext, dataclass_options
 from dcr.adapters.control.base import ControlChannel
 from dcr.adapters.registry import load
+from dcr.adapters.security import Identity
 from dcr.adapters.transport.base import Transport
 from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig
@@ -53,9 +54,11 @@ def adapter_context(
     *,
     node: str | None = None,
     store: CommitStore | None = None,
+    identity: Identity | None = None,
 ) -> AdapterContext:
     """What an adapter built from section ``section`` of ``cfg`` learns about its process:
-    ``node`` is the rollout node hosting the process's receivers, ``store`` its commit store."""
+    ``node`` is the rollout node hosting the process's receivers, ``store`` its commit store,
+    ``identity`` who the process is on the fleet's sockets."""
     hosted = next((n for n in cfg.rollout if n.name == node), None)
     return AdapterContext(
         section=section,
@@ -68,6 +71,8 @@ def adapter_context(
         nodes=tuple(n.name for n in cfg.rollout),
         address=cfg.address,
         store=store,
+        security=cfg.security(),
+        identity=identity,
     )
 
 
@@ -127,9 +132,12 @@ def root_node(cfg: FleetConfig) -> str:
     return cfg.rollout[0].name
 
 
-def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
+def make_transport(
+    cfg: FleetConfig, *, node: str | None = None, identity: Identity | None = None
+) -> Transport:
     """The transport client of a process (``[transport]``); ``node`` is the rollout node
-    hosting its receivers.
+    hosting its receivers, ``identity`` who the process is (``owner:o0``, ``receiver:r0``,
+    ``coordinator:main``; with keys, its relay sockets use that identity's key).
 
     The transport's class builds it from the section's keys and the process's context: the
     relay tree connects to the root (and to ``node``); an object store opens the storage
@@ -139,7 +147,8 @@ def make_transport(cfg: FleetConfig, *, node: str | None = None) -> Transport:
     several receivers).
     """
     _, opts = _section(cfg.transport, "transport")
-    return transport_class(cfg).from_config(opts, adapter_context(cfg, "transport", node=node))
+    context = adapter_context(cfg, "transport", node=node, identity=identity)
+    return transport_class(cfg).from_config(opts, context)
 
 
 LAUNCHED = "DCR_LAUNCHED"

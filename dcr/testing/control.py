@@ -32,7 +32,12 @@ import anyio
 import anyio.abc
 from hypothesis import strategies as st
 
-from dcr.adapters.control.base import PENDING_CALLS, CoordinatorLink, EndpointLink
+from dcr.adapters.control.base import (
+    PENDING_CALLS,
+    SUPERVISOR_ONLY,
+    CoordinatorLink,
+    EndpointLink,
+)
 from dcr.protocol import messages as msg
 from dcr.protocol.proof import Proof, ProofRequest, TensorProof
 from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
@@ -110,8 +115,20 @@ EXAMPLES: tuple[msg.Message, ...] = (
 """One representative value of every class in :data:`~dcr.protocol.messages.MESSAGES`:
 nested records, enums, frozensets, tuples of pairs, optional and defaulted fields."""
 
+def _speaking_for(reply: msg.Reply, name: str) -> msg.Reply:
+    """``reply`` with its ``endpoint``/``receiver``/``owner`` field set to ``name``."""
+    fields = {f.name for f in dataclasses.fields(reply)}
+    return dataclasses.replace(reply, **{f: name for f in ("endpoint", "receiver", "owner")
+                                         if f in fields})
+
+
 _CALL_EXAMPLES = tuple(m for m in EXAMPLES if isinstance(m, msg.CALLS))
-_REPLY_EXAMPLES = tuple(m for m in EXAMPLES if isinstance(m, msg.REPLIES))
+_REPLY_EXAMPLES = tuple(
+    _speaking_for(m, "ep-a")
+    for m in EXAMPLES
+    if isinstance(m, msg.REPLIES) and not isinstance(m, SUPERVISOR_ONLY)
+)
+"""Every reply an endpoint may send, as endpoint ``ep-a`` sends it (speaking for itself)."""
 
 # -- hypothesis strategies for message classes ----------------------------------------------------
 
@@ -320,6 +337,29 @@ class ControlTests(AsyncSuite):
                 for name, parity in (("ep-a", 1), ("ep-b", 0)):
                     got = [r.attempt for r in numbered if r.check == "order" and r.endpoint == name]
                     assert got == [i for i in range(40) if i % 2 == parity], (name, got)
+                tg.cancel_scope.cancel()
+
+    async def test_a_reply_speaks_for_its_sender_only(self) -> None:
+        """A reply naming another endpoint, and ``Retired`` (which only a supervisor reports),
+        never reach the coordinator from an endpoint link; the link's next reply does."""
+        async with self.world() as h:
+            coordinator = await h.coordinator()
+            async with anyio.create_task_group() as tg:
+                replies = await _collect(tg, coordinator)
+                link = await h.endpoint("ep-m")
+                await h.settle(connected=("ep-m",))
+                forged = msg.Acked(attempt=5, receiver="ep-r", applied=(), post_apply_checked=True)
+                await link.notify(forged)
+                await link.notify(msg.Retired(attempt=5, endpoint="ep-m"))
+                await link.notify(msg.EndpointStatus(
+                    endpoint="ep-r", role="receiver", incarnation="i1", record=None
+                ))
+                honest = msg.GateClosed(attempt=5, receiver="ep-m")
+                await link.notify(honest)
+                await _until(lambda: honest in replies.got, 10, "the honest reply")
+                assert replies.got == [honest]
+                drops = coordinator.drops + link.drops
+                assert drops["impersonation"] == 2 and drops["supervisor-only"] == 1
                 tg.cancel_scope.cancel()
 
     async def test_status_reaches_coordinator(self) -> None:

@@ -505,7 +505,7 @@ def test_register_refuses_a_taken_name_and_a_bad_target(monkeypatch: pytest.Monk
         ('[commit_store]\nkind = "s3"\nprefix = "p"\n', "[commit_store] needs a bucket"),
         ('[transport]\nkind = "s3"\nbuckett = "b"\n', "[transport] has unknown keys ['buckett']"),
         ('[control]\nkind = "zmq"\nping = 1\n', "[control] has unknown keys ['ping']"),
-        ('[control]\nkind = "zmq"\ncurve = { nope = "k" }\n', "[control.curve] has unknown"),
+        ('[control]\nkind = "zmq"\ncurve = { nope = "k" }\n', "curve is gone"),
         ("[transport]\nkind = 3\n", "kind must be a registered name"),
     ],
 )

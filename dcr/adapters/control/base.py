@@ -10,7 +10,11 @@ them.  Two rules every channel keeps:
   bounded in number, until the endpoint connects -- so a restarted owner gets the retry's
   prepare instead of costing a prepare deadline;
 * calls of a replaced coordinator are refused: each call carries its coordinator's epoch, and
-  an endpoint drops (and counts) calls older than the newest epoch it has seen.
+  an endpoint drops (and counts) calls older than the newest epoch it has seen;
+* a reply speaks for its sender only: its ``endpoint``/``receiver``/``owner`` field names the
+  endpoint that sent it (else it is dropped as ``impersonation``), and replies only a
+  supervisor reports (:data:`SUPERVISOR_ONLY`, ``Retired``) never come from an endpoint link
+  (``supervisor-only``); a supervisor reports them to its coordinator in-process.
 
 A reply goes to the coordinator(s) the endpoint is connected to: every open coordinator in one
 process (the in-memory channel), the current one named by the commit record between processes.
@@ -30,10 +34,40 @@ from dcr.protocol import messages as msg
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
 
-__all__ = ["PENDING_CALLS", "ControlChannel", "CoordinatorLink", "EndpointLink"]
+__all__ = [
+    "PENDING_CALLS",
+    "SUPERVISOR_ONLY",
+    "ControlChannel",
+    "CoordinatorLink",
+    "EndpointLink",
+    "claimed_names",
+    "refusal",
+]
 
 PENDING_CALLS = 1024
 """Calls kept per endpoint that is not connected; older ones are dropped (and counted)."""
+
+SUPERVISOR_ONLY: tuple[type, ...] = (msg.Retired,)
+"""Replies only a coordinator's own supervisor reports, never an endpoint."""
+_NAME_FIELDS = ("endpoint", "receiver", "owner")
+
+
+def claimed_names(reply: object) -> list[str]:
+    """The endpoint names a reply speaks for (its ``endpoint``, ``receiver`` or ``owner``)."""
+    names = [getattr(reply, f, None) for f in _NAME_FIELDS]
+    return [n for n in names if isinstance(n, str)]
+
+
+def refusal(reply: object, sender: str, role: str | None = None) -> str | None:
+    """Why endpoint ``sender`` (of ``role``, when known) may not send ``reply``: the drop
+    counter's name, or ``None`` when it may."""
+    if isinstance(reply, SUPERVISOR_ONLY):
+        return "supervisor-only"
+    if any(n != sender for n in claimed_names(reply)):
+        return "impersonation"
+    if role is not None and isinstance(reply, msg.EndpointStatus) and reply.role != role:
+        return "impersonation"
+    return None
 
 
 class EndpointLink(ABC):

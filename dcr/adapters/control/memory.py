@@ -16,6 +16,7 @@ from dcr.adapters.control.base import (
     ControlChannel,
     CoordinatorLink,
     EndpointLink,
+    refusal,
 )
 from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
@@ -46,6 +47,10 @@ class _Endpoint(EndpointLink):
                 yield message
 
     async def notify(self, reply: msg.Reply) -> None:
+        reason = refusal(reply, self.name)
+        if reason is not None:
+            self.drops[reason] += 1
+            return
         self._hub.notify_all(reply)
 
     async def aclose(self) -> None:

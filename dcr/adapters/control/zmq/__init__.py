@@ -2,7 +2,7 @@
 
 A coordinator link binds a ROUTER (``tcp://127.0.0.1:<random port>`` by default) whose address
 the coordinator engine writes into the commit record with its epoch.  An endpoint link is a
-DEALER whose routing id is the endpoint's name, connected to the *current* coordinator: a fixed
+DEALER connected to the *current* coordinator: a fixed
 ``address``, or the one the commit store names (``store``, read every ``watch_s``).  When the
 store names a new epoch at a new address (a standby took over), the endpoint says goodbye to
 the old coordinator, connects to the new one and says hello there; from then on it refuses
@@ -18,8 +18,21 @@ Connection bookkeeping, kept small and explicit:
 * the coordinator sends :class:`Ping` to each connected endpoint every ``ping_s``.  With
   ``ROUTER_MANDATORY`` a send to a peer whose TCP connection is gone fails at once, so a
   SIGKILLed endpoint is noticed within one interval; an endpoint silent for ``peer_timeout_s``
-  counts as gone too.  ``ROUTER_HANDOVER`` lets a restarted endpoint take over its name.
-  ZeroMQ's own heartbeats drop connections to hosts that vanished without closing them.
+  counts as gone too.  ZeroMQ's own heartbeats drop connections to hosts that vanished without
+  closing them.
+
+Who speaks.  With the fleet's keys (:class:`~dcr.adapters.security.Security`) every
+connection is CURVE, encrypted and authenticated: the coordinator admits only keyring members
+with an owner or receiver key, and a frame counts as sent by the name its key belongs to
+(ZeroMQ's ``User-Id``): a sender name that differs is dropped.  Routing ids are then ZeroMQ's,
+one per connection (no ``ROUTER_HANDOVER``): no peer chooses its own, so no connection can take
+over another's calls; a name's calls go to its newest authenticated connection (a restarted
+endpoint takes over its own name, nobody else's).  Without keys (loopback fleets) an endpoint's
+routing id is its name, ``ROUTER_HANDOVER`` lets a restarted endpoint take it over, and a
+frame's sender must equal its routing id.  Either way a reply must speak for its sender only (its
+``endpoint``/``receiver``/``owner`` field equals the sender, an ``EndpointStatus``'s role is the
+key's), and :class:`~dcr.protocol.messages.Retired`, which only a coordinator's own
+supervisor reports, is refused from every connection.
 
 Replies go to the one coordinator the endpoint is connected to (the one its configuration or
 the commit store names).  A call sent in the instant its endpoint dies can be lost; the cores
@@ -32,20 +45,22 @@ nothing, and is counted in the receiving link's ``drops``:
 
 * both ends: the codec's ``check`` (``oversized``, ``truncated``, ``malformed``, ``version``,
   ``type``, ``schema``), ``parts``, ``direction``, ``closed`` (used after ``aclose``);
-* coordinator: ``sender``, ``pending-overflow`` (a waiting call dropped for a newer one),
-  ``overflow`` (a reply dropped because ``replies_buffer`` replies were not read);
+* coordinator: ``sender`` (not the key's name, or not a valid name), ``impersonation`` (a
+  reply speaking for another endpoint or role), ``supervisor-only``, ``pending-overflow`` (a
+  waiting call dropped for a newer one), ``overflow`` (a reply dropped because
+  ``replies_buffer`` replies were not read), ``peer-overflow`` (one endpoint already has
+  ``replies_per_endpoint`` replies unread);
 * endpoint: ``stale-epoch``, ``unsent`` (the send queue was full), ``no-coordinator`` (no
   address known yet), ``address`` (the store named an address that cannot be connected to),
   ``store`` (a failed store read).
 
-Optional CURVE encryption and authentication (:class:`CurveConfig`, key files made with
-``zmq.auth.create_certificates``) is checked by an in-process ZAP handler: an endpoint whose
-public key is not in ``authorized_clients_dir`` never completes its connection.  pyzmq's
-asyncio sockets need the asyncio backend of anyio.
+A key not in the keyring never completes its connection (counted in ``ZmqControl.auth``).
+A coordinator refuses to bind a non-loopback address without keys unless the fleet says
+``insecure = true``.  pyzmq's asyncio sockets need the asyncio backend of anyio.
 """
 
 from dcr.adapters.control.zmq.channel import ZmqControl
-from dcr.adapters.control.zmq.config import CurveConfig, ZmqControlConfig
+from dcr.adapters.control.zmq.config import ZmqControlConfig
 from dcr.adapters.control.zmq.coordinator import ZmqCoordinatorLink
 from dcr.adapters.control.zmq.endpoint import ZmqEndpointLink
 from dcr.adapters.control.zmq.link import COORDINATOR, LINK_MESSAGES, Bye, Hello, Ping
@@ -54,7 +69,6 @@ __all__ = [
     "COORDINATOR",
     "LINK_MESSAGES",
     "Bye",
-    "CurveConfig",
     "Hello",
     "Ping",
     "ZmqControl",

@@ -1,10 +1,11 @@
 """The coordinator side of the ZeroMQ control channel: a ROUTER that endpoints connect to,
-its view of connected endpoints, the calls waiting for them and the pings that find the gone."""
+who each connection is (its authenticated key, or on a loopback fleet its own word), its view
+of connected endpoints, the calls waiting for them and the pings that find the gone."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ import zmq
 import zmq.asyncio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from dcr.adapters.control.base import CoordinatorLink
+from dcr.adapters.control.base import CoordinatorLink, refusal
 from dcr.adapters.control.zmq.link import (
     COORDINATOR,
     Bye,
@@ -25,6 +26,8 @@ from dcr.adapters.control.zmq.link import (
     send_now,
     set_options,
 )
+from dcr.adapters.security import CONTROL, Identity, check_bind, peer_identity
+from dcr.adapters.security import COORDINATOR as COORDINATOR_IDENTITY
 from dcr.errors import ConfigError, ControlMessageRejected
 from dcr.protocol import messages as msg
 
@@ -34,8 +37,10 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _Peer:
-    """A connected endpoint as its coordinator link sees it."""
+    """A connected endpoint as its coordinator link sees it: ``route`` is the routing id
+    ZeroMQ gave its newest connection (calls go there)."""
 
+    route: bytes
     status: msg.EndpointStatus | None
     heard: float
 
@@ -48,13 +53,15 @@ class ZmqCoordinatorLink(CoordinatorLink):
         self._control = control
         self._config = control.config
         self._router: zmq.asyncio.Socket | None = None
+        self._secured = False
         self._peers: dict[str, _Peer] = {}
         self._pending: dict[str, deque[bytes]] = {}
+        self._queued: Counter[str] = Counter()
         self._epoch = 0
         self._closed = False
-        self._send: MemoryObjectSendStream[msg.Reply]
-        self._recv: MemoryObjectReceiveStream[msg.Reply]
-        self._send, self._recv = anyio.create_memory_object_stream[msg.Reply](
+        self._send: MemoryObjectSendStream[tuple[str, msg.Reply]]
+        self._recv: MemoryObjectReceiveStream[tuple[str, msg.Reply]]
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[str, msg.Reply]](
             self._config.replies_buffer
         )
         self._tasks = LinkTasks(self._send.close)
@@ -65,11 +72,15 @@ class ZmqCoordinatorLink(CoordinatorLink):
         try:
             set_options(sock, self._config)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            control._curve_server(sock)
+            if not control.security.keyed:
+                # loopback fleets: a restarted endpoint takes its name (its routing id) over
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            check_bind(self._config.bind, control.security, "the control channel")
+            control.security.server(sock, COORDINATOR_IDENTITY, CONTROL)
+            self._secured = True
             self.address = _bind(sock, self._config.bind)
         except BaseException:
-            sock.close(linger=0)
+            self._close_socket(sock)
             raise
         self._router = sock
         self._tasks.spawn(self._read(sock))
@@ -107,11 +118,12 @@ class ZmqCoordinatorLink(CoordinatorLink):
     def _deliver(self, endpoint: str, data: bytes) -> bool:
         """Send one frame to a connected endpoint; a peer that is gone is forgotten."""
         assert self._router is not None
-        errno = send_now(self._router, [routing_id(endpoint), data])
+        peer = self._peers[endpoint]
+        errno = send_now(self._router, [peer.route, data])
         if errno == 0:
             return True
-        if errno != zmq.EAGAIN:
-            self._peers.pop(endpoint, None)
+        if errno != zmq.EAGAIN and self._peers.get(endpoint) is peer:
+            del self._peers[endpoint]
         return False
 
     def _flush(self, endpoint: str) -> None:
@@ -126,6 +138,7 @@ class ZmqCoordinatorLink(CoordinatorLink):
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         codec = self._control.codec
+        keyed = self._control.security.keyed
         while True:
             parts = await sock.recv_multipart(copy=False)
             if len(parts) != 2:
@@ -136,47 +149,61 @@ class ZmqCoordinatorLink(CoordinatorLink):
             except ControlMessageRejected as exc:
                 self.drops[exc.check or "malformed"] += 1
                 continue
-            try:
-                name = parts[0].bytes.decode()
-            except UnicodeDecodeError:
-                name = ""
-            if envelope.sender != name:
+            name, route = envelope.sender, parts[0].bytes
+            # who speaks: the key's owner, or on a loopback fleet the routing id it chose
+            identity = peer_identity(parts[1]) if keyed else None
+            claimed = identity.name if identity is not None else _decoded(route)
+            if name != claimed:
                 self.drops["sender"] += 1
                 continue
-            self._on_message(name, envelope.message)
+            self._on_message(name, route, envelope.message, identity)
 
-    def _on_message(self, name: str, message: object) -> None:
+    def _on_message(
+        self, name: str, route: bytes, message: object, identity: Identity | None
+    ) -> None:
         now = time.monotonic()
+        role = identity.role if identity is not None else None
+        status = message.status if isinstance(message, Hello) else None
+        reason = refusal(status if status is not None else message, name, role)
+        if reason is not None:
+            self.drops[reason] += 1
+            return
         peer = self._peers.get(name)
         if isinstance(message, Hello):
             if peer is None:
-                self._peers[name] = _Peer(status=message.status, heard=now)
-                if message.status is not None:
-                    self._push(message.status)
+                self._peers[name] = _Peer(route=route, status=status, heard=now)
+                if status is not None:
+                    self._push(name, status)
             else:
-                peer.heard = now
-                if message.status is not None and message.status != peer.status:
-                    peer.status = message.status
-                    self._push(message.status)
+                peer.route, peer.heard = route, now  # the same name's newest connection
+                if status is not None and status != peer.status:
+                    peer.status = status
+                    self._push(name, status)
             self._flush(name)
         elif isinstance(message, Bye):
-            self._peers.pop(name, None)
+            if peer is not None and peer.route == route:
+                del self._peers[name]
         elif isinstance(message, msg.REPLIES):
             if peer is not None:
                 peer.heard = now
                 if isinstance(message, msg.EndpointStatus):
                     peer.status = message
-            self._push(message)
+            self._push(name, message)
         else:
             self.drops["direction"] += 1
 
-    def _push(self, reply: msg.Reply) -> None:
+    def _push(self, name: str, reply: msg.Reply) -> None:
+        if self._queued[name] >= self._config.replies_per_endpoint:
+            self.drops["peer-overflow"] += 1
+            return
         try:
-            self._send.send_nowait(reply)
+            self._send.send_nowait((name, reply))
         except anyio.WouldBlock:
             self.drops["overflow"] += 1
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self.drops["closed"] += 1
+        else:
+            self._queued[name] += 1
 
     async def _tick(self) -> None:
         """Ping connected endpoints, forget silent or unreachable ones, retry waiting calls."""
@@ -194,10 +221,14 @@ class ZmqCoordinatorLink(CoordinatorLink):
     async def replies(self) -> AsyncIterator[msg.Reply]:
         while True:
             try:
-                yield await self._recv.receive()
+                name, reply = await self._recv.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 self._tasks.check()
                 return
+            self._queued[name] -= 1
+            if self._queued[name] <= 0:
+                del self._queued[name]
+            yield reply
 
     async def aclose(self) -> None:
         if self._closed:
@@ -208,11 +239,25 @@ class ZmqCoordinatorLink(CoordinatorLink):
             await self._tasks.cancel()
         finally:
             if self._router is not None:
-                self._router.close(linger=0)
+                self._close_socket(self._router)
                 self._router = None
             self._peers.clear()
             self._send.close()
             self._recv.close()
+
+
+    def _close_socket(self, sock: zmq.asyncio.Socket) -> None:
+        sock.close(linger=0)
+        if self._secured:
+            self._secured = False
+            self._control.security.release(sock)
+
+
+def _decoded(route: bytes) -> str | None:
+    try:
+        return route.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _bind(sock: zmq.asyncio.Socket, address: str) -> str:

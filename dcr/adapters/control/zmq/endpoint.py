@@ -1,5 +1,5 @@
-"""The endpoint side of the ZeroMQ control channel: a DEALER named after its endpoint,
-connected to the current coordinator (a fixed address, or the one the commit store names)."""
+"""The endpoint side of the ZeroMQ control channel: a DEALER of one endpoint, connected to
+the current coordinator (a fixed address, or the one the commit store names)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from dcr.adapters.control.zmq.link import (
     send_now,
     set_options,
 )
+from dcr.adapters.security import COORDINATOR as COORDINATOR_IDENTITY
 from dcr.errors import CommitStoreError, ConfigError, ControlMessageRejected
 from dcr.protocol import messages as msg
 
@@ -34,12 +35,15 @@ the coordinator is unreachable)."""
 
 
 class ZmqEndpointLink(EndpointLink):
-    """A DEALER (routing id = the endpoint's name) to the current coordinator."""
+    """A DEALER to the current coordinator; with keys, a CURVE client of the endpoint's
+    identity that talks only to the fleet's coordinator key."""
 
     def __init__(self, control: ZmqControl, name: str) -> None:
         super().__init__(name)
         self._control = control
-        self._ident = routing_id(name)
+        routing_id(name)  # checks the name
+        security = control.security
+        self._identity = security.endpoint_identity(name) if security.keyed else None
         self._config = control.config
         self.address = ""
         """The coordinator address this link is connected to (empty: none known yet)."""
@@ -96,8 +100,10 @@ class ZmqEndpointLink(EndpointLink):
         sock = control.context().socket(zmq.DEALER)
         try:
             set_options(sock, self._config)
-            sock.setsockopt(zmq.ROUTING_ID, self._ident)
-            control._curve_client(sock)
+            if self._identity is not None:
+                control.security.client(sock, self._identity, COORDINATOR_IDENTITY)
+            else:
+                sock.setsockopt(zmq.ROUTING_ID, routing_id(self.name))
             sock.connect(address)
         except zmq.ZMQError as exc:
             sock.close(linger=0)

@@ -1,6 +1,6 @@
 """What both ends of a ZeroMQ control link share: the connection bookkeeping messages
-(:class:`Hello`, :class:`Bye`, :class:`Ping`), routing ids, the options of every control
-socket, sends that never wait, and the background tasks of a link."""
+(:class:`Hello`, :class:`Bye`, :class:`Ping`), endpoint names, the options of every control socket,
+sends that never wait, and the background tasks of a link."""
 
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ class Ping:
 LINK_MESSAGES: tuple[type, ...] = (Hello, Bye, Ping)
 """Connection bookkeeping of this channel, encoded by the same codec as the calls."""
 
-
 def routing_id(name: str) -> bytes:
-    """An endpoint's routing id: its UTF-8 name (1-255 bytes, not starting with a zero byte,
-    which ZeroMQ reserves for ids it generates)."""
+    """An endpoint name as bytes, checked: 1-255 UTF-8 bytes, not starting with a zero byte.
+    (Routing ids themselves are ZeroMQ's, one per connection: a peer never chooses its own.)"""
     try:
         ident = name.encode()
     except UnicodeEncodeError:
