@@ -6,7 +6,9 @@ TP=1 (``r0``) and one at TP=2 (``r1``, ``r2``), each rank its own process, behin
 tree of two relay-node processes; a coordinator process and a standby; a SQLite commit store
 on disk.  Receivers start empty and restore version 0 by a dense refit the owners send over
 the relay tree; then each optimizer step is refit in place.  After every commit each receiver
-reports digests of its parameter bits, compared with a dense load of that version.
+reports digests of its parameter bits, compared with a dense load of that version.  Every
+socket is CURVE-authenticated and encrypted and every payload sealed with the fleet's key
+(``<dir>/keys``) unless ``keys=False``.
 
 With ``faults=True`` (or ``"plan"``) refits 2, 3, ... each SIGKILL one process mid-refit: a
 receiver, a trainer rank (the whole trainer restarts), the active coordinator (the standby
@@ -40,9 +42,12 @@ def demo_fleet_file(
     chunk_mb: float = 8.0,
     bucket_mb: float = 16.0,
     extra: str = "",
+    keys: bool = True,
 ) -> Path:
     """Write the demo's fleet file into ``directory`` and return its path; ``extra`` is
-    TOML appended to it (more sections)."""
+    TOML appended to it (more sections).  With ``keys`` the fleet authenticates and encrypts
+    every socket and seals its payloads with the key directory ``<directory>/keys``, made
+    here when missing."""
     directory.mkdir(parents=True, exist_ok=True)
     overrides = "".join(
         f"{k} = {v!r}\n" if not isinstance(v, bool) else f"{k} = {str(v).lower()}\n"
@@ -52,6 +57,7 @@ def demo_fleet_file(
 [fleet]
 name = "demo"
 run_dir = "run"
+{'keys = "keys"' if keys else ""}
 
 [model]
 family = "llama"
@@ -93,6 +99,7 @@ receivers = [{{ name = "r1", tp = 2, rank = 0 }}, {{ name = "r2", tp = 2, rank =
 """
     path = directory / "fleet.toml"
     path.write_text(text + extra)
+    load_fleet(path).ensure_keys()
     return path
 
 
@@ -109,12 +116,13 @@ def run_demo(
     chunk_mb: float = 8.0,
     bucket_mb: float = 16.0,
     deadline_s: float = 3600.0,
+    keys: bool = True,
 ) -> dict[str, Any]:
     """Run the demo fleet; returns the launcher's report (``bit_exact``, one row per refit)."""
     console = Console(stderr=True, quiet=quiet, width=max(Console(stderr=True).width, 110))
     path = demo_fleet_file(
         directory, size_mb=size_mb, refits=refits, rate=rate, seed=seed,
-        model_overrides=model_overrides, chunk_mb=chunk_mb, bucket_mb=bucket_mb,
+        model_overrides=model_overrides, chunk_mb=chunk_mb, bucket_mb=bucket_mb, keys=keys,
     )  # fmt: skip
     cfg = load_fleet(path)
     plan = fault_plan(cfg, "plan" if faults is True else (faults or None), seed)
@@ -123,7 +131,8 @@ def run_demo(
     console.print(
         f"model: {launcher.model.config['num_hidden_layers']} layers, {ckpt / 1e6:.0f} MB bf16 | "
         f"trainer: TP=2 x DP=2 (4 owner processes, gloo) | rollout: node0 r0 (TP=1), node1 "
-        f"r1 + r2 (TP=2) | relay tree of 2 nodes | coordinator + standby | SQLite on disk"
+        f"r1 + r2 (TP=2) | relay tree of 2 nodes | coordinator + standby | SQLite on disk | "
+        + ("CURVE on every socket, keyed payload seals" if keys else "no keys (loopback only)")
     )
     if plan:
         for f in plan:

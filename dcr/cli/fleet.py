@@ -40,6 +40,11 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "receiver, a trainer rank, the active coordinator, a relay node; 'random' draws the "
         "role each refit (seeded by --seed); each process is restarted and recovers",
     )
+    demo.add_argument(
+        "--no-keys", dest="keys", action="store_false",
+        help="run without the fleet's keys (no CURVE, unsealed payloads; loopback only); "
+        "by default <dir>/keys is made and every socket is authenticated and encrypted",
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -100,6 +105,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         faults=args.faults,
         quiet=args.json,
+        keys=args.keys,
     )
     if args.json:
         print(json.dumps(result))

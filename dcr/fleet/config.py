@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from dcr.adapters.security import COORDINATOR, Identity, KeyDir, Security
+from dcr.adapters.security.keys import KEYRING
 from dcr.errors import ConfigError
 from dcr.fleet.sections import (
     CoordinatorSection,
@@ -119,6 +120,18 @@ class FleetConfig:
     def security(self) -> Security:
         """The fleet's key material as its processes use it (read from :attr:`keys`)."""
         return Security(KeyDir(self.keys) if self.keys is not None else None, self.insecure)
+
+    def ensure_keys(self) -> list[Identity]:
+        """Make :attr:`keys` when it does not exist yet, or give the identities it lacks key
+        pairs (a fleet on one host; across hosts, make and copy keys with ``dcr keys``).
+        Returns the identities that got new key pairs."""
+        if self.keys is None:
+            return []
+        wanted = self.identities()
+        if not (self.keys / KEYRING).exists():
+            KeyDir.init(self.keys, wanted)
+            return wanted
+        return KeyDir(self.keys).add(wanted)
 
     def identities(self) -> list[Identity]:
         """Every identity the fleet's processes use: the coordinator, one owner per trainer
