@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import anyio
 
+from dcr.adapters.security import COORDINATOR, Identity
 from dcr.errors import ConfigError, TransportError
 from dcr.fleet.config import FleetConfig, free_port, load_fleet
 from dcr.fleet.runtime import LAUNCHED
@@ -77,6 +78,17 @@ def _await_go(deadline_s: float) -> None:
         raise SystemExit("no GO from the benchmark")
 
 
+def reference_name(node: str) -> str:
+    """The name rollout node ``node``'s reference download subscribes under (with keys, the
+    ``receiver`` identity of that name needs a key pair: :func:`reference_identities`)."""
+    return f"reference-{node}"
+
+
+def reference_identities(cfg: FleetConfig) -> list[Identity]:
+    """The identities the reference transfer adds to a fleet's: one receiver per node."""
+    return [Identity("receiver", reference_name(n.name)) for n in cfg.rollout]
+
+
 def _reference_attempt() -> int:
     """A fresh attempt id for one transfer (milliseconds since the epoch above the base: a
     later transfer, or a later run over the same storage, never reuses a cleaned one)."""
@@ -88,7 +100,7 @@ async def _send(
 ) -> None:
     from dcr.fleet.runtime import make_transport
 
-    transport = make_transport(cfg)
+    transport = make_transport(cfg, identity=Identity("owner", owner))
     try:
         data = os.urandom(max(sizes, default=0))
         limiter = anyio.CapacityLimiter(cfg.trainer.sends_in_flight)
@@ -119,8 +131,8 @@ async def _fetch(
 ) -> None:
     from dcr.fleet.runtime import make_transport
 
-    transport = make_transport(cfg, node=node)
-    name = f"reference-{node}"
+    name = reference_name(node)
+    transport = make_transport(cfg, node=node, identity=Identity("receiver", name))
     try:
         print("READY", flush=True)
         await anyio.to_thread.run_sync(_await_go, deadline_s)
@@ -329,7 +341,7 @@ def _transfer(
                 procs.append(_Proc(argv, logs / f"reference-relay-{node.name}.log"))
             rx = fetchers()
             _go(rx)
-            _await_subscribed(cfg, [f"reference-{n.name}" for n in cfg.rollout])
+            _await_subscribed(cfg, [reference_name(n.name) for n in cfg.rollout])
             tx = senders()
             say(f"reference: {len(tx)} owners stream {checkpoint_bytes / 1e9:.2f} GB to "
                 f"{len(rx)} nodes over the relay tree")  # fmt: skip
@@ -363,7 +375,7 @@ def _transfer(
         if not relay:
 
             async def clean() -> None:
-                transport = make_transport(cfg)
+                transport = make_transport(cfg, identity=COORDINATOR)
                 try:
                     await transport.cleanup(attempt)
                 finally:

@@ -130,17 +130,19 @@ def fleet_text(
     link_gbps: float,
     transport_extra: str = "",
     model_dims: Mapping[str, int] | None = None,
+    keys: bool = False,
 ) -> str:
     """The benchmark's fleet file for one transport; ``model_dims`` replaces the model of
-    ``dcr bench construct`` (tests run a tiny one)."""
+    ``dcr bench construct`` (tests run a tiny one); ``keys``: the fleet's key directory
+    ``keys`` beside it (CURVE on every socket, sealed payloads)."""
     from dcr.bench.construct import synthetic_config
 
     size_mb = size_bytes / 1e6 if model_dims is None else 0.0
     if model_dims is None:
         cfg = synthetic_config(int(size_bytes))
-        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        dims = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim")  # fmt: skip
-        model_dims = {k: int(cfg[k]) for k in keys}
+        model_dims = {k: int(cfg[k]) for k in dims}
     overrides = "".join(f"{k} = {v}\n" for k, v in model_dims.items())
     # A loaded 2-core machine can keep a process off the CPU for seconds: relay peers are
     # given 10 s of silence (3 s by default) before a send fails as lost.
@@ -156,6 +158,7 @@ def fleet_text(
 [fleet]
 name = "bench-refit-{transport}"
 run_dir = "run"
+{'keys = "keys"' if keys else ""}
 
 [model]
 family = "llama"
@@ -230,9 +233,11 @@ def _run_transport(
     link_gbps: float,
     model_dims: Mapping[str, int] | None,
     log: Callable[[str], None],
+    keys: bool = False,
 ) -> dict[str, Any]:
     from dcr.adapters.s3server import SeaweedServer
-    from dcr.bench.reference import run_reference
+    from dcr.adapters.security import KeyDir
+    from dcr.bench.reference import reference_identities, run_reference
     from dcr.fleet.config import load_fleet
     from dcr.fleet.launcher import Launcher
 
@@ -255,9 +260,12 @@ def _run_transport(
         path.parent.mkdir(parents=True, exist_ok=True)
         text = fleet_text(transport=kind, size_bytes=size_bytes, steps=steps, layout=layout,
                           link_gbps=link_gbps, transport_extra=extra,
-                          model_dims=model_dims)  # fmt: skip
+                          model_dims=model_dims, keys=keys)  # fmt: skip
         path.write_text(text)
         cfg = load_fleet(path)
+        if cfg.keys is not None:
+            cfg.ensure_keys()
+            KeyDir(cfg.keys).add(reference_identities(cfg))
         launcher = Launcher(cfg, say=lambda line: log(f"{kind}: {line}"), deadline_s=3600.0)
         checkpoint = launcher.model.checkpoint_bytes
         log(f"{kind}: fleet of {checkpoint / GB:.2f} GB, {len(steps)} refits "
@@ -349,10 +357,12 @@ def run_refit_bench(
     directory: Path = Path("out/bench-refit"),
     model_dims: Mapping[str, int] | None = None,
     log: Callable[[str], None] = lambda line: None,
+    keys: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"layout", "link_gbps", "results": [...], "refits",
-    "bit_exact"}`` with one result per (transport, rate).  ``model_dims``: HF config fields
-    of another model than ``dcr bench construct``'s (``size_bytes`` is then ignored)."""
+    """Run the benchmark; returns ``{"layout", "link_gbps", "keys", "results": [...],
+    "refits", "bit_exact"}`` with one result per (transport, rate).  ``model_dims``: HF config
+    fields of another model than ``dcr bench construct``'s (``size_bytes`` is then ignored);
+    ``keys``: the fleets run with keys (CURVE on every socket, sealed payloads)."""
     layout = layout or BenchLayout()
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
@@ -362,7 +372,7 @@ def run_refit_bench(
     runs = [
         _run_transport(kind, directory=directory, size_bytes=size_bytes, rates=rates,
                        repeats=repeats, layout=layout, link_gbps=link_gbps,
-                       model_dims=model_dims, log=log)
+                       model_dims=model_dims, log=log, keys=keys)
         for kind in transports
     ]  # fmt: skip
     cpus = default_threads()  # the CPUs the fleet's processes may run on
@@ -371,6 +381,7 @@ def run_refit_bench(
         "layout": asdict(layout),
         "layout_text": layout.describe(),
         "link_gbps": link_gbps,
+        "keys": keys,
         "cpus": cpus,
         "results": results,
         "refits": {run["transport"]: run["refits"] for run in runs},

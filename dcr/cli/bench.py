@@ -208,6 +208,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help="construction threads per owner process (default: the CPUs each may use)",
     )
+    refit.add_argument(
+        "--keys", action="store_true",
+        help="give the fleets keys: CURVE on every socket, sealed payloads (docs/security.md)",
+    )
     refit.add_argument("--dir", default="out/bench-refit", help="fleet files, logs, events")
     refit.add_argument("--plot", default=None, help="write a PNG of the results here")
     refit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -374,6 +378,7 @@ def _bench_refit(args: argparse.Namespace) -> int:
         ),
         directory=Path(args.dir),
         log=_err,
+        keys=args.keys,
     )
     if args.plot:
         plot_refit(result, Path(args.plot))
