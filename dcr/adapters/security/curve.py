@@ -1,6 +1,5 @@
-"""CURVE on dcr's ZeroMQ sockets: servers that admit only keyring members and learn who is
-speaking from the authenticated key, clients that check the server's key, and the rule for
-binding without keys.
+"""CURVE on dcr's ZeroMQ sockets: the ZAP handler that admits only keyring members and tells
+a server who is speaking from the authenticated key.
 
 Every server socket of a keyed fleet (a coordinator's ROUTER, a relay node's ROUTER) is a CURVE
 server with a ZAP domain; one ZAP handler per ZeroMQ context (pyzmq's
@@ -10,16 +9,13 @@ with the identity the key belongs to (ZeroMQ's ``User-Id`` message property, rea
 :func:`peer_identity`).  So a peer's role and name come from the key it proved it holds, never
 from a routing id or a field it wrote itself.
 
-Without keys a fleet runs on loopback only: :func:`check_bind` refuses to bind any other address
-unless the fleet says ``insecure = true``, and then warns at every start.
+:class:`~dcr.adapters.security.policy.Security` makes sockets CURVE servers and clients.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -30,16 +26,7 @@ from zmq.utils import z85
 from dcr.adapters.security.keys import Identity, KeyDir
 from dcr.errors import ConfigError
 
-__all__ = [
-    "CONTROL",
-    "RELAY",
-    "Security",
-    "auth_counts",
-    "check_bind",
-    "is_loopback",
-    "peer_identity",
-    "release",
-]
+__all__ = ["CONTROL", "RELAY", "auth_counts", "authenticator", "peer_identity", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -52,59 +39,6 @@ _CLIENT_ROLES = {
     CONTROL: frozenset({"owner", "receiver"}),
     RELAY: frozenset({"owner", "coordinator", "relay", "receiver"}),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Security:
-    """The key material a process's sockets use: ``keys`` (``None``: no CURVE, loopback only
-    unless ``insecure``)."""
-
-    keys: KeyDir | None = None
-    insecure: bool = False
-
-    @property
-    def keyed(self) -> bool:
-        return self.keys is not None
-
-    def server(self, sock: zmq.Socket[Any], identity: Identity, domain: str) -> None:
-        """Make ``sock`` a CURVE server of ``identity`` whose clients this context's ZAP
-        handler checks against the keyring (no-op without keys).  Call in the event loop
-        that serves the socket; :func:`release` the context's handler when the socket closes."""
-        if self.keys is None:
-            return
-        public, secret = self.keys.pair(identity)
-        _authenticator(sock.context, self.keys)
-        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-
-    def client(self, sock: zmq.Socket[Any], identity: Identity, server: Identity) -> None:
-        """Make ``sock`` a CURVE client of ``identity`` that talks only to ``server``'s key
-        (no-op without keys)."""
-        if self.keys is None:
-            return
-        public, secret = self.keys.pair(identity)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, self.keys.keyring().public(server))
-
-    def endpoint_identity(self, name: str) -> Identity:
-        """The identity of control endpoint ``name``: the owner or receiver of that name."""
-        assert self.keys is not None
-        ring = self.keys.keyring()
-        found = [i for i in (Identity("owner", name), Identity("receiver", name)) if i in ring]
-        if len(found) != 1:
-            raise ConfigError(
-                f"the keyring must hold exactly one of owner:{name} and receiver:{name} "
-                f"(it holds {[str(i) for i in found] or 'neither'}): `dcr keys add`"
-            )
-        return found[0]
-
-    def release(self, sock: zmq.Socket[Any]) -> None:
-        """The server socket ``sock`` is closing: drop its hold on the ZAP handler."""
-        if self.keys is not None:
-            release(sock.context)
 
 
 def peer_identity(frame: zmq.Frame) -> Identity | None:
@@ -158,7 +92,8 @@ class _FleetAuthenticator(AsyncioAuthenticator):
 _HANDLERS: dict[int, tuple[zmq.Context[Any], _FleetAuthenticator]] = {}
 
 
-def _authenticator(context: zmq.Context[Any], keys: KeyDir) -> _FleetAuthenticator:
+def authenticator(context: zmq.Context[Any], keys: KeyDir) -> _FleetAuthenticator:
+    """``context``'s ZAP handler for ``keys`` (started on first use; one per context)."""
     held = _HANDLERS.get(id(context))
     if held is not None and held[0] is context:
         auth = held[1]
@@ -199,37 +134,3 @@ def auth_counts(context: zmq.Context[Any]) -> Counter[str]:
     """ZAP decisions in ``context`` so far: ``allowed`` and ``denied`` connections."""
     held = _HANDLERS.get(id(context))
     return Counter(held[1].counts) if held is not None and held[0] is context else Counter()
-
-
-# -- binding ---------------------------------------------------------------------------------
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a ZeroMQ address stays on this host (``inproc``, ``ipc``, a loopback IP)."""
-    scheme, _, rest = address.partition("://")
-    if scheme in ("inproc", "ipc"):
-        return True
-    host = rest.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_bind(address: str, security: Security, what: str) -> None:
-    """Refuse to bind ``address`` off this host without keys, unless ``insecure``; warn then."""
-    if security.keyed or is_loopback(address):
-        return
-    if not security.insecure:
-        raise ConfigError(
-            f"{what} would listen on {address} without authentication or encryption: give the "
-            "fleet a key directory (`dcr keys init`, [fleet] keys = ...), bind 127.0.0.1, or "
-            "say insecure = true in [fleet] to accept that anyone who reaches the port can "
-            "send and read weights"
-        )
-    log.warning(
-        "INSECURE: %s listens on %s without authentication or encryption (insecure = true)",
-        what, address,
-    )

@@ -31,10 +31,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import zmq
-import zmq.auth
-from zmq.utils import z85
-
 from dcr.errors import ConfigError
 
 __all__ = [
@@ -224,6 +220,8 @@ class KeyDir:
                 f"{self.path} {identity}`"
             )
         _check_private(file)
+        import zmq.auth
+
         try:
             public, secret = zmq.auth.load_certificate(file)
         except (OSError, ValueError) as exc:
@@ -239,6 +237,8 @@ class KeyDir:
 
 
 def _new_pair(root: Path, identity: Identity) -> bytes:
+    import zmq
+
     public, secret = zmq.curve_keypair()
     text = (
         "#   ****  dcr CURVE key pair -- keep it secret  ****\n"
@@ -304,6 +304,8 @@ def _read_keyring(file: Path) -> Keyring:
     entries = doc.get("identities")
     if not isinstance(entries, dict):
         raise ConfigError(f"{str(file)!r} has no identities table")
+    from zmq.utils import z85
+
     keys: dict[Identity, bytes] = {}
     for text, public in entries.items():
         identity = Identity.parse(str(text))
