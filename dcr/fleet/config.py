@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from dcr.adapters.security import COORDINATOR, Identity, KeyDir, Security
+from dcr.adapters.security import COORDINATOR, Identity, KeyDir, Security, is_loopback
 from dcr.adapters.security.keys import KEYRING
 from dcr.errors import ConfigError
 from dcr.fleet.sections import (
@@ -276,6 +276,12 @@ def _model(raw: Any, base: Path, trainer: TrainerSection) -> ModelSection:
     return model
 
 
+def fleet_secret_of(cfg: FleetConfig) -> bytes | None:
+    """The fleet secret of ``cfg``'s key directory (``None``: the fleet has no keys)."""
+    keys = cfg.security().keys
+    return keys.secret() if keys is not None else None
+
+
 def load_fleet(path: str | Path) -> FleetConfig:
     """Read and check a fleet file; raises :class:`ConfigError` naming what is wrong."""
     path = Path(path).resolve()
@@ -439,6 +445,13 @@ def _check_engines(cfg: FleetConfig) -> None:
 
 
 def _check(cfg: FleetConfig) -> None:
+    if cfg.keys is None and not cfg.insecure and not is_loopback(f"tcp://{cfg.host}:0"):
+        raise ConfigError(
+            f"{cfg.path}: host = {cfg.host!r} is reachable from other hosts, and the fleet has "
+            "no keys: anyone who reaches its ports could send and read weights. Make keys "
+            "(`dcr keys init keys --fleet FILE`) and say [fleet] keys = \"keys\", or say "
+            "[fleet] insecure = true for a network you trust entirely (docs/security.md)"
+        )
     if not cfg.rollout:
         raise ConfigError(f"{cfg.path}: at least one [[rollout]] node is needed")
     names = [r.name for r in cfg.receivers]

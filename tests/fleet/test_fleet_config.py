@@ -53,6 +53,19 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
     assert FleetModel(one).build.worker_threads == 1
 
 
+def test_a_fleet_off_this_host_needs_keys_or_says_insecure(tmp_path: Path) -> None:
+    off_host = '[fleet]\nhost = "10.0.0.7"\n'
+    insecure = load_fleet(write(tmp_path, off_host + "insecure = true\n" + MINIMAL))
+    assert insecure.insecure and insecure.security().insecure and not insecure.security().keyed
+    keyed = load_fleet(write(tmp_path, '[fleet]\nhost = "10.0.0.7"\nkeys = "k"\n' + MINIMAL))
+    assert keyed.keys == tmp_path / "k" and keyed.ensure_keys() == keyed.identities()
+    assert keyed.security().keyed and keyed.ensure_keys() == []
+    assert [str(i) for i in keyed.identities()] == [
+        "coordinator:main", "owner:o0", "owner:o1", "owner:o2", "owner:o3", "receiver:r0",
+        "relay:a",
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
@@ -71,6 +84,9 @@ def test_a_minimal_file_gets_the_documented_defaults(tmp_path: Path) -> None:
         (MINIMAL + "[trainer]\nbuild_threads = -1\n", "build_threads must be an integer >= 0"),
         (MINIMAL + "[trainer]\nbuild_threads = 1.5\n", "build_threads must be an integer >= 0"),
         (MINIMAL + "[trainer]\nbuild_threads = true\n", "build_threads must be an integer >= 0"),
+        ('[fleet]\nhost = "10.0.0.7"\n' + MINIMAL, "the fleet has no keys"),
+        ('[fleet]\nhost = "0.0.0.0"\ninsecure = "yes"\n' + MINIMAL, "insecure must be true"),
+        ('[fleet]\nkeys = 3\n' + MINIMAL, "keys must name a key directory"),
     ],
 )
 def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:
