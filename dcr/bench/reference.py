@@ -387,10 +387,11 @@ def _transfer(
 def _await_subscribed(cfg: FleetConfig, names: list[str], timeout_s: float = 60.0) -> None:
     """Wait until the relay root knows every stand-in receiver (bounded)."""
     from dcr.adapters.transport.relay import RelayTransport
-    from dcr.fleet.runtime import root_node
+    from dcr.fleet.runtime import make_transport
 
     async def poll() -> None:
-        probe = RelayTransport(root=cfg.address(root_node(cfg)))
+        probe = make_transport(cfg, identity=COORDINATOR)
+        assert isinstance(probe, RelayTransport)
         try:
             with anyio.fail_after(timeout_s):
                 while True:

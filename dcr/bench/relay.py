@@ -8,23 +8,34 @@ take each delivery at once, counted as payload bytes delivered per second at eac
 Everything runs in the calling event loop (asyncio), on 127.0.0.1, so the tree's links share
 one thread: :func:`tree_hops` counts the link transfers each payload makes (owner to root, the
 tree edges down to the receivers' nodes, node to receiver), and ``link_ratio`` compares the
-bytes all links moved per second with the raw rate.
+bytes all links moved per second with the raw rate.  With ``keys`` the same run measures the
+tree a second time with a temporary key directory, CURVE (authentication and encryption) on
+every relay socket, right after the plain one, so both see the same machine load.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import anyio
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.security import Identity, KeyDir, Security
 from dcr.adapters.transport.relay import RelayConfig, RelayTransport, balanced_tree, start_tree
 from dcr.errors import ConfigError
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["raw_zmq_throughput", "relay_throughput", "tree_hops"]
+__all__ = [
+    "bench_keys",
+    "raw_zmq_throughput",
+    "relay_throughput",
+    "relay_tree_throughput",
+    "tree_hops",
+]
 
 
 async def raw_zmq_throughput(*, count: int = 64, size: int = 4 << 20) -> float:
@@ -90,9 +101,11 @@ async def relay_tree_throughput(
     owners: int = 1,
     inflight: int = 4,
     config: RelayConfig | None = None,
+    security: Security | None = None,
 ) -> list[float]:
     """Payload bytes per second delivered at each receiver, from the first send to that
-    receiver's last arrival; receivers are spread over the non-root nodes."""
+    receiver's last arrival; receivers are spread over the non-root nodes.  With
+    ``security`` keys (:func:`bench_keys`) every relay socket is CURVE."""
     if min(count, size, nodes, receivers, owners, inflight) < 1:
         raise ConfigError("relay benchmark sizes and counts must be at least 1")
     config = config or RelayConfig(max_payload_bytes=max(size, 1 << 20))
@@ -100,12 +113,20 @@ async def relay_tree_throughput(
     per_owner = [count // owners + (1 if i < count % owners else 0) for i in range(owners)]
     async with anyio.create_task_group() as tg:
         names = [f"n{i}" for i in range(nodes)]
-        tree = await start_tree(tg, names, fanout=fanout, config=config)
+        tree = await start_tree(tg, names, fanout=fanout, config=config, security=security)
         rx = [
-            RelayTransport(node=tree[host].address, config=config)
+            RelayTransport(
+                node=tree[host].address, node_name=host, config=config, security=security
+            )
             for host in _hosts(names, receivers)
         ]
-        tx = [RelayTransport(root=tree[names[0]].address, config=config) for _ in range(owners)]
+        tx = [
+            RelayTransport(
+                root=tree[names[0]].address, root_name=names[0], config=config,
+                security=security, identity=Identity("owner", f"o{o}"),
+            )
+            for o in range(owners)
+        ]  # fmt: skip
         last: dict[str, float] = {}
         got: dict[str, int] = {}
         try:
@@ -155,6 +176,15 @@ async def relay_tree_throughput(
     return rates
 
 
+def bench_keys(path: Path, *, nodes: int, receivers: int, owners: int) -> KeyDir:
+    """A key directory at ``path`` for :func:`relay_tree_throughput`'s tree: relay nodes
+    ``n0..``, owners ``o0..``, receivers ``r0..``."""
+    identities = [Identity("relay", f"n{i}") for i in range(nodes)]
+    identities += [Identity("owner", f"o{i}") for i in range(owners)]
+    identities += [Identity("receiver", f"r{i}") for i in range(receivers)]
+    return KeyDir.init(path, identities)
+
+
 async def relay_throughput(
     *,
     count: int = 64,
@@ -164,25 +194,40 @@ async def relay_throughput(
     receivers: int = 2,
     owners: int = 1,
     inflight: int = 4,
+    keys: bool = False,
 ) -> dict[str, float]:
     """Raw ZeroMQ vs relay-tree throughput on loopback, in bytes per second, and their ratio.
 
     ``relay_bytes_per_s`` is the mean over receivers of the payload bytes each received per
     second; ``relay_min_bytes_per_s`` the slowest receiver's; ``link_ratio`` is
-    ``hops * relay_bytes_per_s / raw_bytes_per_s`` (every link shares this one thread).
+    ``hops * relay_bytes_per_s / raw_bytes_per_s`` (every link shares this one thread).  With
+    ``keys`` the tree is measured again with CURVE on every relay socket, right after:
+    ``keyed_bytes_per_s``, ``keyed_min_bytes_per_s`` and ``keyed_ratio`` (keyed / plain).
     """
+
+    async def tree(security: Security | None = None) -> list[float]:
+        return await relay_tree_throughput(
+            count=count, size=size, nodes=nodes, fanout=fanout, receivers=receivers,
+            owners=owners, inflight=inflight, security=security,
+        )  # fmt: skip
+
     raw = await raw_zmq_throughput(count=count, size=size)
-    per_receiver = await relay_tree_throughput(
-        count=count,
-        size=size,
-        nodes=nodes,
-        fanout=fanout,
-        receivers=receivers,
-        owners=owners,
-        inflight=inflight,
-    )
+    per_receiver = await tree()
     relay = sum(per_receiver) / len(per_receiver)
     hops = tree_hops(nodes=nodes, fanout=fanout, receivers=receivers)
+    keyed: dict[str, float] = {}
+    if keys:
+        with tempfile.TemporaryDirectory(prefix="dcr-bench-keys-") as tmp:
+            security = Security(
+                bench_keys(Path(tmp) / "keys", nodes=nodes, receivers=receivers, owners=owners)
+            )
+            secured = await tree(security)
+        rate = sum(secured) / len(secured)
+        keyed = {
+            "keyed_bytes_per_s": rate,
+            "keyed_min_bytes_per_s": min(secured),
+            "keyed_ratio": rate / relay,
+        }
     return {
         "count": float(count),
         "size": float(size),
@@ -195,4 +240,5 @@ async def relay_throughput(
         "ratio": relay / raw,
         "hops": float(hops),
         "link_ratio": hops * relay / raw,
+        **keyed,
     }

@@ -167,6 +167,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     rel.add_argument("--fanout", type=_positive, default=2, help="tree fan-out (default 2)")
     rel.add_argument("--receivers", type=_positive, default=2, help="receivers (default 2)")
     rel.add_argument("--repeats", type=_positive, default=3, help="runs (median)")
+    rel.add_argument(
+        "--keys", action="store_true",
+        help="also measure the tree with CURVE on every relay socket (a temporary key "
+        "directory), right after the plain tree in each run",
+    )  # fmt: skip
     rel.add_argument("--json", action="store_true", help="print one JSON object")
 
     refit = bsub.add_parser(
@@ -338,6 +343,7 @@ def _bench_relay(args: argparse.Namespace) -> int:
                 nodes=args.nodes,
                 fanout=args.fanout,
                 receivers=args.receivers,
+                keys=args.keys,
             ),
             backend="asyncio",
         )
@@ -355,6 +361,12 @@ def _bench_relay(args: argparse.Namespace) -> int:
             f"{result['ratio']:.3f} | {result['hops']:.0f} link transfers per payload in one "
             f"thread: {result['link_ratio']:.2f} of raw (median of {args.repeats})"
         )
+        if args.keys:
+            print(
+                f"with CURVE on every relay socket: {result['keyed_bytes_per_s'] / 1e9:.2f} GB/s "
+                f"per receiver, {result['keyed_ratio']:.2f} of the plain tree (median of "
+                f"{args.repeats})"
+            )
     return 0
 
 

@@ -500,7 +500,7 @@ def test_register_refuses_a_taken_name_and_a_bad_target(monkeypatch: pytest.Monk
         ('[commit_store]\nkind = "memory"\n', "does not reach other processes"),
         ('[control]\nkind = "memory"\n', "does not reach other processes; use 'zmq'"),
         ('[transport]\nkind = "directory"\nfanout = 2\n', "[transport] has unknown keys"),
-        ('[transport]\nkind = "relay"\nfanot = 2\n', "known: ['fanout', 'hwm'"),
+        ('[transport]\nkind = "relay"\nfanot = 2\n', "known: ['fanout', 'grant_timeout_s', 'hwm'"),
         ('[commit_store]\nkind = "sqlite"\nfile = "x"\n', "known: ['name', 'path', 'poll_s'"),
         ('[commit_store]\nkind = "s3"\nprefix = "p"\n', "[commit_store] needs a bucket"),
         ('[transport]\nkind = "s3"\nbuckett = "b"\n', "[transport] has unknown keys ['buckett']"),

@@ -31,6 +31,8 @@ from dcr.adapters.transport.relay import (
     start_tree,
 )
 from dcr.adapters.transport.relay.frames import (
+    MAGIC,
+    VERSION,
     Ack,
     Answer,
     Data,
@@ -222,7 +224,7 @@ FRAMES: list[Frame] = [
     Ack(seq=4),
     Stop(origin=9, seq=5, attempt=-1, cleanup=True),
     Refused(seq=1, retryable=False, check="stopped", reason="no"),
-    Subscribe(nonce=3, window=2, window_bytes=1 << 40),
+    Subscribe(nonce=3, window=2, window_bytes=1 << 40, receiver="r0"),
     Unsubscribe(),
     Join(nonce=1, capacity=4, capacity_bytes=5, receivers=frozenset({"r1", "r2"})),
     Ping(nonce=2**64 - 1),
@@ -247,7 +249,7 @@ def test_frame_checks_name_the_reason() -> None:
     header = encode(Ack(seq=1))
     cases = {
         "magic": b"XXXX" + header[4:],
-        "version": header[:4] + b"\x02" + header[5:],
+        "version": header[:4] + b"\x01" + header[5:],
         "kind": header[:5] + b"\xee" + header[6:],
     }
     for reason, data in cases.items():
@@ -316,11 +318,11 @@ async def test_bad_frames_are_counted_drops_and_change_nothing() -> None:
                 offer = encode(Offer(seq=5, key=_key(1, "x", 0), size=4, to=None))
                 for parts in (
                     [offer[:-3]],  # truncated
-                    [b"DCRR\x01\x63"],  # unknown kind
+                    [MAGIC + bytes([VERSION, 0x63])],  # unknown kind
                     [b"JUNK" + offer[4:]],  # magic
                     [encode(Data(seq=77, size=4)), b"abcd"],  # data nobody granted
                     [encode(Data(seq=1, size=1 << 40)), b""],  # oversized
-                    [encode(Subscribe(nonce=1, window=1, window_bytes=1))],  # wrong role
+                    [encode(Subscribe(nonce=1, window=1, window_bytes=1, receiver="x"))],  # role
                     [encode(Payload(origin=1, seq=1, key=KEY, size=1, to=None)), b"x"],  # dir.
                     [offer],
                     [offer],  # replayed request number

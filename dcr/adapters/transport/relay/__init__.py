@@ -6,11 +6,15 @@ to the receivers it hosts, and queueing ACKs flow back up.  :class:`RelayTranspo
 process uses.  Run ``python -m dcr.adapters.transport.relay node|receiver ...`` to host a relay
 node or a stand-alone receiver in a process of its own.
 
-The modules: ``config`` (:class:`RelayConfig`, the tree's shape), ``frames`` (the relay frame
-codec), ``sockets`` (ZeroMQ socket helpers), ``client`` (:class:`RelayTransport`, over
-``rootclient``, the connection to the root, and ``subscription``, a receiver's subscription at
-its node), ``node`` (:class:`RelayNode`, over ``state``, ``forwarding`` and ``grants``) and
-``processes`` (``python -m``).
+With the fleet's keys every relay socket is CURVE and a peer's role and name come from its key
+(``sockets``, ``node``); every node holds each peer to bounds (``guard``, :class:`RelayConfig`).
+
+The modules: ``config`` (:class:`RelayConfig`, the tree's bounds and shape), ``sizing`` (the
+largest payload an owner can produce, :func:`largest_payload`), ``frames`` (the relay frame
+codec), ``sockets`` (ZeroMQ socket helpers, who a peer is), ``client`` (:class:`RelayTransport`,
+over ``rootclient``, the connection to the root, and ``subscription``, a receiver's subscription
+at its node), ``node`` (:class:`RelayNode`, over ``state``, ``forwarding``, ``grants`` and
+``guard``) and ``processes`` (``python -m``).
 """
 
 from dcr.adapters.transport.relay.client import (
@@ -21,6 +25,7 @@ from dcr.adapters.transport.relay.client import (
 from dcr.adapters.transport.relay.config import Held, RelayConfig, balanced_tree
 from dcr.adapters.transport.relay.node import RelayNode, start_tree
 from dcr.adapters.transport.relay.processes import main
+from dcr.adapters.transport.relay.sizing import largest_payload
 
 __all__ = [
     "Held",
@@ -29,6 +34,7 @@ __all__ = [
     "RelayTransport",
     "TreeStatus",
     "balanced_tree",
+    "largest_payload",
     "main",
     "open_relay_transport",
     "start_tree",

@@ -6,9 +6,13 @@ side, which forwards them over a balanced tree of :class:`RelayNode`\\ s; each n
 to the receivers it hosts, and queueing ACKs flow back up.  :class:`RelayTransport` is what one
 process uses: ``root`` is the root's address (owners send there, the coordinator stops and
 cleans up attempts there), ``node`` the address of the relay node hosting this process's
-receivers.  ``send`` returns once every addressed, subscribed receiver has *taken* the payload
-(:meth:`RelayTransport.taken`, the queueing ACK), so each node's buffer and each receiver's
-window stay bounded and a slow receiver slows the owners instead of growing memory.
+receivers.  With the fleet's keys (``security``) every connection is CURVE: the root client
+speaks as ``identity`` (``owner:<name>`` or ``coordinator:main``), a subscription as
+``receiver:<name>``, and each checks the key of the node it reaches, so it needs the node's
+name (``root_name``, ``node_name``) besides its address.  ``send`` returns once every
+addressed, subscribed receiver has *taken* the payload (:meth:`RelayTransport.taken`, the
+queueing ACK), so each node's buffer and each receiver's window stay bounded and a slow
+receiver slows the owners instead of growing memory.
 
 The transport runs its socket readers as tasks of the running asyncio loop (pyzmq's asyncio
 sockets do not run on trio); :meth:`RelayTransport.aclose` stops them.
@@ -28,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from dcr.adapters.context import dataclass_options, known_options
+from dcr.adapters.security import Identity, Security
 from dcr.adapters.transport.base import Deliveries, Delivery, Transport, TransportStats
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.relay.config import Held, RelayConfig
@@ -36,6 +41,7 @@ from dcr.adapters.transport.relay.rootclient import Request, RootClient
 from dcr.adapters.transport.relay.subscription import Subscription
 from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
+from dcr.wire.format import DecodeLimits
 
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
@@ -65,9 +71,10 @@ class RelayTransport(Transport):
     """A process's connection to the relay tree (owners, coordinator, receivers).
 
     ``root`` is needed to send, stop and clean up; ``node`` to subscribe receivers.
-    Connections open on first use.  ``stats()`` counts what this object sent (every copy in
-    ``cross_bytes``, each key once in ``payload_bytes``); the root's own counters are in
-    :meth:`tree_status`.
+    Connections open on first use.  With keys, ``identity`` is who the root client speaks as,
+    and ``root_name`` / ``node_name`` name the relay nodes at ``root`` / ``node``.
+    ``stats()`` counts what this object sent (every copy in ``cross_bytes``, each key once in
+    ``payload_bytes``); the root's own counters are in :meth:`tree_status`.
     """
 
     arrival_grace_s = 1.0
@@ -84,10 +91,18 @@ class RelayTransport(Transport):
         node: str | None = None,
         config: RelayConfig | None = None,
         context: zmq.asyncio.Context | None = None,
+        security: Security | None = None,
+        identity: Identity | None = None,
+        root_name: str | None = None,
+        node_name: str | None = None,
     ) -> None:
         self.root = root
         self.node = node
         self.config = config or RelayConfig()
+        self.security = security or Security()
+        self.identity = identity
+        self.root_name = root_name
+        self.node_name = node_name
         self.receiver_window = self.config.receiver_window
         self._context = context
         self._own_context = context is None
@@ -109,17 +124,33 @@ class RelayTransport(Transport):
         node, ``node`` at the process's own node (where its receivers subscribe).  The keys
         are :class:`RelayConfig` fields, plus ``fanout``: the shape of the tree, which the
         relay processes read.  The addresses come from the ports the launcher chose, so this
-        raises :class:`~dcr.errors.ConfigError` in a fleet that was not started."""
+        raises :class:`~dcr.errors.ConfigError` in a fleet that was not started.  The keys and
+        this process's identity are the context's (``security``, ``identity``).
+
+        ``max_payload_bytes``, unless set, is what receivers decode at most here
+        (:class:`~dcr.wire.format.DecodeLimits`): the relay nodes enforce the fleet's own bound
+        (from its catalog and bucket size, :func:`dcr.fleet.relay.relay_config`), so a larger
+        one on this side only lets a node refuse what it will not carry (``oversized``) and
+        never refuses what a node delivers."""
         known = {"fanout", *(f.name for f in fields(RelayConfig))}
         opts = known_options(options, known, context.section)
         fanout = opts.pop("fanout", 2)
         if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 1:
             raise ConfigError(f"[{context.section}]: fanout must be an integer >= 1, "
                               f"got {fanout!r}")  # fmt: skip
+        opts.setdefault("max_payload_bytes", DecodeLimits().max_payload_bytes)
         config = dataclass_options(RelayConfig, opts, context.section)
         root = context.node_address(context.root)
         node = context.node_address(context.node) if context.node is not None else None
-        return cls(root=root, node=node, config=config)
+        return cls(
+            root=root,
+            node=node,
+            config=config,
+            security=context.security,
+            identity=context.identity,
+            root_name=context.root,
+            node_name=context.node,
+        )
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -157,8 +188,9 @@ class RelayTransport(Transport):
         if self._client is None or self._client.broken is not None:
             try:
                 self._client = RootClient(
-                    self.root, ctx, self.config, self._count_sent, self.uplink
-                )
+                    self.root, ctx, self.config, self._count_sent, self.uplink,
+                    security=self.security, identity=self.identity, server=self.root_name,
+                )  # fmt: skip
             except zmq.ZMQError as exc:
                 raise TransportError(
                     f"cannot connect to the relay root {self.root}: {exc}",
@@ -225,7 +257,10 @@ class RelayTransport(Transport):
                 f"{receiver!r} is already subscribed", retryable=False, check="subscribe"
             )
         try:
-            sub = Subscription(receiver, self.node, ctx, self.config)
+            sub = Subscription(
+                receiver, self.node, ctx, self.config,
+                security=self.security, server=self.node_name,
+            )  # fmt: skip
         except zmq.ZMQError as exc:
             raise TransportError(
                 f"cannot connect to the relay node {self.node}: {exc}",
@@ -311,9 +346,16 @@ async def open_relay_transport(
     root: str | None = None,
     node: str | None = None,
     config: RelayConfig | None = None,
+    security: Security | None = None,
+    identity: Identity | None = None,
+    root_name: str | None = None,
+    node_name: str | None = None,
 ) -> AsyncIterator[RelayTransport]:
     """A :class:`RelayTransport` closed when the block ends."""
-    transport = RelayTransport(root=root, node=node, config=config)
+    transport = RelayTransport(
+        root=root, node=node, config=config, security=security, identity=identity,
+        root_name=root_name, node_name=node_name,
+    )  # fmt: skip
     try:
         yield transport
     finally:

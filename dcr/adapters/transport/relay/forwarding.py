@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from dcr.adapters.transport.relay.frames import Ack, Delivered, Done, Payload, Sized, Stop
-from dcr.adapters.transport.relay.state import Link, NodeState, Transfer, Wave
+from dcr.adapters.transport.relay.state import Arrival, Link, NodeState, Transfer, Wave
 
 __all__ = ["Forwarding"]
 
@@ -119,18 +119,23 @@ class Forwarding(NodeState):
             self._release(1, t.size)
             if t.client is not None:
                 self._refuse(t.client[0], t.client[1], "stopped", "the attempt was stopped", False)
-        for key in [k for k, o in self._granted.items() if o.key.attempt == attempt]:
-            offer = self._granted.pop(key, None)
-            if offer is None:
+        for key in [k for k, g in self._granted.items() if g.offer.key.attempt == attempt]:
+            granted = self._take_grant(*key)
+            if granted is None:
                 continue
-            self._release(1, offer.size)
-            c = self._clients.get(key[0])
-            if c is not None:
-                c.granted.discard(key[1])
+            self._release(1, granted.offer.size)
             self._refuse(key[0], key[1], "stopped", "the attempt was stopped", False)
+        for arrival in self._arrivals:
+            if not arrival.dropped and arrival.offer.key.attempt == attempt:
+                self._drop_arrival(arrival)
+                self._refuse(
+                    arrival.client.ident, arrival.frame.seq, "stopped",
+                    "the attempt was stopped", False,
+                )  # fmt: skip
         waiting = [(i, o) for i, o in self._offers if o.key.attempt == attempt]
         self._offers = deque((i, o) for i, o in self._offers if o.key.attempt != attempt)
         for ident, offer in waiting:
+            self._offer_gone(ident)
             self._refuse(ident, offer.seq, "stopped", "the attempt was stopped", False)
         wave = Wave(seq=seq, attempt=attempt, client=client)
         frame = Stop(origin=origin, seq=seq, attempt=attempt, cleanup=cleanup)
@@ -145,6 +150,13 @@ class Forwarding(NodeState):
             self._lose(link)
         if not wave.waiting:
             self._finish(wave)
+
+    def _drop_arrival(self, arrival: Arrival) -> None:
+        """Granted data behind the root's link is not taken after all: release its room."""
+        arrival.dropped = True
+        arrival.body = b""
+        arrival.client.budget.granted_bytes -= arrival.offer.size
+        self._release(1, arrival.offer.size)
 
     def _finish(self, wave: Wave) -> None:
         if self._waves.pop(wave.seq, None) is None:

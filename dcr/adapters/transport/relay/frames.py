@@ -5,7 +5,7 @@ for the two kinds that carry payload bytes (``DATA`` from an owner to the root, 
 down the tree).  The payload key travels in the header, never inside the payload bytes, so a
 receiver can name a payload whose bytes are damaged.  Header layout (big-endian, no padding)::
 
-    magic "DCRR" | version u8 (=1) | kind u8 | the kind's fields, in order
+    magic "DCRR" | version u8 (=2) | kind u8 | the kind's fields, in order
 
 with integers as ``u64`` (sequence numbers, nonces, sizes) or ``i64`` (attempt and payload
 ids), booleans as ``u8`` 0/1, strings as ``u16`` length + UTF-8, name sets as ``u32`` count +
@@ -13,7 +13,8 @@ strings in sorted order, and a recipient set as ``u8`` 0 (every receiver) or 1 +
 Decoding is strict: a wrong magic, version or kind, a short or long header, bad UTF-8, an
 unsorted name set, a wrong number of frames, a body whose length differs from the declared
 size, or a declared size above the limit raises :class:`FrameError` naming the reason.  The
-relay never unpickles anything.
+relay never unpickles anything.  Version 2 added the receiver's name to ``SUBSCRIBE`` (a node
+checks it against the name the connection authenticated).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ __all__ = [
 ]
 
 MAGIC = b"DCRR"
-VERSION = 1
+VERSION = 2
 HEADER_LIMIT = 1 << 20
 """Largest header frame accepted (recipient and receiver lists included)."""
 
@@ -99,7 +100,7 @@ class Kind(enum.IntEnum):
     DONE = 10
     """The stop or cleanup finished below the sender of the ``STOP``."""
     SUBSCRIBE = 11
-    """Receiver -> its node, repeated as the receiver's heartbeat."""
+    """Receiver -> its node, repeated as the receiver's heartbeat (names the receiver)."""
     UNSUBSCRIBE = 12
     """Receiver -> its node: the subscription ends."""
     JOIN = 13
@@ -188,6 +189,8 @@ class Subscribe:
     """The subscription's incarnation: a new nonce replaces the node's old link."""
     window: int
     window_bytes: int
+    receiver: str
+    """The receiver's name: the key's name with keys, the routing id's without."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -400,7 +403,7 @@ _SCHEMA: dict[Kind, tuple[type, tuple[_Codec, ...]]] = {
     Kind.ACK: (Ack, (_U64C,)),
     Kind.STOP: (Stop, (_U64C, _U64C, _I64C, _BOOL)),
     Kind.DONE: (Done, (_U64C,)),
-    Kind.SUBSCRIBE: (Subscribe, (_U64C, _U64C, _U64C)),
+    Kind.SUBSCRIBE: (Subscribe, (_U64C, _U64C, _U64C, _STR)),
     Kind.UNSUBSCRIBE: (Unsubscribe, ()),
     Kind.JOIN: (Join, (_U64C, _U64C, _U64C, _NAMES)),
     Kind.PING: (Ping, (_U64C,)),

@@ -19,10 +19,12 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.security import Identity, Security
 from dcr.adapters.transport.link import CHUNK as LINK_CHUNK
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.relay.config import RelayConfig
 from dcr.adapters.transport.relay.frames import (
+    HEADER_LIMIT,
     Answer,
     Cancel,
     Data,
@@ -40,6 +42,7 @@ from dcr.adapters.transport.relay.sockets import (
     CLIENT,
     connect,
     decode_frames,
+    identify,
     set_common_options,
 )
 from dcr.errors import TransportError
@@ -84,6 +87,9 @@ class RootClient:
     ``peer_timeout_s`` while a request waits, or a changed root incarnation, fails every
     waiting request as retryable (the attempt fails and is retried, paper App. B.2) instead of
     leaving it waiting for an answer that died with the old root.
+
+    With keys (``security``) the DEALER is a CURVE client of ``identity`` (an owner or the
+    coordinator) that talks only to the key of relay node ``server`` (the root's name).
     """
 
     def __init__(
@@ -93,14 +99,25 @@ class RootClient:
         config: RelayConfig,
         on_data: Callable[[PayloadKey, int], None],
         uplink: LinkLimit | None = None,
+        *,
+        security: Security | None = None,
+        identity: Identity | None = None,
+        server: str | None = None,
     ) -> None:
         self.address = address
         self.config = config
         self.on_data = on_data
         self.uplink = uplink if uplink is not None and uplink.bytes_per_s is not None else None
         self.sock = ctx.socket(zmq.DEALER)
-        set_common_options(self.sock, config)
-        self.sock.setsockopt(zmq.ROUTING_ID, CLIENT + secrets.token_hex(8).encode())
+        try:
+            set_common_options(self.sock, config)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, HEADER_LIMIT)  # the root sends headers only
+            identify(
+                self.sock, security or Security(), identity, CLIENT, secrets.token_hex(8), server
+            )
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         connect(self.sock, address)
         self.pending: dict[int, Request] = {}
         self.seq = itertools.count(1)

@@ -1,17 +1,26 @@
-"""ZeroMQ sockets of the relay tree (paper App. B "Transports"): routing ids that carry a peer's
-role, the options every relay socket shares, sends that never wait, and received messages
-checked before they are decoded.  Relay nodes and the transport's client side both use them.
+"""ZeroMQ sockets of the relay tree (paper App. B "Transports"): who a peer is, the options
+every relay socket shares, sends that never wait, and received messages checked before they are
+decoded.  Relay nodes and the transport's client side both use them.
+
+Who a peer is: with the fleet's keys every relay socket is CURVE -- a node's ROUTER is the
+server ``relay:<node>``, every DEALER that connects to it (a child node, an owner, the
+coordinator, a receiver) a client that checks that server key and sets no routing id (ZeroMQ
+assigns one per connection) -- and a peer's role and name come from its authenticated key
+(:func:`peer_of`).  Without keys (a loopback fleet) a DEALER's routing id carries its role
+(``c:``, ``n:``, ``r:``) and name, as the peer chose them.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.security import Identity, Security, peer_identity
 from dcr.adapters.transport.relay.config import RelayConfig
 from dcr.adapters.transport.relay.frames import HEADER_LIMIT, Frame, FrameError, Sized, decode
 from dcr.errors import ConfigError, TransportError
@@ -20,9 +29,13 @@ __all__ = [
     "CLIENT",
     "NODE",
     "RECEIVER",
+    "Peer",
     "bind",
     "connect",
     "decode_frames",
+    "identify",
+    "node_identity",
+    "peer_of",
     "receive",
     "routing_id",
     "send_now",
@@ -30,7 +43,67 @@ __all__ = [
 ]
 
 CLIENT, NODE, RECEIVER = b"c:", b"n:", b"r:"
-"""Routing-id prefixes: a peer's role is part of its routing id."""
+"""Roles of a node's peers; without keys also the prefixes of their routing ids."""
+_ROLE_OF_KEY = {"owner": CLIENT, "coordinator": CLIENT, "relay": NODE, "receiver": RECEIVER}
+"""With keys: the relay role of each key role (owners and the coordinator are clients)."""
+
+
+def node_identity(name: str) -> Identity:
+    """The identity of relay node ``name`` (its ROUTER's server key, its parent link's key)."""
+    return Identity("relay", name)
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who sent a message to a node's ROUTER: its ``role`` (:data:`CLIENT`, :data:`NODE`,
+    :data:`RECEIVER`, or ``None`` when unknown), its ``name``, and the ``key`` its per-peer
+    bounds are kept under (the authenticated identity with keys, the routing id without)."""
+
+    role: bytes | None
+    name: str | None
+    key: str
+
+
+def peer_of(ident: bytes, frame: zmq.Frame, keyed: bool) -> Peer:
+    """The peer behind a message with routing id ``ident`` whose first part is ``frame``:
+    with keys from the authenticated ``User-Id`` only, without from the routing id."""
+    if keyed:
+        identity = peer_identity(frame)
+        if identity is None:
+            return Peer(None, None, "unauthenticated")
+        return Peer(_ROLE_OF_KEY.get(identity.role), identity.name, str(identity))
+    key = "id:" + ident.hex()
+    role = ident[:2]
+    if role not in (CLIENT, NODE, RECEIVER):
+        return Peer(None, None, key)
+    try:
+        name = ident[2:].decode()
+    except UnicodeDecodeError:
+        return Peer(role, None, key)
+    return Peer(role, name or None, key)
+
+
+def identify(
+    sock: zmq.asyncio.Socket,
+    security: Security,
+    identity: Identity | None,
+    prefix: bytes,
+    name: str,
+    server: str | None,
+) -> None:
+    """Say who the DEALER ``sock`` is before it connects to relay node ``server``: with keys
+    a CURVE client of ``identity`` that talks only to that node's key (and sets no routing
+    id); without keys the routing id ``prefix + name``."""
+    if not security.keyed:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(prefix, name))
+        return
+    if identity is None or server is None:
+        raise ConfigError(
+            "a relay connection with keys needs this process's identity and the name of the "
+            "relay node it connects to (a fleet gives both; by hand: RelayTransport(identity="
+            "..., root_name=..., node_name=...), RelayNode(parent_name=...))"
+        )
+    security.client(sock, identity, node_identity(server))
 
 
 def routing_id(prefix: bytes, name: str) -> bytes:

@@ -1,11 +1,13 @@
 """A relay node's state (paper §7.1, App. B "Transports"): its links downwards with their
 credit windows, the transfers and stop waves it waits on, the owners' connections at the root,
-its buffer accounting, the sends every handler uses, and its public view.
+what each peer holds against its bounds, its buffer accounting, the sends every handler uses,
+and its public view.
 
 :class:`NodeState` is the base of :class:`~dcr.adapters.transport.relay.node.RelayNode`; the
 handlers build on it in layers: ``forwarding`` (delivery down the tree: transfers, ACKs, stop
-and cleanup waves), ``grants`` (the root's admission of owners' payloads) and ``node``
-(serving, dispatch, membership and liveness).
+and cleanup waves), ``grants`` (the root's admission of owners' payloads), ``guard`` (per-peer
+bounds, grant timeouts, refusing a peer) and ``node`` (serving, dispatch, membership and
+liveness).
 """
 
 from __future__ import annotations
@@ -19,15 +21,39 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.security import Security, auth_counts
 from dcr.adapters.transport.base import TransportStats
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.relay.config import Held, RelayConfig
 from dcr.adapters.transport.relay.frames import Data, Frame, Offer, Refused, Sized, encode
-from dcr.adapters.transport.relay.sockets import NODE, routing_id, send_now
-from dcr.errors import TransportError
+from dcr.adapters.transport.relay.sockets import NODE, node_identity, routing_id, send_now
+from dcr.errors import ConfigError, TransportError
 from dcr.protocol.types import PayloadKey
 
-__all__ = ["Client", "Link", "NodeState", "Transfer", "Wave"]
+__all__ = ["Arrival", "Budget", "Client", "Granted", "Link", "NodeState", "Transfer", "Wave"]
+
+
+@dataclass(slots=True, eq=False)
+class Budget:
+    """What one peer (one key with keys, one connection without) holds against its bounds
+    (:class:`~dcr.adapters.transport.relay.config.RelayConfig`, "Per peer")."""
+
+    key: str
+    since: float
+    """Start of the current ``peer_timeout_s`` window of :attr:`drops` and :attr:`ungranted`."""
+    progress: float
+    """When its data last arrived (or its first grant was made): grants expire from here."""
+    offers: int = 0
+    """Its offers waiting or granted."""
+    granted_bytes: int = 0
+    """Room granted to it whose data has not arrived yet, or waits for the root's emulated
+    link."""
+    drops: int = 0
+    ungranted: int = 0
+    users: int = 0
+    """Its clients and links at this node (a budget without users is forgotten)."""
+    over: str | None = None
+    """Set by a handler when the peer went over a bound (the reason); the peer is refused."""
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +61,10 @@ class Link:
     """A child node or a receiver below this node, with its credit window."""
 
     ident: bytes
+    role: bytes
+    name: str
+    """The child node's or receiver's name (its key's, or its routing id's without keys)."""
+    budget: Budget
     nonce: int
     capacity: int
     capacity_bytes: int
@@ -79,12 +109,35 @@ class Wave:
 
 @dataclass(slots=True, eq=False)
 class Client:
-    """Root only: an owner's or the coordinator's connection."""
+    """An owner's or the coordinator's connection (offers are taken at the root only)."""
 
     ident: bytes
     heard: float
+    budget: Budget
     last_seq: int = 0
     granted: set[int] = field(default_factory=set)
+    offers: int = 0
+    """Its offers waiting or granted (its share of :attr:`Budget.offers`)."""
+
+
+@dataclass(slots=True, eq=False)
+class Granted:
+    """Root only: room granted to a client's offer, waiting for its data."""
+
+    offer: Offer
+    at: float
+
+
+@dataclass(slots=True, eq=False)
+class Arrival:
+    """Root only, behind an emulated link: granted data waiting to pass the root's link."""
+
+    client: Client
+    frame: Data
+    body: Sized
+    offer: Offer
+    dropped: bool = False
+    """Released meanwhile (its attempt stopped, its client forgotten): not taken."""
 
 
 class NodeState:
@@ -97,22 +150,46 @@ class NodeState:
         *,
         bind: str = "tcp://127.0.0.1:0",
         parent: str | None = None,
+        parent_name: str | None = None,
         config: RelayConfig | None = None,
         context: zmq.asyncio.Context | None = None,
+        security: Security | None = None,
     ) -> None:
         self.name = name
         self.bind = bind
         self.parent = parent
+        self.parent_name = parent_name
         self.config = config or RelayConfig()
+        self.security = security or Security()
+        self.identity = node_identity(name) if self.security.keyed else None
+        """``relay:<name>`` with keys: the node's server key and its parent link's key."""
+        if self.security.keyed and parent is not None and parent_name is None:
+            raise ConfigError(
+                f"relay node {name}: with keys, a node needs its parent's name (parent_name) "
+                "to check its parent's key"
+            )
         self.ident = routing_id(NODE, name)
         self.nonce = secrets.randbits(63) | 1
         self.drops: Counter[str] = Counter()
         self.peers_lost = 0
+        self.peers_refused: Counter[str] = Counter()
+        """Peers refused (logically disconnected) per reason: ``offers``, ``granted``,
+        ``ungranted``, ``drops``, ``grant-timeout``."""
+        self.grants_expired = 0
+        """Granted offers reclaimed because their data did not come in time."""
         self._context = context
+        self._zmq: zmq.asyncio.Context | None = None
         self._address: str | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._links: dict[bytes, Link] = {}
+        self._named: dict[tuple[bytes, str], bytes] = {}
+        """(role, name) -> the routing id of that name's newest link."""
+        self._budgets: dict[str, Budget] = {}
+        self._cooloff: dict[str, float] = {}
+        """Refused peers' keys -> until when their frames are ignored."""
+        self._admit_due = False
+        """Something changed that may let a waiting offer in."""
         self._transfers: dict[int, Transfer] = {}
         self._waves: dict[int, Wave] = {}
         self._stopped: set[int] = set()
@@ -120,7 +197,7 @@ class NodeState:
         self._seq = itertools.count(1)
         self._clients: dict[bytes, Client] = {}
         self._offers: deque[tuple[bytes, Offer]] = deque()
-        self._granted: dict[tuple[bytes, int], Offer] = {}
+        self._granted: dict[tuple[bytes, int], Granted] = {}
         self._seen: dict[PayloadKey, int] = {}
         self._stats = TransportStats()
         self._by_attempt: dict[int, list[int]] = {}
@@ -130,7 +207,7 @@ class NodeState:
         self.ingress = LinkLimit(self.config.link_gbps)
         """The root's side of the cross-cluster link: payload bytes from owners pass it in
         arrival order before the root takes them (``link_gbps``; unlimited by default)."""
-        self._arrivals: deque[tuple[bytes, Data, Sized]] = deque()
+        self._arrivals: deque[Arrival] = deque()
         self._arrived = anyio.Event()
 
     # -- public view ------------------------------------------------------------------------
@@ -165,6 +242,23 @@ class NodeState:
             max_count=self.config.max_buffered,
             max_bytes=max(self.config.max_buffered_bytes, self._largest),
         )
+
+    def auth(self) -> Counter[str]:
+        """ZAP decisions at this node's ROUTER while it serves (``allowed``, ``denied``
+        connections); empty without keys."""
+        return auth_counts(self._zmq) if self._zmq is not None else Counter()
+
+    def peers(self) -> dict[str, str]:
+        """Peers this node knows, by key (``owner:o0`` with keys, ``id:<routing id>``
+        without): ``client``, ``node`` (a child) or ``receiver``."""
+        out = {c.budget.key: "client" for c in self._clients.values()}
+        for link in self._links.values():
+            out[link.budget.key] = "node" if link.role == NODE else "receiver"
+        return out
+
+    def waiting_offers(self) -> dict[str, int]:
+        """At the root: offers waiting or granted, per peer (its key)."""
+        return {k: b.offers for k, b in self._budgets.items() if b.offers}
 
     def receivers(self) -> frozenset[str]:
         """Receivers subscribed in this node's subtree."""
@@ -205,6 +299,7 @@ class NodeState:
     def _release(self, count: int, size: int) -> None:
         self._count -= count
         self._bytes -= size
+        self._admit_due = True
 
     def _fits(self, size: int) -> bool:
         if self._count == 0:
@@ -212,6 +307,37 @@ class NodeState:
         if self._count >= self.config.max_buffered:
             return False
         return self._bytes + size <= self.config.max_buffered_bytes
+
+    # -- what each peer holds -----------------------------------------------------------------
+
+    def _budget(self, key: str, now: float) -> Budget | None:
+        """The budget of peer ``key`` (``None``: the node tracks ``max_peers`` already)."""
+        budget = self._budgets.get(key)
+        if budget is None:
+            if len(self._budgets) >= self.config.max_peers:
+                return None
+            budget = self._budgets[key] = Budget(key=key, since=now, progress=now)
+        return budget
+
+    def _offer_gone(self, ident: bytes) -> None:
+        """One offer of client ``ident`` left the waiting queue or its grant."""
+        client = self._clients.get(ident)
+        if client is not None:
+            client.offers -= 1
+            client.budget.offers -= 1
+        self._admit_due = True
+
+    def _take_grant(self, ident: bytes, seq: int) -> Granted | None:
+        """Remove the grant of client ``ident``'s request ``seq``; its room stays held (the
+        caller releases it, or the data it was granted for takes it over)."""
+        granted = self._granted.pop((ident, seq), None)
+        if granted is not None:
+            client = self._clients.get(ident)
+            if client is not None:
+                client.granted.discard(seq)
+                client.budget.granted_bytes -= granted.offer.size
+            self._offer_gone(ident)
+        return granted
 
     def _replayed(self, attr: str, origin: int, seq: int) -> bool:
         last_origin, last_seq = getattr(self, attr)

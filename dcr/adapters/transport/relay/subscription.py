@@ -14,6 +14,7 @@ import anyio
 import zmq
 import zmq.asyncio
 
+from dcr.adapters.security import Identity, Security
 from dcr.adapters.transport.base import Delivery
 from dcr.adapters.transport.relay.config import Held, RelayConfig
 from dcr.adapters.transport.relay.frames import (
@@ -31,7 +32,7 @@ from dcr.adapters.transport.relay.sockets import (
     RECEIVER,
     connect,
     decode_frames,
-    routing_id,
+    identify,
     send_now,
     set_common_options,
 )
@@ -42,7 +43,9 @@ __all__ = ["Subscription"]
 
 
 class Subscription:
-    """One receiver's DEALER to its relay node (routing id = the receiver's name).
+    """One receiver's DEALER to its relay node: with keys (``security``) a CURVE client of
+    ``receiver:<name>`` that talks only to the key of relay node ``server``; without, its
+    routing id carries the receiver's name.  ``SUBSCRIBE`` names the receiver too.
 
     It repeats ``SUBSCRIBE`` every ``ping_interval_s`` as its heartbeat, so after its node
     restarts at the same address (ZeroMQ reconnects by itself) the receiver is subscribed
@@ -51,14 +54,26 @@ class Subscription:
     """
 
     def __init__(
-        self, receiver: str, address: str, ctx: zmq.asyncio.Context, config: RelayConfig
+        self,
+        receiver: str,
+        address: str,
+        ctx: zmq.asyncio.Context,
+        config: RelayConfig,
+        *,
+        security: Security | None = None,
+        server: str | None = None,
     ) -> None:
         self.receiver = receiver
         self.config = config
-        ident = routing_id(RECEIVER, receiver)
+        security = security or Security()
+        identity = Identity("receiver", receiver) if security.keyed else None
         self.sock = ctx.socket(zmq.DEALER)
-        set_common_options(self.sock, config)
-        self.sock.setsockopt(zmq.ROUTING_ID, ident)
+        try:
+            set_common_options(self.sock, config)
+            identify(self.sock, security, identity, RECEIVER, receiver, server)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         connect(self.sock, address)
         self.nonce = secrets.randbits(63) | 1
         self.inbox: deque[Delivery] = deque()
@@ -100,6 +115,7 @@ class Subscription:
             nonce=self.nonce,
             window=self.config.receiver_window,
             window_bytes=self.config.receiver_window * self.config.max_payload_bytes,
+            receiver=self.receiver,
         )
         while True:
             self.emit(frame)
