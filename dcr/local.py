@@ -48,6 +48,7 @@ from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_bucket
 from dcr.wire.format import DecodeLimits, ValueLayout
+from dcr.wire.seal import payload_key
 
 __all__ = ["DataPlane", "LocalRefit", "RefitConfig", "RefitReport", "TransitionFailed"]
 
@@ -89,6 +90,10 @@ class RefitConfig:
     """How long the retry after a failed proof waits for the receivers it disproved to be
     restored by dense refit and report ready (``LocalRefit`` only): they then take part in
     the commit.  0 retries at once without them (they join the next refit)."""
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    """A 32-byte fleet secret: owners seal every payload with its payload key and receivers
+    refuse any payload not sealed with it (:mod:`dcr.wire.seal`).  ``None``: unkeyed BLAKE3
+    digests."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +194,7 @@ class _Base:
         self.version = 0
         self.checkpoint_bytes = sum(s.nbytes for s in self.catalog.values())
         self.threads = self.config.threads or default_threads()
+        self._seal_key = payload_key(self.config.fleet_secret)
 
     def _report(self, stats: BuildStats, seconds: dict[str, float], **fields: Any) -> RefitReport:
         seconds["construct"] = sum(
@@ -277,6 +283,7 @@ class LocalRefit(_Base):
                 limiter=anyio.CapacityLimiter(self.threads),
                 proof=self.config.proof,
                 join_wait_s=self.config.join_wait_s,
+                fleet_secret=self.config.fleet_secret,
             )
             self.cluster.versions[self._committed] = source.base_shards()
             self._running = self._portal.wrap_async_context_manager(self._serve())
@@ -463,6 +470,7 @@ class DataPlane(_Base):
                         final=bucket.final,
                         level=self.config.zstd_level,
                         layout=self.config.value_layout,
+                        seal_key=self._seal_key,
                     )
                 )
                 stats.add_time("encode", time.perf_counter() - t)
@@ -494,7 +502,11 @@ class DataPlane(_Base):
             t0 = time.perf_counter()
             decoded = [
                 decode_payload(
-                    p, catalog=self.catalog, limits=self.config.limits, xor_allowed=r.xor_allowed()
+                    p,
+                    catalog=self.catalog,
+                    limits=self.config.limits,
+                    xor_allowed=r.xor_allowed(),
+                    seal_key=self._seal_key,
                 )
                 for p in data
             ]

@@ -144,10 +144,14 @@ class FaultLog:
 
 
 class FaultyTransport(TransportWrapper):
-    """Wraps a transport; misbehaves on the first attempt it sees after :meth:`arm`."""
+    """Wraps a transport; misbehaves on the first attempt it sees after :meth:`arm`.
 
-    def __init__(self, inner: Transport) -> None:
+    ``seal_key`` is the fleet's payload key (:func:`dcr.wire.seal.seal_keys`) when its
+    payloads are sealed: a conflicting re-send is sealed with it too, as an owner would."""
+
+    def __init__(self, inner: Transport, *, seal_key: bytes | None = None) -> None:
         super().__init__(inner)
+        self.seal_key = seal_key
         self.faults = Faults()
         self.log = FaultLog()
         self._target: int | None = None
@@ -194,7 +198,7 @@ class FaultyTransport(TransportWrapper):
             log.duplicated.append(key)
             await self.inner.send(key, data)
         if len(log.conflicting) < f.conflicting:
-            other = _reencoded(data)
+            other = _reencoded(data, self.seal_key)
             if other is not None:
                 log.conflicting.append(key)
                 await self.inner.send(key, other)
@@ -210,11 +214,14 @@ def _final(data: bytes) -> bool:
     return len(data) > 7 and bool(data[6] & 1)
 
 
-def _reencoded(data: bytes) -> bytes | None:
-    """The same entries in other bytes (a higher zstd level), or ``None`` if identical."""
-    payload = decode_payload(data)
+def _reencoded(data: bytes, seal_key: bytes | None) -> bytes | None:
+    """The same entries in other bytes (a higher zstd level, sealed as the original), or
+    ``None`` if identical."""
+    payload = decode_payload(data, seal_key=seal_key)
     layout = payload.header.layout or ValueLayout.BYTEPLANE
-    other = encode_payload(payload.header, payload.items, level=19, layout=layout)
+    other = encode_payload(
+        payload.header, payload.items, level=19, layout=layout, seal_key=seal_key
+    )
     return other if other != data else None
 
 

@@ -38,6 +38,7 @@ from dcr.protocol.membership import MembershipConfig, MembershipCore
 from dcr.protocol.proof import ProofConfig, Verdict
 from dcr.protocol.receiver import QueueConfig
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey, Timeouts, TransitionOutcome
+from dcr.wire.seal import payload_key
 
 __all__ = ["AttemptSummary", "LocalCluster", "TransitionResult"]
 
@@ -100,6 +101,9 @@ class LocalCluster:
     """Proof of the base version at prepare (``None``: receivers are trusted to hold it)."""
     join_wait_s: float = 0.0
     """How long a retry waits for receivers a failed proof sent to a dense refit."""
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    """The fleet's 32-byte secret: owners seal every payload with its payload key and
+    receivers refuse any payload not sealed with it (:mod:`dcr.wire.seal`)."""
     owners: dict[str, OwnerService] = field(default_factory=dict)
     receiver_services: dict[str, ReceiverService] = field(default_factory=dict)
     versions: dict[CommitRecord, Mapping[str, torch.Tensor]] = field(default_factory=dict)
@@ -128,7 +132,7 @@ class LocalCluster:
     """Receivers whose dense refit runs in the cluster's task group."""
 
     def __post_init__(self) -> None:
-        self._transport = FaultyTransport(self.transport)
+        self._transport = FaultyTransport(self.transport, seal_key=payload_key(self.fleet_secret))
         self._store = FaultyCommitStore(self.store)
         self._side = TrainingSide(self.group, self.integration.xor_names)
 
@@ -176,6 +180,7 @@ class LocalCluster:
             baseline=baseline,
             limiter=self.limiter,
             on_sent=self._on_sent,
+            fleet_secret=self.fleet_secret,
         )
         self.owners[name] = service
         await self._spawn(name, service.serve)
@@ -192,6 +197,7 @@ class LocalCluster:
             hooks=self.hooks.get(name, ReceiverHooks()),
             limiter=self.limiter,
             on_applied=self._on_applied,
+            fleet_secret=self.fleet_secret,
         )
         self.receiver_services[name] = service
         await self._spawn(name, service.serve)

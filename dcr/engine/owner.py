@@ -40,6 +40,7 @@ from dcr.protocol.lifecycle import OwnerPhase
 from dcr.protocol.owner import OwnerCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
 from dcr.wire.payload import encode_bucket
+from dcr.wire.seal import payload_key
 
 __all__ = ["OwnerService", "TrainingSide", "open_owner"]
 
@@ -294,8 +295,12 @@ class OwnerService:
     with the refused set of the last prepare this owner received, so that the prepare's
     round trip overlaps it (:meth:`TrainingSide.build_ahead`); an attempt in another mode or
     with another set builds afresh."""
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    """The fleet's 32-byte secret: every payload is sealed with its payload key
+    (:mod:`dcr.wire.seal`), as receivers holding it require.  ``None``: unkeyed digests."""
     core: OwnerCore = field(init=False)
     link: EndpointLink | None = None
+    _seal_key: bytes | None = field(default=None, init=False, repr=False)
     _payloads: dict[tuple[int, int], bytes] = field(default_factory=dict)
     _stopped: set[int] = field(default_factory=set)
     _sending: dict[int, set[anyio.CancelScope]] = field(default_factory=dict)
@@ -320,6 +325,7 @@ class OwnerService:
             expected_from="the integration setup (what receivers admit)",
             found_from=f"owner {self.name}'s training plan",
         )
+        self._seal_key = payload_key(self.fleet_secret)
         self.core = OwnerCore(
             self.name,
             baseline=self.baseline,
@@ -489,6 +495,7 @@ class OwnerService:
             final=bucket.final,
             level=self.integration.zstd_level,
             layout=self.integration.value_layout,
+            seal_key=self._seal_key,
         )
 
     def _encode_next(self, attempt: int, payload_id: int, mode: Mode) -> tuple[bytes, bool]:

@@ -1,11 +1,11 @@
 """The receiver engine: runs :class:`~dcr.protocol.receiver.ReceiverCore` on anyio.
 
 The engine executes; the core decides.  Each payload the transport hands over is numbered
-and reported to the core, which asks for its reception checks (key against header, digest,
-schema, names, shapes, dtypes, loader classification -- a full strict decode) or keeps it
-parked while its bounded queue back-pressures ingestion.  Decoding and applying through the
-native loader run in worker threads.  Request-gate and KV-cache actions go to
-:class:`ReceiverHooks`, which an inference engine implements.
+and reported to the core, which asks for its reception checks (key against header, digest --
+with a fleet secret, the keyed seal --, schema, names, shapes, dtypes, loader classification:
+a full strict decode) or keeps it parked while its bounded queue back-pressures ingestion.
+Decoding and applying through the native loader run in worker threads.  Request-gate and
+KV-cache actions go to :class:`ReceiverHooks`, which an inference engine implements.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from dcr.protocol.receiver import QueueConfig, ReceiverCore
 from dcr.protocol.types import CommitRecord, Mode, PayloadKey
 from dcr.wire.format import DIGEST_OFFSET, HEADER_SIZE
 from dcr.wire.payload import Payload, decode_payload
+from dcr.wire.seal import payload_key
 
 __all__ = ["ReceiverHooks", "ReceiverService", "open_receiver"]
 
@@ -89,8 +91,16 @@ class ReceiverService:
     incarnation: str = field(default_factory=lambda: uuid.uuid4().hex)
     on_applied: Callable[[PayloadKey], None] | None = None
     """Called (in a worker thread) after each payload applied in place (faults, progress)."""
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    """The fleet's 32-byte secret: every payload must carry a keyed seal under its payload key
+    (:mod:`dcr.wire.seal`) -- an unkeyed payload fails its reception check ``unsealed``, a
+    wrong seal ``digest`` -- verified before anything of the payload is decoded.  ``None``:
+    unkeyed payloads are verified by their digest and keyed ones refused (``seal-key``)."""
     core: ReceiverCore = field(init=False)
     link: EndpointLink | None = None
+    rejected: Counter[str] = field(default_factory=Counter)
+    """Payloads this receiver refused at their reception checks, by check (``digest``,
+    ``unsealed``, ``schema``, ...); each refusal fails the attempt or dense job it came in."""
     applied_payloads: int = 0
     decode_seconds: float = 0.0
     apply_seconds: float = 0.0
@@ -103,8 +113,10 @@ class ReceiverService:
     _decoded: dict[PayloadKey, Payload] = field(default_factory=dict)
     _events: MemoryObjectSendStream[object] | None = None
     _count: int = 0
+    _seal_key: bytes | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._seal_key = payload_key(self.fleet_secret)
         self.core = ReceiverCore(
             self.name,
             held=self.held,
@@ -262,12 +274,14 @@ class ReceiverService:
             ):
                 rejection = "schema"
                 detail = "the header names another attempt, owner or payload than its delivery"
+                self.rejected[rejection] += 1
             else:
                 self._checked[delivery] = payload
         except PayloadRejected as exc:
             digest = hashlib.blake2b(d.data, digest_size=16).digest()
             rejection = exc.check or "schema"
             detail = str(exc)
+            self.rejected[rejection] += 1
             if rejection in _CATALOG_CHECKS:
                 # Deterministic: every attempt of these owners will fail the same way.
                 detail = f"the owners' catalog differs from this receiver's: {detail}"
@@ -285,6 +299,7 @@ class ReceiverService:
                 catalog=self.integration.catalog,
                 limits=self.integration.limits,
                 xor_allowed=self.receiver.xor_allowed(),
+                seal_key=self._seal_key,
             )
         finally:
             self.decode_seconds += time.perf_counter() - t0

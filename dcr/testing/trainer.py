@@ -29,6 +29,7 @@ from dcr.fleet.config import free_port
 from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_bucket
+from dcr.wire.seal import payload_key
 
 __all__ = ["apply_payloads", "build_payloads", "spawn"]
 
@@ -95,8 +96,11 @@ def build_payloads(
     mode: Mode = Mode.MIXED,
     xor_allowed: Container[str] = frozenset(),
     zstd_level: int = 1,
+    fleet_secret: bytes | None = None,
 ) -> tuple[list[bytes], BuildStats]:
-    """The payloads of one attempt from the owners ``group`` hosts (its staged candidate)."""
+    """The payloads of one attempt from the owners ``group`` hosts (its staged candidate),
+    sealed with the payload key of ``fleet_secret`` when given."""
+    seal_key = payload_key(fleet_secret)
     payloads = []
     total = BuildStats()
     for owner, (buckets, stats) in group.build(mode=mode, xor_allowed=xor_allowed).items():
@@ -109,6 +113,7 @@ def build_payloads(
                     payload_id=seq,
                     final=bucket.final,
                     level=zstd_level,
+                    seal_key=seal_key,
                 )
             )
         total.merge(stats)
@@ -119,11 +124,18 @@ def apply_payloads(
     receivers: Sequence[Applier],
     catalog: Mapping[str, TensorSpec],
     payloads: Iterable[bytes],
+    *,
+    fleet_secret: bytes | None = None,
 ) -> None:
-    """Decode every payload strictly and apply them in declared order on every receiver."""
+    """Decode every payload strictly and apply them in declared order on every receiver
+    (with ``fleet_secret``, each must carry a keyed seal under its payload key)."""
     data = list(payloads)
+    seal_key = payload_key(fleet_secret)
     for r in receivers:
-        decoded = [decode_payload(p, catalog=catalog, xor_allowed=r.xor_allowed()) for p in data]
+        decoded = [
+            decode_payload(p, catalog=catalog, xor_allowed=r.xor_allowed(), seal_key=seal_key)
+            for p in data
+        ]
         decoded.sort(key=lambda p: p.header.order)
         attempts = {p.header.attempt for p in decoded}
         if len(attempts) > 1:

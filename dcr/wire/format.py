@@ -4,11 +4,13 @@
 A payload is a fixed little-endian header followed by one zstd frame, the *body*.  The header
 carries the format version, the attempt, owner and payload ids, the codec, the value layout, the
 lengths and a 128-bit digest (BLAKE3, or BLAKE2b in payloads of earlier releases) that binds
-the header to the compressed body.  In version 1 the body holds a per-item metadata table, one
-shared location buffer and one shared value buffer; version 2 (the default) holds a tensor
-list, fixed-size item records and entropy-friendly streams (Rice-split gaps, zigzagged ULP
-deltas).  ``docs/wire-format.md`` specifies every byte.
-:mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and checks them.
+the header to the compressed body; in a fleet with a secret the digest is a keyed BLAKE3 MAC
+(:data:`FLAG_KEYED`, keys from :mod:`dcr.wire.seal`), so that only the secret's holders seal.
+In version 1 the body holds a per-item metadata table, one shared location buffer and one
+shared value buffer; version 2 (the default) holds a tensor list, fixed-size item records and
+entropy-friendly streams (Rice-split gaps, zigzagged ULP deltas).  ``docs/wire-format.md``
+specifies every byte.  :mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and
+checks them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "DIGEST_SIZE",
     "FLAG_BLAKE3",
     "FLAG_FINAL",
+    "FLAG_KEYED",
     "FLAGS_KNOWN",
     "FORMAT_VERSION",
     "HEADER_FIELDS",
@@ -51,6 +54,7 @@ __all__ = [
     "V1",
     "V2",
     "WINDOW_LOG_MAX",
+    "WINDOW_LOG_MAX_V1",
     "U32",
     "U64",
     "WORD_WIDTHS",
@@ -71,13 +75,22 @@ SUPPORTED_VERSIONS = (V1, V2)
 """Versions the decoder reads (and the encoder can write)."""
 WINDOW_LOG_MAX = 23
 """Version 2 frames use a zstd window of at most ``2**23`` bytes (8 MiB), so a decoder's
-streaming buffer stays small whatever the frame asks for."""
+streaming buffer stays small whatever the frame asks for.  A single-segment frame has no
+window descriptor: its window is its content size."""
+WINDOW_LOG_MAX_V1 = 27
+"""Version 1 frames use a zstd window of at most ``2**27`` bytes (128 MiB, libzstd's default
+decoding limit, which the largest level's window does not exceed); a single-segment frame's
+window is its content size."""
 CODEC_ZSTD = 1
 FLAG_FINAL = 0x0001
 FLAG_BLAKE3 = 0x0002
 """The digest is BLAKE3's first 16 bytes; without the flag it is BLAKE2b-128 (the digest of
 earlier releases, which decoders still verify).  BLAKE3 hashes about 7x faster on one core."""
-FLAGS_KNOWN = FLAG_FINAL | FLAG_BLAKE3
+FLAG_KEYED = 0x0004
+"""The digest is a MAC: the first 16 bytes of BLAKE3 keyed with the payload key
+(:func:`dcr.wire.seal.seal_keys`) over the same bytes.  Only with :data:`FLAG_BLAKE3` set too
+(flags ``0x0006``); a decoder refuses the bit alone."""
+FLAGS_KNOWN = FLAG_FINAL | FLAG_BLAKE3 | FLAG_KEYED
 """Every flag bit a decoder accepts; any other set bit is a schema error."""
 _FLAGS = struct.Struct("<H")
 DIGEST_SIZE = 16
@@ -367,6 +380,11 @@ class DecodeLimits:
     """Items naming one tensor in one payload.  With a catalog, a payload may hold at most
     ``len(catalog) * max_items_per_tensor`` items (an owner sends one item per tensor and
     encoding, so 3 would do; the rest is headroom)."""
+    max_items_per_byte: int = 1
+    """Items per byte of the compressed body: ``n_items <= max_items_per_byte *
+    compressed_bytes``, checked before anything is decompressed, so that what decoding costs
+    per item is bounded by the bytes received (an encoder's items take 1.6 bytes or more each
+    even for dense refits of constant tensors at zstd level 19)."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -377,19 +395,31 @@ class DecodeLimits:
             "max_ndim",
             "max_numel",
             "max_items_per_tensor",
+            "max_items_per_byte",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DecodeLimits.{field} must be a positive int, got {value!r}")
 
 
-def payload_digest(fixed: bytes | memoryview, *compressed: bytes | memoryview) -> bytes:
+def payload_digest(
+    fixed: bytes | memoryview, *compressed: bytes | memoryview, key: bytes | None = None
+) -> bytes:
     """The 128-bit digest over the header bytes before the digest, then the compressed body
-    (given whole or in consecutive pieces): BLAKE3 when the header's flags hold
-    :data:`FLAG_BLAKE3`, else BLAKE2b-128."""
+    (given whole or in consecutive pieces): with :data:`FLAG_KEYED` in the header's flags the
+    keyed BLAKE3 MAC under ``key`` (the payload key, which must be given then and only then),
+    else BLAKE3 when the flags hold :data:`FLAG_BLAKE3`, else BLAKE2b-128."""
     (flags,) = _FLAGS.unpack_from(fixed, 6)
+    if bool(flags & FLAG_KEYED) != (key is not None):
+        raise ConfigError(
+            "a keyed seal needs the payload key"
+            if key is None
+            else "an unkeyed digest takes no key"
+        )
     h: Any
-    if flags & FLAG_BLAKE3:
+    if key is not None:
+        h = blake3.blake3(key=key, max_threads=1)
+    elif flags & FLAG_BLAKE3:
         h = blake3.blake3(max_threads=1)
     else:
         h = hashlib.blake2b(digest_size=DIGEST_SIZE)

@@ -37,6 +37,7 @@ from dcr.errors import ConfigError
 from dcr.integrations.vllm.gate import EngineGate, GateServer, PauseMode, serving
 from dcr.integrations.vllm.join import JoinSpec, error_from_wire
 from dcr.protocol.types import CommitRecord
+from dcr.wire.seal import seal_keys
 
 __all__ = [
     "EngineReceivers",
@@ -145,6 +146,7 @@ async def join_fleet(
     apply_threads: int | None = None,
     gate_timeout_s: float = 3600.0,
     report_fingerprints: bool = False,
+    fleet_secret: bytes | None = None,
 ) -> AsyncIterator[EngineReceivers]:
     """Make the workers of ``engine`` receivers ``names`` (one per worker rank) of the fleet
     described by the fleet file ``fleet``, for the duration of the block.
@@ -170,9 +172,14 @@ async def join_fleet(
     RL mode wants, ``"wait"`` when synchronous and ``"keep"`` when asynchronous.
     ``report_fingerprints`` has every receiver report, in the fleet's event files, the
     fingerprint of each version it holds (what ``dcr fleet`` checks engines by).
+    ``fleet_secret`` is the fleet's 32-byte secret (its key directory's,
+    ``KeyDir(path).secret()``): every receiver then refuses payloads not sealed with it
+    (:mod:`dcr.wire.seal`); it crosses to the engine's own workers only.
     """
     from dcr.fleet.config import load_fleet
 
+    if fleet_secret is not None:
+        seal_keys(fleet_secret)  # a ConfigError unless 32 bytes, before any worker is asked
     path = Path(fleet).resolve()
     cfg = load_fleet(path)
     workers = int(engine.vllm_config.parallel_config.world_size)
@@ -202,6 +209,7 @@ async def join_fleet(
             gate_timeout_s=gate_timeout_s,
             checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
             report_fingerprints=report_fingerprints,
+            fleet_secret=fleet_secret,
         )
         results = await engine.collective_rpc("dcr_join", args=(spec.to_wire(),))
         failed = [(w, r["error"]) for w, r in enumerate(results) if "error" in r]

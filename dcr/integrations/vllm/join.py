@@ -7,7 +7,7 @@ depends on how vLLM serializes objects.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcr import errors
@@ -26,7 +26,8 @@ class JoinSpec:
     (``None``: restore the committed version by dense refit first); ``checkpoint`` the
     checkpoint directory whose catalog the receivers take instead of the fleet file's;
     ``report_fingerprints`` whether they report the fingerprint of every version they hold
-    (for the launcher's checks).
+    (for the launcher's checks); ``fleet_secret`` the fleet's 32-byte secret the receivers
+    verify payload seals with (hex on the wire, to the engine's own workers only).
     """
 
     fleet: str
@@ -37,6 +38,7 @@ class JoinSpec:
     gate_timeout_s: float = 3600.0
     checkpoint: str | None = None
     report_fingerprints: bool = False
+    fleet_secret: bytes | None = field(default=None, repr=False)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -48,11 +50,13 @@ class JoinSpec:
             "gate_timeout_s": self.gate_timeout_s,
             "checkpoint": self.checkpoint,
             "report_fingerprints": self.report_fingerprints,
+            "fleet_secret": None if self.fleet_secret is None else self.fleet_secret.hex(),
         }
 
     @classmethod
     def from_wire(cls, raw: Mapping[str, Any]) -> JoinSpec:
         held = raw.get("held")
+        secret = raw.get("fleet_secret")
         return cls(
             fleet=str(raw["fleet"]),
             names=tuple(str(n) for n in raw["names"]),
@@ -62,6 +66,7 @@ class JoinSpec:
             gate_timeout_s=float(raw.get("gate_timeout_s", 3600.0)),
             checkpoint=None if raw.get("checkpoint") is None else str(raw["checkpoint"]),
             report_fingerprints=bool(raw.get("report_fingerprints", False)),
+            fleet_secret=None if secret is None else bytes.fromhex(str(secret)),
         )
 
 

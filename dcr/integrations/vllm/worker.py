@@ -417,12 +417,17 @@ class DcrWorkerExtension:
             close_gate=close, invalidate_kv_cache=invalidate, open_gate=reopen, holds=holds
         )
 
+        # The fleet secret reaches the fleet's receiver as its fleet_secret option when given.
+        sealed: dict[str, Any] = {}
+        if spec.fleet_secret is not None:
+            sealed["fleet_secret"] = spec.fleet_secret
+
         async def serve() -> None:
             try:
                 await run_receiver(
                     cfg, name, receiver=receiver, hooks=hooks, held=spec.held,
                     report="fingerprint" if spec.report_fingerprints else "none",
-                    started=hosted.on_started,
+                    started=hosted.on_started, **sealed,
                 )  # fmt: skip
             finally:
                 gate.close()

@@ -6,7 +6,8 @@ is checked against :class:`~dcr.wire.format.DecodeLimits` and, when given, the r
 prewarm metadata before anything is returned, and any failure raises
 :class:`~dcr.errors.PayloadRejected` naming the check.
 
-Cost is bounded by the input: the header is checked first (with a catalog, the item count and
+Cost is bounded by the input: the header is checked first (its digest -- with a payload key,
+its keyed seal -- before anything else it says is trusted; with a catalog, the item count and
 the body length against what the catalog allows), then the body is decompressed as a stream,
 part by part -- the preamble, the table (bounded by the item count), and only then the buffers,
 whose sizes the checked table implies.  Decoded entries are compact (one indices array, one
@@ -46,6 +47,7 @@ def decode_payload(
     catalog: Mapping[str, TensorSpec] | None = None,
     limits: DecodeLimits = DEFAULT_LIMITS,
     xor_allowed: Container[str] | None = None,
+    seal_key: bytes | None = None,
 ) -> Payload:
     """Fully decode and validate a payload, or raise :class:`PayloadRejected`.
 
@@ -54,9 +56,12 @@ def decode_payload(
     anything is decompressed; ``xor_allowed`` names the tensors whose loader path allows
     relative (XOR and ULP) entries.  The items are an :class:`~dcr.wire.format.Items`: compact
     arrays owned by the payload, :class:`~dcr.tensors.records.Item` views made on demand.
+    ``seal_key`` (the payload key of :func:`dcr.wire.seal.seal_keys`) requires a keyed seal
+    that verifies, before anything of the body is read (:func:`read_header` says what is
+    refused with and without one).
     """
     view = as_bytes_view(data)
-    header, framing = read_framing(view, limits)
+    header, framing = read_framing(view, limits, seal_key)
     attempt = header.attempt
     if catalog is not None:
         check_catalog(framing, attempt, limits, catalog)

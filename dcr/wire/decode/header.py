@@ -1,10 +1,11 @@
 """The fixed header of a received payload (paper App. D): its framing, read and checked before
 anything is decompressed.
 
-:func:`read_header` checks the magic, the version, the lengths and the digest, then the fields
-the digest vouches for (flags, codec, layout, reserved fields) and the item count and body length
-against :class:`~dcr.wire.format.DecodeLimits`; with a catalog, :func:`check_catalog` bounds the
-item count and the body length by what the catalog allows.
+:func:`read_header` checks the magic, the version, the lengths and the digest (with a payload
+key, the keyed seal: :mod:`dcr.wire.seal`), then the fields the digest vouches for (flags,
+codec, layout, reserved fields) and the item count and body length against
+:class:`~dcr.wire.format.DecodeLimits`; with a catalog, :func:`check_catalog` bounds the item
+count and the body length by what the catalog allows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dcr.wire.format import (
     DIGEST_OFFSET,
     FLAG_BLAKE3,
     FLAG_FINAL,
+    FLAG_KEYED,
     FLAGS_KNOWN,
     HEADER_FIELDS,
     HEADER_SIZE,
@@ -36,6 +38,7 @@ from dcr.wire.format import (
     ValueLayout,
     payload_digest,
 )
+from dcr.wire.seal import check_key
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -69,17 +72,61 @@ def as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
 
 
 def read_header(
-    data: bytes | bytearray | memoryview, *, limits: DecodeLimits = DEFAULT_LIMITS
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    seal_key: bytes | None = None,
 ) -> PayloadHeader:
     """Parse and check the fixed header and the lengths, and verify the digest.
+
+    With ``seal_key`` (the payload key of :func:`dcr.wire.seal.seal_keys`) the payload must
+    carry a keyed seal that verifies under it: an unkeyed one is refused (check
+    ``unsealed``), a wrong MAC too (``digest``).  Without a key a keyed payload is refused
+    (``seal-key``: it cannot be verified) and an unkeyed one is verified by its digest.
 
     Cheap relative to :func:`~dcr.wire.decode.decode_payload`: nothing is decompressed.  Raises
     :class:`PayloadRejected` on any failure.
     """
-    return read_framing(as_bytes_view(data), limits)[0]
+    return read_framing(as_bytes_view(data), limits, seal_key)[0]
 
 
-def read_framing(view: memoryview, limits: DecodeLimits) -> tuple[PayloadHeader, Framing]:
+def _verify_digest(view: memoryview, flags: int, seal_key: bytes | None, attempt: int) -> bytes:
+    """Verify the digest field (a keyed seal with ``seal_key``), before any other field the
+    digest vouches for is trusted or anything of the body is parsed; the digest."""
+
+    def reject(message: str, check: str) -> PayloadRejected:
+        return PayloadRejected(message, attempt=attempt, check=check)
+
+    if seal_key is not None:
+        seal_key = check_key(seal_key, "payload key")
+    keyed = bool(flags & FLAG_KEYED)
+    if keyed and not flags & FLAG_BLAKE3:
+        raise reject("a keyed seal is BLAKE3's: flag bit 2 without bit 1", "schema")
+    if seal_key is not None and not keyed:
+        raise reject(
+            "the payload is not sealed with the fleet's key (an unkeyed digest), but this "
+            "receiver requires a keyed seal",
+            "unsealed",
+        )
+    if seal_key is None and keyed:
+        raise reject(
+            "the payload carries a keyed seal and this receiver has no fleet secret to verify "
+            "it; configure the fleet secret (fleet_secret)",
+            "seal-key",
+        )
+    digest = bytes(view[DIGEST_OFFSET:HEADER_SIZE])
+    expected = payload_digest(view[:DIGEST_OFFSET], view[HEADER_SIZE:], key=seal_key)
+    if not hmac.compare_digest(digest, expected):
+        if keyed:
+            raise reject("keyed seal mismatch: not sealed under this fleet's secret", "digest")
+        name = "BLAKE3" if flags & FLAG_BLAKE3 else "BLAKE2b-128"
+        raise reject(f"{name} digest mismatch", "digest")
+    return digest
+
+
+def read_framing(
+    view: memoryview, limits: DecodeLimits, seal_key: bytes | None = None
+) -> tuple[PayloadHeader, Framing]:
     """:func:`read_header`, and the checked fields the body decoder needs."""
     size = len(view)
     if size >= len(MAGIC) and bytes(view[: len(MAGIC)]) != MAGIC:
@@ -116,10 +163,7 @@ def read_framing(view: memoryview, limits: DecodeLimits) -> tuple[PayloadHeader,
         )
     if HEADER_SIZE + compressed_bytes < size:
         raise reject(f"{size - HEADER_SIZE - compressed_bytes} bytes after the body", "schema")
-    digest = bytes(view[DIGEST_OFFSET:HEADER_SIZE])
-    if not hmac.compare_digest(digest, payload_digest(view[:DIGEST_OFFSET], view[HEADER_SIZE:])):
-        name = "BLAKE3" if flags & FLAG_BLAKE3 else "BLAKE2b-128"
-        raise reject(f"{name} digest mismatch", "digest")
+    digest = _verify_digest(view, flags, seal_key, attempt)
     # The digest holds, so what follows was produced by the sender, not damaged in transit.
     if flags & ~FLAGS_KNOWN:
         raise reject(f"unknown flags {flags:#06x}", "schema")
@@ -131,6 +175,12 @@ def read_framing(view: memoryview, limits: DecodeLimits) -> tuple[PayloadHeader,
         raise reject("reserved header fields are not zero", "schema")
     if n_items > limits.max_items:
         raise reject(f"{n_items} items exceed the limit of {limits.max_items}", "oversized")
+    if n_items > limits.max_items_per_byte * compressed_bytes:
+        raise reject(
+            f"{n_items} items in {compressed_bytes} compressed bytes exceed "
+            f"{limits.max_items_per_byte} per byte",
+            "oversized",
+        )
     if body_bytes > limits.max_body_bytes:
         raise reject(f"body of {body_bytes} bytes exceeds {limits.max_body_bytes}", "oversized")
     if body_bytes < BODY_PREAMBLE.size:

@@ -5,7 +5,8 @@ fixed-size item records, gaps Rice-split into byte symbols and remainders, ULP d
 and split into nibble symbols, and XOR / overwrite values as width classes; version 1 run- or
 gap-codes locations and groups location and value words into width classes.  Word classes are
 byte planes by default; the body is compressed with zstd and sealed with a 128-bit BLAKE3 digest
-(:mod:`dcr.wire.format`).
+(:mod:`dcr.wire.format`), or, given the payload key of a fleet secret, a keyed BLAKE3 MAC
+(:mod:`dcr.wire.seal`).
 
 The item checks and width classes both versions use are :mod:`~dcr.wire.encode.items`, the
 version 1 body :mod:`~dcr.wire.encode.v1`, the version 2 body and its compression
@@ -28,6 +29,7 @@ from dcr.wire.format import (
     DEFAULT_LEVEL,
     FLAG_BLAKE3,
     FLAG_FINAL,
+    FLAG_KEYED,
     FORMAT_VERSION,
     HEADER_FIELDS,
     MAGIC,
@@ -38,6 +40,7 @@ from dcr.wire.format import (
     ValueLayout,
     payload_digest,
 )
+from dcr.wire.seal import check_key
 
 __all__ = ["encode_bucket", "encode_payload"]
 
@@ -59,6 +62,7 @@ def encode_payload(
     layout: ValueLayout = DEFAULT_LAYOUT,
     version: int = FORMAT_VERSION,
     digest: str = "blake3",
+    seal_key: bytes | None = None,
 ) -> bytes:
     """Encode ``items`` (in order) under ``header``'s identity into payload bytes.
 
@@ -66,9 +70,15 @@ def encode_payload(
     nothing is produced.  The fields of ``header`` after ``final`` are ignored.  ``version``
     selects the format (:data:`~dcr.wire.format.FORMAT_VERSION` by default; version 1 cannot
     carry ULP items).  ``digest`` is ``"blake3"`` (the default, :data:`FLAG_BLAKE3`) or
-    ``"blake2b"`` (what decoders of earlier releases verify).
+    ``"blake2b"`` (what decoders of earlier releases verify).  ``seal_key`` (the payload key
+    of :func:`dcr.wire.seal.seal_keys`) seals the payload with a keyed BLAKE3 MAC instead
+    (:data:`FLAG_KEYED`; ``digest`` must be ``"blake3"``).
     """
     attempt = header.attempt
+    if seal_key is not None:
+        seal_key = check_key(seal_key, "payload key")
+        if digest != "blake3":
+            raise ConfigError("a keyed seal is BLAKE3's: digest must be 'blake3'", attempt=attempt)
     _check_level(level)
     try:
         layout = ValueLayout(layout)
@@ -94,7 +104,9 @@ def encode_payload(
     fixed = HEADER_FIELDS.pack(
         MAGIC,
         version,
-        (FLAG_FINAL if header.final else 0) | (FLAG_BLAKE3 if digest == "blake3" else 0),
+        (FLAG_FINAL if header.final else 0)
+        | (FLAG_BLAKE3 if digest == "blake3" else 0)
+        | (FLAG_KEYED if seal_key is not None else 0),
         header.attempt,
         header.owner,
         header.payload_id,
@@ -108,7 +120,8 @@ def encode_payload(
         sum(len(c) for c in compressed),
     )
     # One join of the header and the compressed pieces: the payload is the only copy made.
-    return b"".join((fixed, payload_digest(fixed, *compressed), *compressed))
+    seal = payload_digest(fixed, *compressed, key=seal_key)
+    return b"".join((fixed, seal, *compressed))
 
 
 def encode_bucket(
@@ -120,11 +133,12 @@ def encode_bucket(
     final: bool,
     level: int = DEFAULT_LEVEL,
     layout: ValueLayout = DEFAULT_LAYOUT,
+    seal_key: bytes | None = None,
 ) -> bytes:
     """Encode one bucket of ``items`` as the payload ``payload_id`` of ``owner`` in
     ``attempt``: the :class:`~dcr.wire.format.PayloadHeader` built from these fields
     (``final``: the owner's last payload of the attempt), then :func:`encode_payload` with
-    ``level`` and ``layout`` in the default format version and digest.
+    ``level``, ``layout`` and ``seal_key`` in the default format version and digest.
     """
     header = PayloadHeader(attempt=attempt, owner=owner, payload_id=payload_id, final=final)
-    return encode_payload(header, items, level=level, layout=layout)
+    return encode_payload(header, items, level=level, layout=layout, seal_key=seal_key)

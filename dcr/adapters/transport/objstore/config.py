@@ -4,11 +4,12 @@ file's transport section becomes them for one process (:func:`fleet_settings`)."
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from dcr.adapters.context import known_options
 from dcr.errors import ConfigError
+from dcr.wire.seal import seal_keys
 
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
@@ -52,6 +53,16 @@ class ObjectStoreConfig:
     """A directory the receiver processes of one rollout node share (local disk or tmpfs):
     each payload is then downloaded once per node, not once per process
     (:mod:`~dcr.adapters.transport.nodeshare`).  ``None``: every process downloads."""
+    fleet_secret: bytes | None = field(default=None, repr=False)
+    """The fleet's 32-byte secret (never in a fleet file: read it from the fleet's key
+    directory): manifest entries are written sealed with its manifest key and a node ignores
+    any entry whose seal does not verify (:mod:`~dcr.adapters.transport.objstore.layout`).
+    ``None``: entries are plain JSON.  Every process of a fleet sets it, or none does."""
+
+    @property
+    def manifest_seal_key(self) -> bytes | None:
+        """The key that seals manifest entries (:func:`dcr.wire.seal.seal_keys`), if any."""
+        return None if self.fleet_secret is None else seal_keys(self.fleet_secret).manifest
 
     def __post_init__(self) -> None:
         checks = {
@@ -69,6 +80,12 @@ class ObjectStoreConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ConfigError(f"invalid object-store transport settings: {', '.join(bad)}")
+        if self.fleet_secret is not None:
+            seal_keys(self.fleet_secret)  # a ConfigError unless 32 bytes
+
+
+SEALERS = frozenset({"owner", "receiver"})
+"""The roles whose transports seal or check manifest entries (they hold the fleet secret)."""
 
 
 def fleet_settings(
@@ -77,17 +94,22 @@ def fleet_settings(
     """The keys of a fleet file's object-store transport section, for one process.
 
     ``own`` are the backend's keys (a bucket, a path); the others are
-    :class:`ObjectStoreConfig` fields, and any other key raises
-    :class:`~dcr.errors.ConfigError`.  ``node_cache`` becomes this process's node directory:
-    in a process hosting receivers of rollout node ``N``, ``<node_cache>/N`` (relative to the
-    fleet file), or ``<run_dir>/fetches/N`` without one where ``N`` hosts several receivers,
-    so their processes download each payload once; elsewhere (owners, the coordinator)
-    nothing, since only receivers fetch.
+    :class:`ObjectStoreConfig` fields but ``fleet_secret`` (a secret is no fleet-file
+    setting), and any other key raises :class:`~dcr.errors.ConfigError`.  ``node_cache``
+    becomes this process's node directory: in a process hosting receivers of rollout node
+    ``N``, ``<node_cache>/N`` (relative to the fleet file), or ``<run_dir>/fetches/N`` without
+    one where ``N`` hosts several receivers, so their processes download each payload once;
+    elsewhere (owners, the coordinator) nothing, since only receivers fetch.  With the fleet's
+    keys, an owner's or a receiver's transport gets the fleet secret: manifest entries are
+    sealed and checked.
     """
-    known = {*own, *(f.name for f in fields(ObjectStoreConfig))}
+    known = {*own, *(f.name for f in fields(ObjectStoreConfig) if f.name != "fleet_secret")}
     opts = known_options(options, known, context.section)
     shared = opts.pop("node_cache", None)
     if context.node is not None and (shared is not None or context.node_receivers > 1):
         base = context.path(shared) if shared is not None else context.run_dir / "fetches"
         opts["node_cache"] = str(base / context.node)
+    keys = context.security.keys
+    if keys is not None and context.identity is not None and context.identity.role in SEALERS:
+        opts["fleet_secret"] = keys.secret()  # owners seal manifest entries, receivers check
     return opts

@@ -13,16 +13,32 @@ after their payloads are stored, so a listing holds a prefix of them and a node 
 owner's payloads in the order they were sent.  Every send is its own object: a re-send of the
 same payload id (identical or not) is delivered again, and receivers deduplicate or fail the
 attempt (App. B.1, reception checks).
+
+**Sealed entries.**  With a fleet secret (``ObjectStoreConfig.fleet_secret``) a manifest entry
+object is its JSON bytes ``E`` followed by a 16-byte seal ``T``::
+
+    T = BLAKE3(key=Km, u32le(len(K)) || K || E)[:16]
+
+where ``Km`` is the manifest key of :func:`dcr.wire.seal.seal_keys` and ``K`` the entry's own
+object key (UTF-8, relative to the store's root, e.g. ``manifest/<attempt>/e/<owner>/...``):
+only a holder of the secret writes an entry a node accepts, and an entry copied to another
+key (another attempt, owner, writer or sequence number, hence another payload object) fails
+its seal.  A node verifies the seal before it decodes anything of the entry
+(:func:`decode_entry`).  Payload objects need no seal of their own: the owners seal the
+payload bytes themselves (:data:`~dcr.wire.format.FLAG_KEYED`) and receivers verify them.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
+import struct
 from urllib.parse import unquote
 
 import msgspec
 
-from dcr.errors import ConfigError
+from dcr.errors import ConfigError, TransportError
+from dcr.wire.seal import MAC_SIZE, keyed_mac
 
 __all__ = [
     "ENTRY_DECODER",
@@ -32,7 +48,9 @@ __all__ = [
     "PAYLOADS",
     "ManifestEntry",
     "attempt_segment",
+    "decode_entry",
     "decode_segment",
+    "encode_entry",
     "encode_segment",
     "manifest_key",
     "owner_name",
@@ -110,3 +128,44 @@ class ManifestEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 ENTRY_DECODER = msgspec.json.Decoder(ManifestEntry, strict=True)
+
+
+_KEY_LENGTH = struct.Struct("<I")
+
+
+def _entry_seal(manifest_key: bytes, key: str, entry: bytes) -> bytes:
+    name = key.encode()
+    return keyed_mac(manifest_key, _KEY_LENGTH.pack(len(name)), name, entry)
+
+
+def encode_entry(entry: ManifestEntry, key: str, manifest_key: bytes | None) -> bytes:
+    """The bytes of the manifest entry object ``key``: the entry's JSON, followed by its seal
+    when ``manifest_key`` (:attr:`dcr.wire.seal.SealKeys.manifest`) is given."""
+    body = msgspec.json.encode(entry)
+    return body if manifest_key is None else body + _entry_seal(manifest_key, key, body)
+
+
+def decode_entry(raw: bytes, key: str, manifest_key: bytes | None) -> ManifestEntry:
+    """The manifest entry stored as object ``key``; with ``manifest_key`` only once its seal
+    verified (nothing of it is decoded before).  Raises :class:`~dcr.errors.TransportError`
+    (``check="seal"``: no valid seal -- forged, unsealed, sealed under another secret or moved
+    from another key; ``check="manifest"``: it does not decode)."""
+    if manifest_key is not None:
+        body, seal = raw[:-MAC_SIZE], raw[-MAC_SIZE:]
+        if len(raw) <= MAC_SIZE or not hmac.compare_digest(
+            seal, _entry_seal(manifest_key, key, body)
+        ):
+            raise TransportError(
+                f"manifest entry {key} is not sealed with this fleet's secret (written without "
+                "it, under another secret, or moved from another key); ignored",
+                retryable=False,
+                check="seal",
+            )
+        raw = body
+    try:
+        return ENTRY_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        hint = "" if manifest_key is not None else " (sealed? this transport has no fleet_secret)"
+        raise TransportError(
+            f"manifest entry {key} does not decode{hint}: {exc}", retryable=False, check="manifest"
+        ) from exc

@@ -32,6 +32,7 @@ from dcr.adapters.transport.objstore.layout import (
     PAYLOADS,
     ManifestEntry,
     attempt_segment,
+    encode_entry,
     manifest_key,
     payload_key,
     tombstone_key,
@@ -114,7 +115,7 @@ class Sender:
         seq = turns.take()
         obj = payload_key(attempt, key.owner, self.writer, seq)
         entry = manifest_key(attempt, key.owner, self.writer, seq)
-        body = msgspec.json.encode(
+        body = encode_entry(
             ManifestEntry(
                 format=ENTRY_FORMAT,
                 attempt=attempt,
@@ -122,7 +123,9 @@ class Sender:
                 payload_id=key.payload_id,
                 size=len(data),
                 to=None if to is None else sorted(to),
-            )
+            ),
+            entry,
+            self.config.manifest_seal_key,
         )
         what = f"{key.owner}/{key.payload_id}"
         storage = self.storage

@@ -37,7 +37,8 @@ class FetchStats:
     missing: int = 0
     """Listed payloads storage no longer held (not delivered)."""
     bad_entries: int = 0
-    """Manifest entries that did not decode or did not match their key (ignored)."""
+    """Manifest entries that did not decode, did not match their key or (with a fleet secret)
+    whose seal did not verify (ignored)."""
     errors: int = 0
     """Listings and fetches that failed after every retry."""
     retried: int = 0
