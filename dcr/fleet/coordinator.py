@@ -129,7 +129,8 @@ class FleetCoordinator:
                 await anyio.sleep(lease / 4)
             self.epoch = epoch
             self.membership = self._core(epoch)
-            self.log.emit("active", epoch=epoch, address=link.address)
+            self.log.emit("active", epoch=epoch, address=link.address,
+                          keyed=self.config.keys is not None)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._dispatch, link)

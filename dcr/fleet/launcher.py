@@ -26,6 +26,7 @@ The launcher holds the processes; following their events (checks, faults, the re
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -45,7 +46,85 @@ from dcr.fleet.progress import FleetProgress, RefitRow
 from dcr.fleet.runtime import LAUNCHED, relayed
 from dcr.fleet.sections import EngineSection
 
-__all__ = ["Launcher"]
+__all__ = ["RUN_DIR_MARKER", "Launcher", "clear_run_dir"]
+
+RUN_DIR_MARKER = ".dcr-run-dir"
+"""The file ``dcr fleet`` writes in every run directory it uses: only a directory holding it
+is cleared before a run, and only of what a fleet writes there."""
+
+_RUN_ENTRIES = frozenset({
+    RUN_DIR_MARKER, "commit.db", "ports.json", "faults.json", "faults.json.tmp", "go.json",
+    "go.json.tmp", "events", "logs", "trainer", "objects", "fetches",
+})  # fmt: skip
+"""What the processes of a fleet write in its run directory: the SQLite commit record, the
+relay ports, the planned faults, the lockstep go, event files, logs, the trainer's own
+checkpoints, a directory transport's objects and a node's shared fetches."""
+_RUN_PATTERNS = ("ports.json.*.tmp", "engine-*.ready.json", "engine-*.ready.json.tmp")
+
+
+def clear_run_dir(cfg: FleetConfig) -> list[str]:
+    """Clear the fleet's run directory for a fresh run: remove what a fleet wrote there (the
+    SQLite record, ``ports.json``, ``events/``, ``logs/``, ``trainer/``, ...), keep anything
+    else; returns the names of the entries kept.
+
+    A directory that does not exist or is empty is fine.  A directory that holds other files
+    and no :data:`RUN_DIR_MARKER` (``dcr fleet`` did not make it), or that holds the fleet
+    file itself (``run_dir = "."`` or one above it), is refused with a
+    :class:`~dcr.errors.ConfigError` and nothing in it is touched."""
+    run_dir = cfg.run_dir
+    where = run_dir.resolve()
+    home = cfg.path.resolve().parent
+    if where == home or where in home.parents:
+        raise ConfigError(
+            f"{cfg.path}: [fleet] run_dir = {str(run_dir)!r} is the fleet file's directory or "
+            "one above it: dcr fleet clears its run directory before every run, so give the "
+            'fleet a directory of its own (run_dir = "run", the default)',
+            check="run-dir",
+        )
+    if not run_dir.exists() and not run_dir.is_symlink():
+        return []
+    if not run_dir.is_dir():
+        raise ConfigError(
+            f"{cfg.path}: [fleet] run_dir {run_dir} is not a directory: remove it or name "
+            "another run_dir",
+            check="run-dir",
+        )
+    entries = sorted(run_dir.iterdir())
+    if entries and not (run_dir / RUN_DIR_MARKER).is_file():
+        raise ConfigError(
+            f"{cfg.path}: [fleet] run_dir {run_dir} is not empty and was not made by dcr fleet "
+            f"(it holds no {RUN_DIR_MARKER}): dcr fleet clears its run directory before every "
+            "run, so it does not take a directory holding other files; set run_dir to a new "
+            "or empty directory, or empty this one yourself",
+            check="run-dir",
+        )
+    store = cfg.store_path()
+    folder = store.parent.resolve()
+    if folder == where or where in folder.parents:  # a SQLite record in the run directory
+        for path in folder.glob(glob.escape(store.name) + "*"):
+            if _of_store(path.name, store.name) and (path.is_symlink() or not path.is_dir()):
+                path.unlink(missing_ok=True)
+    kept = []
+    for entry in entries:
+        if entry.name in _RUN_ENTRIES or any(entry.match(p) for p in _RUN_PATTERNS):
+            _remove(entry)
+        elif entry.exists() or entry.is_symlink():
+            kept.append(entry.name)
+    return kept
+
+
+def _of_store(name: str, store: str) -> bool:
+    """Whether ``name`` is the SQLite file ``store`` or one beside it (``-wal``, ``-shm``,
+    ``-journal``, a ``.``-suffixed marker)."""
+    return name == store or name.startswith((store + "-", store + "."))
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, a link (never what it points to) or a directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 class Launcher(FleetProgress):
@@ -71,9 +150,13 @@ class Launcher(FleetProgress):
         return [sys.executable, "-m", "dcr.cli", role, "--fleet", str(self.cfg.path), *extra]
 
     def _prepare_run_dir(self) -> None:
-        if self.cfg.run_dir.exists():
-            shutil.rmtree(self.cfg.run_dir)
-        self.cfg.run_dir.mkdir(parents=True)
+        kept = clear_run_dir(self.cfg)
+        if kept:
+            self.say(f"kept what dcr fleet did not write in {self.cfg.run_dir}: {', '.join(kept)}")
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.cfg.run_dir / RUN_DIR_MARKER).write_text(
+            "made by dcr fleet; the next run of the fleet clears what the fleet wrote here\n"
+        )
         (self.cfg.run_dir / "logs").mkdir()
         ports = {n.name: n.port or free_port(self.cfg.host) for n in self.cfg.rollout}
         self.cfg.ports_file.write_text(json.dumps(ports))
@@ -84,7 +167,7 @@ class Launcher(FleetProgress):
         """A fresh run starts from version 0 with attempt ids that begin again: empty an
         object-store transport and an S3 commit record the fleet file names (the run
         directory, with a directory transport's default path and a SQLite record in it, was
-        just removed)."""
+        just cleared)."""
         import anyio
 
         from dcr.adapters.commit.s3 import S3CommitStore
@@ -161,14 +244,17 @@ class Launcher(FleetProgress):
         engine = self.cfg.engine_of(name)
         return f"engine-{engine.name}" if engine is not None else name
 
+    def _rendezvous(self) -> int:
+        """A fresh rendezvous store for the trainer ranks, held here and listening on the
+        fleet's host only (:func:`~dcr.fleet.trainer.rendezvous_store`); returns its port."""
+        from dcr.fleet.trainer import rendezvous_store
+
+        self._trainer_store = rendezvous_store(self.cfg.host, self.cfg.world_size + 1)
+        return int(self._trainer_store.port)
+
     def _start_trainer(self) -> None:
         """(Re)start every trainer rank around a fresh rendezvous store held here."""
-        import torch.distributed as dist
-
-        self._trainer_store = dist.TCPStore(  # type: ignore[attr-defined]
-            self.cfg.host, 0, self.cfg.world_size + 1, is_master=True, wait_for_workers=False
-        )
-        port = str(self._trainer_store.port)
+        port = str(self._rendezvous())
         # A trainer of your own may also form its group the usual way (env://): rank 0
         # hosts that store.
         master = str(free_port(self.cfg.host))

@@ -8,9 +8,11 @@ tp``, ``ep`` and ``dp``), and step ``k`` updates about ``rate`` of the elements,
 deterministically.  Each rank joins the fleet like any trainer
 (:func:`~dcr.fleet.trainer.join_trainer`) and publishes every step.  Like a real trainer it
 writes a checkpoint of its shards after each committed step (``<run_dir>/trainer/
-o<rank>.npz``, bit patterns only), and a rank restarted after a crash resumes from it at the
+o<rank>.npz``, bit patterns only; written to a temporary file, fsynced, renamed into place
+and the directory fsynced), and a rank restarted after a crash resumes from it at the
 committed version (replaying the steps the checkpoint is missing, at most one when it died
-mid-write).
+mid-write).  A checkpoint that cannot be read whole (torn, truncated, of another run or
+layout) counts as absent: the rank says so on stderr and computes the version from scratch.
 
 Besides ``sent`` and ``committed`` the rank reports what the refit benchmark measures
 (:mod:`dcr.fleet.timing`): ``publish`` when it hands a version over, the intervals of each
@@ -23,6 +25,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -55,24 +61,54 @@ def _checkpoint_path(cfg: FleetConfig, rank: int) -> Path:
 
 
 def _save_checkpoint(path: Path, version: int, weights: dict[str, torch.Tensor]) -> None:
-    """Write the rank's shards at ``version`` (their bit patterns), atomically."""
+    """Write the rank's shards at ``version`` (their bit patterns), atomically and durably:
+    a temporary file, fsynced, renamed over ``path``, then the directory fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(weights)
-    tmp = path.with_name(path.name + ".tmp.npz")
     arrays: dict[str, Any] = {f"t{i}": bits(weights[k]).reshape(-1) for i, k in enumerate(keys)}
-    np.savez(tmp, version=np.array(version), keys=np.array(keys), **arrays)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, version=np.array(version), keys=np.array(keys), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
-def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str, torch.Tensor]:
-    """The rank's shards at the committed ``version``: from its checkpoint when it has one
-    at or below ``version`` (the missing steps replayed), else computed from scratch."""
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)
+"""What reading a torn or foreign checkpoint raises (numpy, zipfile): it counts as absent."""
+
+
+def _npz(loaded: Any) -> Any:
+    """What ``np.load`` read, when it is an ``.npz`` archive (a bare ``.npy`` is not ours)."""
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError("not an .npz archive")
+    return loaded
+
+
+def _read_checkpoint(
+    model: FleetModel, rank: int, version: int, path: Path
+) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """``(its version, the rank's shards)`` of the checkpoint at ``path`` when it is one of
+    this run and layout at or below ``version``; ``None`` when there is none or it cannot be
+    read whole (a line on stderr says which)."""
     plan = {s.key: s for s in held_by(model.plan, rank)}
     try:
-        with np.load(path, allow_pickle=False) as f:
-            start = int(f["version"])
+        with open(path, "rb") as raw, _npz(np.load(raw, allow_pickle=False)) as f:
+            stored_version = f["version"]
+            if stored_version.shape != () or stored_version.dtype.kind not in "iu":
+                raise ValueError("its version is not an integer")
+            start = int(stored_version)
             keys = [str(k) for k in f["keys"]]
-            if start > version or set(keys) != set(plan):
+            if start > version or set(keys) != set(plan) or len(keys) != len(plan):
                 raise ValueError("a checkpoint of another run")
             shards = {}
             for i, key in enumerate(keys):
@@ -83,8 +119,23 @@ def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str,
                     raise ValueError(f"a checkpoint of another layout ({key})")
                 view[:] = stored
                 shards[key] = t
-    except (OSError, ValueError, KeyError):
+    except FileNotFoundError:
+        return None
+    except _UNREADABLE as exc:
+        print(f"dcr owner o{rank}: cannot resume from the checkpoint {path} "
+              f"({type(exc).__name__}: {exc}); computing version {version} from scratch "
+              "instead", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    return start, shards
+
+
+def _resume(model: FleetModel, rank: int, version: int, path: Path) -> dict[str, torch.Tensor]:
+    """The rank's shards at the committed ``version``: from its checkpoint when it has one
+    at or below ``version`` (the missing steps replayed), else computed from scratch."""
+    found = _read_checkpoint(model, rank, version, path)
+    if found is None:
         return model.run.shards(model.plan, rank, version)
+    start, shards = found
     for step in range(start + 1, version + 1):
         _optimizer_step(model, shards, step)
     return shards

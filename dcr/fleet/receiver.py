@@ -45,7 +45,7 @@ from dcr.engine.integration import Integration
 from dcr.engine.receiver import ReceiverHooks, ReceiverService
 from dcr.errors import ConfigError
 from dcr.fleet.checks import holds_request, proof_to_json
-from dcr.fleet.config import FleetConfig
+from dcr.fleet.config import FleetConfig, fleet_secret_of
 from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
@@ -170,6 +170,7 @@ async def run_receiver(
     held: CommitRecord | None = None,
     report: Literal["digests", "fingerprint", "none"] = "digests",
     started: Callable[[ReceiverService], None] | None = None,
+    fleet_secret: bytes | None = None,
 ) -> None:
     """Serve receiver ``name`` until cancelled.
 
@@ -181,7 +182,8 @@ async def run_receiver(
     ``digests`` of every parameter (a sharded rank), the ``fingerprint`` of the version as
     the storage holds it (any loader's layout, :mod:`dcr.fleet.checks`), or nothing (no
     launcher checks; hashing keeps the gate closed longer).  ``started`` is told the service
-    once it serves.
+    once it serves.  ``fleet_secret`` (default: the fleet's key directory's, if it names one)
+    makes the receiver refuse every payload without a valid keyed seal.
     """
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
@@ -259,12 +261,14 @@ async def run_receiver(
         queue=cfg.queue,
         hooks=replace(engine_hooks, holds=holds),
         on_applied=applied,
+        fleet_secret=fleet_secret if fleet_secret is not None else fleet_secret_of(cfg),
     )
     refused = service.refused()  # its loader classification: what must travel as overwrites
     log.emit(
         "started", role="receiver", tp=spec.tp, rank=spec.rank, incarnation=service.incarnation,
         relative=None if refused is None else len(receiver.catalog) - len(refused),
         refused=None if refused is None else sorted(refused)[:NAMES_SHOWN],
+        sealed=service.fleet_secret is not None, keyed=cfg.keys is not None,
     )  # fmt: skip
     if preloaded is not None:
         await holds(preloaded)

@@ -47,6 +47,7 @@ from typing import Any
 import anyio
 
 from dcr.adapters.commit.base import CommitStore
+from dcr.adapters.security import Identity
 from dcr.adapters.sources.base import Source
 from dcr.adapters.transport.base import Transport
 from dcr.delta.build import BuildConfig
@@ -54,7 +55,7 @@ from dcr.delta.group import LocalTrainingGroup, TrainingGroup
 from dcr.engine.integration import Integration
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.errors import ConfigError
-from dcr.fleet.config import FleetConfig, load_fleet
+from dcr.fleet.config import FleetConfig, fleet_secret_of, load_fleet
 from dcr.fleet.eventlog import EventLog, FaultPoints
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol.types import CommitRecord, PayloadKey
@@ -65,6 +66,7 @@ __all__ = [
     "TrainerRank",
     "committed_version",
     "join_trainer",
+    "rendezvous_store",
     "run_trainer",
     "trainer_kind",
 ]
@@ -295,7 +297,7 @@ async def join_trainer(
         stack.callback(log.close)
         control = make_control(cfg, store)
         stack.push_async_callback(_shielded(control.aclose))
-        inner = make_transport(cfg)
+        inner = make_transport(cfg, identity=Identity("owner", name))
         stack.push_async_callback(_shielded(inner.aclose))
         sends = transport(inner) if transport is not None else inner
         integration = Integration(
@@ -336,9 +338,11 @@ async def join_trainer(
             baseline=record,
             sends_in_flight=cfg.trainer.sends_in_flight,
             on_sent=sent,
+            fleet_secret=fleet_secret_of(cfg),
         ) as service:
             log.emit("started", role="owner", rank=rank, version=record.version,
-                     incarnation=service.incarnation)  # fmt: skip
+                     incarnation=service.incarnation, sealed=service.fleet_secret is not None,
+                     keyed=cfg.keys is not None)  # fmt: skip
             yield TrainerRank(
                 fleet=cfg, source=source, service=service, joined=record, log=log,
                 _traffic=traffic,
@@ -368,8 +372,9 @@ class TrainerContext:
     options: Mapping[str, Any]
     """``[trainer.options]``: the trainer kind's own settings."""
     store_port: int | None = None
-    """The launcher's rendezvous store (torch ``TCPStore``) on ``fleet.host``; ``None``
-    when the rank was started by hand (``MASTER_ADDR``/``MASTER_PORT`` then apply)."""
+    """The launcher's rendezvous store (torch ``TCPStore``, listening on ``fleet.host``
+    only: :func:`rendezvous_store`); ``None`` when the rank was started by hand
+    (``MASTER_ADDR``/``MASTER_PORT`` then apply)."""
 
     @property
     def name(self) -> str:
@@ -413,6 +418,45 @@ class TrainerContext:
         """Keep the rank's owner serving (dense refits of restarted receivers) until the
         launcher stops the process."""
         await anyio.sleep_forever()
+
+
+def rendezvous_store(host: str, world_size: int) -> Any:
+    """A ``torch.distributed.TCPStore`` server (``world_size`` users, itself included) on a
+    free port of ``host`` only; its ``port`` attribute is the port.
+
+    torch's store server listens on every interface whatever its host argument; this one is
+    handed a socket already bound to ``host`` (``master_listen_fd``), so on a one-host fleet
+    (``127.0.0.1``) nothing outside the host can reach the trainer's rendezvous, and on
+    several hosts only ``[fleet] host`` can.  Raises :class:`~dcr.errors.ConfigError` when
+    ``host`` is not an address of this machine."""
+    import socket
+
+    import torch.distributed as dist
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise ConfigError(f"[fleet] host = {host!r} does not resolve: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot bind the trainer's rendezvous store on [fleet] host = {host!r}: {exc}; "
+                "run the launcher on that host or set host to an address of this one",
+                check="address",
+            ) from exc
+        sock.listen()
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )  # fmt: skip
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now and closes it with itself
+    return store
 
 
 def trainer_kind(cfg: FleetConfig) -> Callable[[TrainerContext], Any]:

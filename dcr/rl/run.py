@@ -52,6 +52,9 @@ TRANSPORTS = ("relay", "s3", "directory")
 
 MARKER = ".dcr-rl-run"
 """A file in every run directory ``dcr rl`` made: only such a directory is cleared."""
+RUN_ENTRIES = frozenset({MARKER, "checkpoint-v0", "fleet.toml", "run", "trainer", "objects",
+                         "seaweed"})  # fmt: skip
+"""What a run writes in its directory: the only entries the next run removes."""
 
 ENGINE_ENV = {
     # One compute thread per worker, no CPU binding: the same kernels and reduction order in
@@ -106,14 +109,22 @@ class RLOptions:
 
 
 def _fresh(directory: Path) -> None:
-    """Clear ``directory`` for a new run -- only if it is empty or a previous run's."""
+    """Clear ``directory`` for a new run -- only if it is empty or a previous run's, and then
+    only of what a run writes there (:data:`RUN_ENTRIES`); other files are kept."""
     if directory.exists():
-        if any(directory.iterdir()) and not (directory / MARKER).exists():
+        entries = list(directory.iterdir())
+        if entries and not (directory / MARKER).is_file():
             raise ConfigError(
                 f"{directory} is not empty and not a dcr rl run directory: choose another --dir"
             )
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+        for entry in entries:
+            if entry.name not in RUN_ENTRIES:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / MARKER).write_text("made by dcr rl; cleared by the next run in this directory\n")
 
 
@@ -379,8 +390,7 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str], *, group: bool) -> _
 def _run_dense(
     opts: RLOptions, directory: Path, checkpoint: Path, say: Callable[[str], None]
 ) -> dict[str, Any]:
-    import torch.distributed as dist
-
+    from dcr.fleet.trainer import rendezvous_store
     from dcr.rl.engine import EngineClient
 
     run = directory / "run"
@@ -393,7 +403,7 @@ def _run_dense(
     reader = EventReader(run / "events")
     procs: list[_Proc] = []
     world = 2
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    store = rendezvous_store("127.0.0.1", world + 1)  # listens on 127.0.0.1 only
     start = time.monotonic()
     try:
         engine_argv = [

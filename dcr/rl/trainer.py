@@ -33,11 +33,11 @@ for bit as one that never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +61,19 @@ STATE_FORMAT = "dcr-rl-trainer-state-1"
 LATEST = "LATEST"
 """The file of a state directory that names its last complete version."""
 _VERSION_DIR = re.compile(r"v[0-9]{8,}")
+_STATE_FILE = re.compile(r"\.?rank[0-9]{5}-of-[0-9]{5}\.safetensors(\.[^/]+\.tmp)?")
+"""A rank's state file in a version folder, or the temporary file of an unfinished write."""
+
+
+def _remove_version(folder: Path) -> None:
+    """Remove an older version's folder of saved state: its state files (and temporary files
+    of unfinished writes), then the folder once nothing else is in it -- a file that is not
+    the trainer's stays, and so does its folder."""
+    with contextlib.suppress(OSError):
+        for entry in folder.iterdir():
+            if _STATE_FILE.fullmatch(entry.name) and (entry.is_symlink() or not entry.is_dir()):
+                entry.unlink(missing_ok=True)
+        folder.rmdir()
 
 
 def deterministic_setup() -> None:
@@ -375,7 +388,7 @@ class FsdpPolicy:
             atomic_write(root / LATEST, json.dumps({"version": version}).encode())
             for old in root.iterdir():
                 if old.is_dir() and _VERSION_DIR.fullmatch(old.name) and old != path.parent:
-                    shutil.rmtree(old, ignore_errors=True)
+                    _remove_version(old)
             fsync_dir(root)
         dist.barrier()
         return path.parent

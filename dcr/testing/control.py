@@ -118,8 +118,8 @@ nested records, enums, frozensets, tuples of pairs, optional and defaulted field
 def _speaking_for(reply: msg.Reply, name: str) -> msg.Reply:
     """``reply`` with its ``endpoint``/``receiver``/``owner`` field set to ``name``."""
     fields = {f.name for f in dataclasses.fields(reply)}
-    return dataclasses.replace(reply, **{f: name for f in ("endpoint", "receiver", "owner")
-                                         if f in fields})
+    changes: dict[str, Any] = {f: name for f in ("endpoint", "receiver", "owner") if f in fields}
+    return dataclasses.replace(reply, **changes)
 
 
 _CALL_EXAMPLES = tuple(m for m in EXAMPLES if isinstance(m, msg.CALLS))

@@ -57,6 +57,21 @@ def test_every_role_killed_mid_refit_recovers_bit_exactly(tmp_path: Path) -> Non
     # Nothing survives: every process the launcher started is gone.
     pids = [p.popen.pid for p in launcher.procs.values() if p.popen is not None]
     assert pids and not [pid for pid in pids if alive(pid)]
+    # The fleet ran with its keys: CURVE on every socket, every payload sealed and checked.
+    assert cfg.keys is not None
+    started = [e for e in events(cfg.run_dir) if e["event"] in ("started", "active")]
+    by_role = {(e.get("role") or "coordinator") for e in started}
+    assert by_role == {"owner", "receiver", "relay", "coordinator"}
+    assert all(e["keyed"] for e in started), started
+    assert all(e["sealed"] for e in started if e.get("role") in ("owner", "receiver"))
+
+
+def events(run_dir: Path) -> list[dict[str, object]]:
+    return [
+        json.loads(line)
+        for path in sorted((run_dir / "events").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
 
 
 def test_the_check_catches_a_single_flipped_bit(tmp_path: Path) -> None:

@@ -65,6 +65,8 @@ CONFIG = tiny_config(
 VOCAB = int(CONFIG["vocab_size"])
 REPRODUCIBLE = ("--no-prefix-cache", "--no-chunked-prefill")
 """Engine options of the RL loop's engines."""
+COMPARED = (*REPRODUCIBLE, "--expose-parameters")
+"""Those of engines whose parameter bits a test reads (``GET /dcr/parameters``)."""
 
 
 # -- checkpoints and batches ----------------------------------------------------------------
@@ -184,11 +186,13 @@ def test_tp1_batches_are_reproducible_and_a_dense_load_equals_a_fresh_engine(
     then loads v1 and equals ``b``, started on v1; refusals leave ``a`` as it was."""
     requests = batch()
     t0 = time.time()
-    a = _start(tmp_path, checkpoints["v0"], 1, 0, "a")
+    a = _start(tmp_path, checkpoints["v0"], 1, 0, "a", options=COMPARED)
     c = _start(tmp_path, checkpoints["v0"], 1, 0, "c")
     b: EngineServer | None = None
     try:
         starts = _ready([a, c], t0)
+        # Every weight's bytes are served only to an engine started to expose them.
+        assert c.request("/dcr/parameters")[0] == 404
         # Two processes on one checkpoint, and one engine twice: the same bits.
         first, first_s = _timed_batch(a, requests)
         again, again_s = _timed_batch(a, requests)
@@ -215,7 +219,7 @@ def test_tp1_batches_are_reproducible_and_a_dense_load_equals_a_fresh_engine(
 
         # Dense load of v1 into the engine started on v0, against an engine started on v1.
         t1 = time.time()
-        b = _start(tmp_path, checkpoints["v1"], 1, 1, "b")
+        b = _start(tmp_path, checkpoints["v1"], 1, 1, "b", options=COMPARED)
         (b_start,) = _ready([b], t1)
         v0_digest = a.digest()
         loaded = a.load(checkpoints["v1"], 1)
@@ -310,8 +314,8 @@ def test_tp2_batches_are_reproducible_and_dense_loads_are_exact(
     then equals the other in every parameter bit, its digest and its batch."""
     requests = batch()
     t0 = time.time()
-    d = _start(tmp_path, checkpoints["v0"], 2, 0, "d")
-    e = _start(tmp_path, checkpoints["v0"], 2, 0, "e")
+    d = _start(tmp_path, checkpoints["v0"], 2, 0, "d", options=COMPARED)
+    e = _start(tmp_path, checkpoints["v0"], 2, 0, "e", options=COMPARED)
     try:
         starts = _ready([d, e], t0)
         first, first_s = _timed_batch(d, requests)

@@ -135,7 +135,8 @@ name = "e0"
 receivers = ["r0"]
 plain_weights = true
 checkpoint_version = 0
-env = { VLLM_CPU_OMP_THREADS_BIND = "nobind", VLLM_CPU_KVCACHE_SPACE = "1" }
+env = { VLLM_CPU_OMP_THREADS_BIND = "nobind", VLLM_CPU_KVCACHE_SPACE = "1", \
+DCR_EXPOSE_PARAMETERS = "1" }
 """
 
 

@@ -1,10 +1,12 @@
 """The directory backend: a local or shared directory (NFS, Lustre) as the object store.
 
 The embedded default object store for one host (and, on a shared filesystem, across hosts).
-Each object is a file under the root, its key the relative path.  ``put`` writes a temporary
-file next to the target, fsyncs it (so a reader on another client of a shared filesystem sees
-complete bytes) and renames it into place, so readers see an object whole or not at all;
-temporary files are never listed, and ``abort_uploads`` removes those a dead writer left.
+Each object is a file under the root, its key the relative path.  ``put`` writes a new
+temporary file next to the target (an unpredictable name, created exclusively and never
+through a symbolic link planted there), fsyncs it (so a reader on another client of a shared
+filesystem sees complete bytes) and renames it into place, so readers see an object whole or
+not at all; temporary files are never listed, and ``abort_uploads`` removes those a dead
+writer left.
 Directories emptied by ``delete`` are removed.  File I/O runs in worker threads.
 """
 
@@ -15,9 +17,9 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
 import tempfile
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -42,6 +44,7 @@ __all__ = ["DirectoryBackend", "DirectoryTransport"]
 
 TMP = ".tmp-"
 """Prefix of temporary file names (never part of a key: keys have no leading dot)."""
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_CHUNK = 4 << 20
 _SEGMENT = re.compile(r"^[A-Za-z0-9_%-][A-Za-z0-9._%-]*$")
 _RETRYABLE = {errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ESTALE, errno.ETIMEDOUT, errno.EIO}
@@ -81,10 +84,12 @@ class DirectoryBackend(ObjectBackend):
 
     def _write(self, path: Path, data: bytes) -> None:
         for _ in range(3):  # a concurrent delete may remove the emptied parent: make it again
-            tmp = path.parent / f"{TMP}{uuid.uuid4().hex}-{path.name}"
+            tmp = path.parent / f"{TMP}{secrets.token_hex(16)}-{path.name}"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                with open(tmp, "xb") as f:
+                # A new file of an unpredictable name, never one a link planted there names.
+                fd = os.open(tmp, _CREATE, 0o644)
+                with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     if self.fsync:
                         f.flush()

@@ -19,12 +19,18 @@ once.  :class:`NodeFetches` restores that through a directory the processes of t
 
 Objects are immutable under their keys (every key names an attempt, an owner and a writer),
 and receivers check every payload's digest, so a shared copy never needs invalidating.
+
+No file of the directory is opened through a symbolic link: a copy is written to a new
+temporary file of an unpredictable name (created exclusively, ``O_NOFOLLOW``) before its
+rename, and a link found where a copy belongs is removed and the object fetched again.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -39,6 +45,8 @@ _STALE_CLAIM_S = 10.0
 between creating and writing it)."""
 _SWEEP_LIMIT = 10_000
 """Entries one sweep looks at (bounds its cost in a large directory)."""
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""A new file, never an existing one nor the target of a link planted at its name."""
 
 
 class NodeFetches:
@@ -102,10 +110,15 @@ class NodeFetches:
         self._path(key).unlink(missing_ok=True)
 
     def _publish(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(16)}.tmp")
+        fd = os.open(tmp, _CREATE, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         now = time.time()
         if now - self._last_sweep > min(self.keep_s, 60.0):
             self._last_sweep = now
@@ -127,15 +140,24 @@ class NodeFetches:
 
 
 def _read(path: Path) -> bytes | None:
+    """The published copy at ``path``; ``None`` when there is none, or when a link stands
+    there (removed, never followed: the object is then fetched and published again)."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        path.unlink(missing_ok=True)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _claim(claim: Path) -> bool:
     try:
-        fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(claim, _CREATE, 0o644)
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:

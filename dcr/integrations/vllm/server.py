@@ -48,8 +48,11 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
     record the weights are labelled with; without ``--fleet``, each dense load's) and each
     worker's receiver status.
 ``GET /dcr/parameters``
-    every parameter and buffer of every worker, as base64 of its stored bytes (read through
-    ``collective_rpc``), for bit-for-bit comparisons.
+    only with ``--expose-parameters`` (or ``DCR_EXPOSE_PARAMETERS=1`` in the environment, as
+    an ``[[engine]] env`` of a fleet file sets it); otherwise 404.  Every parameter and buffer
+    of every worker, as base64 of its stored bytes (read through ``collective_rpc``), for
+    bit-for-bit comparisons: the whole model to anyone who reaches the port, so it is off
+    unless asked for.
 ``GET /health``
 
 Bodies are limited to 16 MiB.  Without ``--fleet`` the engine serves the checkpoint as
@@ -89,13 +92,16 @@ import anyio
 from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
 from dcr.integrations.vllm.gate import PAUSE_MODES, PauseMode
 
-__all__ = ["MAX_BATCH", "MAX_BODY_BYTES", "ServerOptions", "main", "serve"]
+__all__ = ["EXPOSE_PARAMETERS_ENV", "MAX_BATCH", "MAX_BODY_BYTES", "ServerOptions", "main", "serve"]
 
 MAX_BATCH = 1024
 """Most requests one ``POST /generate_batch`` may carry."""
 
 MAX_BODY_BYTES = 16 << 20
 """Largest request body the server reads (larger ones answer 413)."""
+
+EXPOSE_PARAMETERS_ENV = "DCR_EXPOSE_PARAMETERS"
+"""``1`` in the engine process's environment: as ``--expose-parameters``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +128,8 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 0
     ready_file: str | None = None
+    expose_parameters: bool = False
+    """Serve ``GET /dcr/parameters`` (every weight's bytes); off: that route answers 404."""
 
 
 def _bad_request(message: str) -> Any:
@@ -351,7 +359,8 @@ async def serve(options: ServerOptions) -> None:
     app.router.add_post("/dcr/load", load_route)
     app.router.add_get("/dcr/digest", digest_route)
     app.router.add_get("/dcr/state", state_route)
-    app.router.add_get("/dcr/parameters", parameters_route)
+    if options.expose_parameters:
+        app.router.add_get("/dcr/parameters", parameters_route)
     app.router.add_get("/health", health_route)
     runner = web.AppRunner(app, handle_signals=False)
     try:
@@ -438,6 +447,13 @@ def _parser() -> argparse.ArgumentParser:
         help="never split a prefill across steps (on CPU, vLLM 0.32 fails seeded requests "
         "whose prefill it splits)",
     )
+    p.add_argument(
+        "--expose-parameters",
+        action="store_true",
+        default=os.environ.get(EXPOSE_PARAMETERS_ENV) == "1",
+        help="serve GET /dcr/parameters: every weight's stored bytes, for bit-for-bit checks "
+        f"(default: off, 404; {EXPOSE_PARAMETERS_ENV}=1 in the environment turns it on too)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port")
     p.add_argument("--ready-file", help="write {url, pid} here once serving")
@@ -492,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         ready_file=args.ready_file,
+        expose_parameters=args.expose_parameters,
     )
 
     failure: list[DcrError] = []
