@@ -47,6 +47,11 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                     help="a dense run's --json output: show its refit seconds and whether "
                     "every step and the final weights agree, and plot it beside")  # fmt: skip
     rl.add_argument("--plot", default=None, help="write reward, KL and refit time as a PNG")
+    rl.add_argument(
+        "--no-keys", dest="keys", action="store_false",
+        help="run the delta fleet without keys (no CURVE, unsealed payloads; loopback only); "
+        "by default <dir>/keys is made and every socket is authenticated and encrypted",
+    )
     rl.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,7 +69,7 @@ def run_rl_command(args: argparse.Namespace) -> int:
         opts = RLOptions(
             steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
             tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
-            directory=Path(args.dir),
+            directory=Path(args.dir), keys=args.keys,
         )  # fmt: skip
         result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
     except ConfigError as exc:

@@ -53,7 +53,7 @@ TRANSPORTS = ("relay", "s3", "directory")
 MARKER = ".dcr-rl-run"
 """A file in every run directory ``dcr rl`` made: only such a directory is cleared."""
 RUN_ENTRIES = frozenset({MARKER, "checkpoint-v0", "fleet.toml", "run", "trainer", "objects",
-                         "seaweed"})  # fmt: skip
+                         "seaweed", "keys"})  # fmt: skip
 """What a run writes in its directory: the only entries the next run removes."""
 
 ENGINE_ENV = {
@@ -86,6 +86,9 @@ class RLOptions:
     directory: Path = Path("out/rl")
     rl: RLConfig = field(default_factory=RLConfig)
     deadline_s: float = 3600.0
+    keys: bool = True
+    """The delta fleet's key directory (``<dir>/keys``, made per run): CURVE on every socket,
+    sealed payloads.  ``False``: no keys (loopback only)."""
 
     def __post_init__(self) -> None:
         if self.refit not in REFITS:
@@ -188,6 +191,7 @@ def _fleet_file(
         "baseline_s": 3.0,
     }
     rollout = [{"name": r, "tp": opts.tp, "rank": i} for i, r in enumerate(receivers)]
+    fleet = {"name": "rl", "run_dir": "run", **({"keys": "keys"} if opts.keys else {})}
     engine = {
         "name": "e0",
         "receivers": receivers,
@@ -203,7 +207,7 @@ def _fleet_file(
     text = "\n".join(
         [
             "# The fleet of `dcr rl --refit delta`: written and run by dcr rl.",
-            _table("fleet", {"name": "rl", "run_dir": "run"}),
+            _table("fleet", fleet),
             _table("model", {"checkpoint": str(checkpoint)}),
             _table("trainer", trainer),
             _table("trainer.options", options),
@@ -217,6 +221,9 @@ def _fleet_file(
     )
     path = directory / "fleet.toml"
     path.write_text(text)
+    from dcr.fleet.config import load_fleet
+
+    load_fleet(path).ensure_keys()
     return path
 
 
