@@ -18,7 +18,7 @@ from dcr.adapters.commit.base import CommitState, CommitStore, Transaction
 from dcr.adapters.transport.base import Transport, TransportWrapper
 from dcr.errors import ConfigError
 from dcr.protocol.types import CommitOutcome, CommitRecord, PayloadKey
-from dcr.wire.payload import ValueLayout, decode_payload, encode_payload
+from dcr.wire.payload import DecodeLimits, ValueLayout, decode_payload, encode_payload
 
 __all__ = ["FaultLog", "FaultReport", "Faults", "FaultyCommitStore", "FaultyTransport"]
 
@@ -210,6 +210,9 @@ class FaultyTransport(TransportWrapper):
         await self.inner.stop_and_wait(attempt)
 
 
+_OWN = DecodeLimits(max_expansion=1 << 40)
+
+
 def _final(data: bytes) -> bool:
     return len(data) > 7 and bool(data[6] & 1)
 
@@ -217,7 +220,8 @@ def _final(data: bytes) -> bool:
 def _reencoded(data: bytes, seal_key: bytes | None) -> bytes | None:
     """The same entries in other bytes (a higher zstd level, sealed as the original), or
     ``None`` if identical."""
-    payload = decode_payload(data, seal_key=seal_key)
+    # the owners' own payloads: decoded without a catalog however well they compress
+    payload = decode_payload(data, seal_key=seal_key, limits=_OWN)
     layout = payload.header.layout or ValueLayout.BYTEPLANE
     other = encode_payload(
         payload.header, payload.items, level=19, layout=layout, seal_key=seal_key

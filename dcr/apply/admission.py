@@ -1,6 +1,7 @@
 """Admission: what a payload's items must satisfy before anything is written.
 
-Every item of a payload is checked against the receiver's catalog (name, shape, dtype), its
+Every item of a payload is checked against the receiver's catalog (name, shape, dtype) --
+for a decoded payload, its distinct tensors first, before any item object is made -- its
 own arrays (schema, bounds, strictly increasing indices) and the prewarm paths (XOR and ULP
 only on names where they are allowed, paper §5 and App. A.2; ULP only for float dtypes).
 Items of one name and encoding are merged into one :class:`Group`; two items of one name that
@@ -11,12 +12,13 @@ nothing: a payload refused here leaves every stored bit as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from dcr import native
 from dcr.apply.paths import LoaderPath
@@ -64,21 +66,41 @@ class Admission:
                 _refuse_shared(name, [g.entries.indices for g in same], attempt)
         return groups
 
+    def admit_tensors(
+        self, tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype]], attempt: int | None
+    ) -> None:
+        """Check the distinct ``(name, shape, dtype)`` of a decoded payload's items against the
+        catalog before any item is made (O(tensors), nothing per item): a payload of unknown
+        names is refused at the cost of its tensor list, however many items it holds."""
+        for name, shape, dtype in tensors:
+            self._spec(name, shape, dtype, attempt)
+
+    def _spec(
+        self, name: str, shape: Sequence[int], dtype: torch.dtype, attempt: int | None
+    ) -> TensorSpec:
+        """The catalog's spec of ``name``, which must have ``shape`` and ``dtype``."""
+
+        def reject(message: str, check: str) -> PayloadRejected:
+            return PayloadRejected(message, attempt=attempt, tensor=name, check=check)
+
+        spec = self.catalog.get(name)
+        if spec is None:
+            raise reject("no such canonical tensor in the catalog", "name")
+        if tuple(shape) != spec.shape:
+            raise reject(
+                f"shape {list(shape)} differs from the catalog's {list(spec.shape)}", "shape"
+            )
+        if dtype != spec.dtype:
+            raise reject(f"dtype {dtype} differs from the catalog's {spec.dtype}", "dtype")
+        return spec
+
     def admit(self, item: Item, attempt: int | None) -> None:
         """Check one item against the catalog and the path's classification (O(1))."""
 
         def reject(message: str, check: str) -> PayloadRejected:
             return PayloadRejected(message, attempt=attempt, tensor=item.name, check=check)
 
-        spec = self.catalog.get(item.name)
-        if spec is None:
-            raise reject("no such canonical tensor in the catalog", "name")
-        if tuple(item.shape) != spec.shape:
-            raise reject(
-                f"shape {list(item.shape)} differs from the catalog's {list(spec.shape)}", "shape"
-            )
-        if item.dtype != spec.dtype:
-            raise reject(f"dtype {item.dtype} differs from the catalog's {spec.dtype}", "dtype")
+        spec = self._spec(item.name, item.shape, item.dtype, attempt)
         if not isinstance(item.encoding, Encoding):
             raise reject(f"unknown encoding {item.encoding!r}", "encoding")
         want = self.words[item.name]

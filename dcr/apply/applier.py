@@ -55,6 +55,7 @@ from dcr.apply.writes import WritePlan
 from dcr.errors import ConfigError
 from dcr.tensors.bits import numpy_bits_dtype
 from dcr.tensors.records import Item, TensorSpec
+from dcr.wire.format import Items
 
 __all__ = [
     "ApplyConfig",
@@ -190,11 +191,13 @@ class Applier:
         """Apply a payload's items in place, all or nothing.
 
         Three phases.  *Admit*: every item is checked against the catalog (name, shape,
-        dtype), its own arrays (bounds, strictly increasing indices) and the prewarm paths
-        (XOR and ULP only where :meth:`xor_allowed`; ULP only for float dtypes); items of one
-        name and encoding are merged into one group, and two items of one name that share a
-        position are refused (:class:`PayloadRejected`, check ``"overlap"``), whatever their
-        encodings, since their order would decide the result.  *Plan*: the native loader runs
+        dtype; a decoded :class:`~dcr.wire.format.Items` has its distinct tensors checked
+        before any item object is made), its own arrays (bounds, strictly increasing
+        indices) and the prewarm paths (XOR and ULP only where :meth:`xor_allowed`; ULP only
+        for float dtypes); items of one name and encoding are merged into one group, and two
+        items of one name that share a position are refused (:class:`PayloadRejected`, check
+        ``"overlap"``), whatever their encodings, since their order would decide the result
+        (the decoder refuses such a payload too).  *Plan*: the native loader runs
         once per group under the dispatch hook and every loader condition is checked
         (:class:`LoaderConditionViolated`).  *Write*: only then do the planned writes land.  A
         payload rejected in the first two phases leaves every stored bit as it was, whichever
@@ -235,7 +238,7 @@ class Applier:
         try:
             for items in payloads:
                 start = time.perf_counter()
-                prepared = self._prepare(list(items), attempt)
+                prepared = self._prepare(items, attempt)
                 if running is not None:
                     done, running = running, None
                     landed = (done, self._land(done, attempt), time.perf_counter())
@@ -259,7 +262,7 @@ class Applier:
             report()
         return reports
 
-    def _prepare(self, items: list[Item], attempt: int | None) -> _Prepared:
+    def _prepare(self, items: Iterable[Item], attempt: int | None) -> _Prepared:
         """Admit and plan one payload: every check that can refuse it, and no write."""
         guard, _, planner = self._require_prewarm()
         groups = self._admit_all(items, attempt)
@@ -330,8 +333,12 @@ class Applier:
             raise ConfigError("call Applier.prewarm() before applying items", check="prewarm")
         return self._guard, self._scratch, self._planner
 
-    def _admit_all(self, items: list[Item], attempt: int | None) -> list[Group]:
-        """Check every item and merge items of one name and encoding (no loader call)."""
+    def _admit_all(self, items: Iterable[Item], attempt: int | None) -> list[Group]:
+        """Check every item and merge items of one name and encoding (no loader call).
+
+        A decoded payload (:class:`~dcr.wire.format.Items`) has its distinct tensors checked
+        against the catalog before any item object is made, so unknown names cost nothing per
+        item."""
         self._require_prewarm()
         admission = Admission(
             catalog=self._catalog,
@@ -339,7 +346,9 @@ class Applier:
             paths=self._paths,
             xor_allowed=self._xor_allowed,
         )
-        return admission.admit_all(items, attempt)
+        if isinstance(items, Items):
+            admission.admit_tensors(items.tensors, attempt)
+        return admission.admit_all(list(items), attempt)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -358,6 +358,10 @@ class Payload:
     items: Sequence[Item]
 
 
+EXPANSION_FLOOR = 4 << 20
+"""The body a payload may always declare without a catalog (:attr:`DecodeLimits.max_expansion`)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeLimits:
     """Upper bounds a receiver enforces before it trusts or allocates anything.
@@ -383,8 +387,17 @@ class DecodeLimits:
     max_items_per_byte: int = 1
     """Items per byte of the compressed body: ``n_items <= max_items_per_byte *
     compressed_bytes``, checked before anything is decompressed, so that what decoding costs
-    per item is bounded by the bytes received (an encoder's items take 1.6 bytes or more each
-    even for dense refits of constant tensors at zstd level 19)."""
+    per item is bounded by the bytes received.  At zstd level 1 dcr's items take 1.6 bytes or
+    more each, even dense refits of tiny constant tensors; only such payloads at level 19 or
+    more, with short regular names, can need a higher limit."""
+
+    max_expansion: int = 64
+    """Without a catalog only: the body may be at most ``max(max_expansion *
+    compressed_bytes, EXPANSION_FLOOR)`` bytes, checked before anything is decompressed, so
+    that decoding any input costs memory and time proportional to it (at most 64 MiB and well
+    under a second for an input of 64 KiB).  With a catalog the catalog bounds the body
+    instead (a dense refit of a constant tensor compresses far better than 64:1).  Raise it to
+    decode trusted, highly compressible payloads without their catalog."""
 
     def __post_init__(self) -> None:
         for field in (
@@ -396,6 +409,7 @@ class DecodeLimits:
             "max_numel",
             "max_items_per_tensor",
             "max_items_per_byte",
+            "max_expansion",
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:

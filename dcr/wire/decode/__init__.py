@@ -7,15 +7,19 @@ prewarm metadata before anything is returned, and any failure raises
 :class:`~dcr.errors.PayloadRejected` naming the check.
 
 Cost is bounded by the input: the header is checked first (its digest -- with a payload key,
-its keyed seal -- before anything else it says is trusted; with a catalog, the item count and
-the body length against what the catalog allows), then the body is decompressed as a stream,
+its keyed seal -- before anything else it says is trusted; the item count against the
+compressed bytes received, at most one item per byte by default, so that per-item work is
+bounded by the input; with a catalog, the item count and the body length against what the
+catalog allows), then the body is decompressed as a stream,
 part by part -- the preamble, the table (bounded by the item count), and only then the buffers,
 whose sizes the checked table implies.  Decoded entries are compact (one indices array, one
 value array per width, :class:`~dcr.wire.format.Items`); version 2 checks its item records with
-array operations, never a Python object per item.  Received bytes are never unpickled.
+array operations, never a Python object per item.  Items of one tensor never share a position
+(:mod:`~dcr.wire.decode.overlap`).  Received bytes are never unpickled.
 
 The header is :mod:`~dcr.wire.decode.header`, the decompressed body and what both versions read
-from it :mod:`~dcr.wire.decode.body`, the version 1 body :mod:`~dcr.wire.decode.v1`, the
+from it :mod:`~dcr.wire.decode.body`, the version 1 body :mod:`~dcr.wire.decode.v1` (its
+per-item checks as arrays in :mod:`~dcr.wire.decode.gaps`), the
 version 2 body :mod:`~dcr.wire.decode.v2` (its tables in :mod:`~dcr.wire.decode.records`, its
 positions in :mod:`~dcr.wire.decode.positions`, its Rice-split streams joined in
 :mod:`~dcr.wire.decode.rice`).
@@ -31,6 +35,7 @@ from dcr.wire.decode.header import (
     DEFAULT_LIMITS,
     as_bytes_view,
     check_catalog,
+    check_expansion,
     read_framing,
     read_header,
 )
@@ -65,6 +70,8 @@ def decode_payload(
     attempt = header.attempt
     if catalog is not None:
         check_catalog(framing, attempt, limits, catalog)
+    else:
+        check_expansion(len(view) - HEADER_SIZE, framing, attempt, limits)
     body = Body(view[HEADER_SIZE:], framing.body_bytes, attempt, framing.version)
     args = (body, framing, attempt, limits, catalog, xor_allowed)
     items = decode_v1(*args) if framing.version == V1 else decode_v2(*args)

@@ -23,7 +23,14 @@ import zstandard
 from dcr.errors import PayloadRejected
 from dcr.tensors.bits import DTYPE_CODES, dtype_name, numpy_bits_dtype
 from dcr.tensors.records import TensorSpec
-from dcr.wire.format import V1, WINDOW_LOG_MAX, WORD_WIDTHS, DecodeLimits, ValueLayout
+from dcr.wire.format import (
+    V1,
+    WINDOW_LOG_MAX,
+    WINDOW_LOG_MAX_V1,
+    WORD_WIDTHS,
+    DecodeLimits,
+    ValueLayout,
+)
 from dcr.wire.planes import join_planes, word_dtype
 
 __all__ = [
@@ -100,11 +107,15 @@ class Body:
             raise self.reject(
                 f"zstd frame holds {frame.content_size} bytes, header declares {size}"
             )
-        if version != V1:
-            if not known:
-                raise self.reject("the zstd frame does not state its content size")
-            if frame.window_size > 1 << WINDOW_LOG_MAX:
-                raise self.reject(f"zstd window of {frame.window_size} bytes")
+        if version != V1 and not known:
+            raise self.reject("the zstd frame does not state its content size")
+        # A single-segment frame has no window descriptor: its window is its content size.
+        window = 1 << (WINDOW_LOG_MAX_V1 if version == V1 else WINDOW_LOG_MAX)
+        if frame.window_size > window:
+            raise self.reject(
+                f"zstd window of {frame.window_size} bytes exceeds {window} "
+                "(a single-segment frame's window is its content size)"
+            )
         if known:
             self._stream = zstandard.ZstdDecompressor().stream_reader(
                 compressed, read_across_frames=False

@@ -20,6 +20,7 @@ from dcr.wire.format import (
     BODY_PREAMBLE,
     CODEC_ZSTD,
     DIGEST_OFFSET,
+    EXPANSION_FLOOR,
     FLAG_BLAKE3,
     FLAG_FINAL,
     FLAG_KEYED,
@@ -46,6 +47,7 @@ __all__ = [
     "as_bytes_view",
     "catalog_body_bound",
     "check_catalog",
+    "check_expansion",
     "read_framing",
     "read_header",
 ]
@@ -178,7 +180,8 @@ def read_framing(
     if n_items > limits.max_items_per_byte * compressed_bytes:
         raise reject(
             f"{n_items} items in {compressed_bytes} compressed bytes exceed "
-            f"{limits.max_items_per_byte} per byte",
+            f"{limits.max_items_per_byte} per byte (DecodeLimits.max_items_per_byte; raise it "
+            "only for a sender whose items compress that well)",
             "oversized",
         )
     if body_bytes > limits.max_body_bytes:
@@ -218,6 +221,22 @@ def catalog_body_bound(
         + n_items * (ITEM_RECORD.itemsize + TENSOR_ENTRY.size + meta)
         + 34 * entries
     )
+
+
+def check_expansion(
+    compressed_bytes: int, framing: Framing, attempt: int, limits: DecodeLimits
+) -> None:
+    """Without a catalog: bound the body by the bytes received
+    (:attr:`~dcr.wire.format.DecodeLimits.max_expansion`), before anything is decompressed."""
+    bound = max(limits.max_expansion * compressed_bytes, EXPANSION_FLOOR)
+    if framing.body_bytes > bound:
+        raise PayloadRejected(
+            f"a body of {framing.body_bytes} bytes from {compressed_bytes} compressed bytes "
+            f"exceeds {limits.max_expansion}:1 without a catalog (decode with the receiver's "
+            "catalog, or raise DecodeLimits.max_expansion for a trusted sender)",
+            check="oversized",
+            attempt=attempt,
+        )
 
 
 def check_catalog(

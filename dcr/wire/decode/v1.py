@@ -3,7 +3,11 @@ variable-length entries, a location buffer of run- or gap-coded indices and a va
 both grouped into width classes.
 
 Each table entry is parsed and checked as it is read; offsets must equal the running word count
-of their width class (canonical packing), so the buffers are tiled exactly.
+of their width class (canonical packing), so the buffers are tiled exactly.  Every entry of one
+name carries the same shape and dtype, so that one ``numel`` bounds them all.  The positions and
+the per-item checks after the table are array operations over all items
+(:mod:`~dcr.wire.decode.gaps`); items of one name never share a position
+(:mod:`~dcr.wire.decode.overlap`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
-from dcr.tensors.bits import DTYPE_FROM_CODE
+from dcr.errors import PayloadRejected
+from dcr.tensors.bits import DTYPE_FROM_CODE, dtype_name
 from dcr.tensors.records import Encoding, TensorSpec
 from dcr.wire.decode.body import (
     NATIVE_WORDS,
@@ -27,17 +33,23 @@ from dcr.wire.decode.body import (
     reject,
     take_words,
 )
+from dcr.wire.decode.gaps import check_bools, check_runs, gap_positions
 from dcr.wire.decode.header import Framing
+from dcr.wire.decode.overlap import check_disjoint
+from dcr.wire.decode.rice import Reject
 from dcr.wire.format import BODY_PREAMBLE, ITEM_ENTRY, WORD_WIDTHS, DecodeLimits, Items
-from dcr.wire.locations import GAP_WIDTHS, V1_KINDS, LocationKind, check_run, decode_gaps
+from dcr.wire.locations import GAP_WIDTHS, V1_KINDS, LocationKind
 from dcr.wire.planes import word_dtype
 
 __all__ = ["decode_v1"]
 
-_V1_ENCODINGS = frozenset({int(Encoding.XOR), int(Encoding.OVERWRITE)})
+Int64s = npt.NDArray[np.int64]
+
+_V1_ENCODINGS = {int(e): e for e in (Encoding.XOR, Encoding.OVERWRITE)}
+_V1_KINDS = {int(k): k for k in LocationKind if int(k) in V1_KINDS}
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class _Entry:
     """One parsed, checked version 1 item table entry."""
 
@@ -50,6 +62,17 @@ class _Entry:
     numel: int
     location: int
     value: int
+
+
+@dataclass(slots=True, kw_only=True)
+class _Seen:
+    """What the entries of one name so far declared: every entry of a name carries the same
+    shape and dtype, so that one ``numel`` bounds all of them."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    items: int = 0
+    entries: int = 0
 
 
 def _parse_table(
@@ -70,7 +93,7 @@ def _parse_table(
     entries: list[_Entry] = []
     gap_next = dict.fromkeys(WORD_WIDTHS, 0)
     value_next = dict.fromkeys(WORD_WIDTHS, 0)
-    per_name: dict[str, list[int]] = {}
+    per_name: dict[str, _Seen] = {}
     for i in range(n_items):
         fixed = table.take(ITEM_ENTRY.size)
         if fixed is None:
@@ -102,11 +125,29 @@ def _parse_table(
             raise reject(attempt, f"unknown dtype code {code}", "dtype", name)
         if enc not in _V1_ENCODINGS:
             raise reject(attempt, f"unknown encoding {enc}", "encoding", name)
-        if kind_code not in V1_KINDS:
+        if kind_code not in _V1_KINDS:
             raise reject(attempt, f"unknown location kind {kind_code}", "encoding", name)
-        encoding = Encoding(enc)
-        kind = LocationKind(kind_code)
+        encoding = _V1_ENCODINGS[enc]
+        kind = _V1_KINDS[kind_code]
         numel = check_tensor(name, shape, dtype, attempt=attempt, limits=limits, catalog=catalog)
+        if numel >= 1 << 63:
+            raise reject(attempt, f"shape {list(shape)} has 2**63 elements or more", "shape", name)
+        seen = per_name.setdefault(name, _Seen(shape=shape, dtype=dtype))
+        if shape != seen.shape:
+            raise reject(
+                attempt,
+                f"shape {list(shape)} differs from an earlier entry's {list(seen.shape)}",
+                "shape",
+                name,
+            )
+        if dtype != seen.dtype:
+            raise reject(
+                attempt,
+                f"dtype {dtype_name(dtype)} differs from an earlier entry's "
+                f"{dtype_name(seen.dtype)}",
+                "dtype",
+                name,
+            )
         if xor_allowed is not None and encoding is Encoding.XOR and name not in xor_allowed:
             raise reject(
                 attempt,
@@ -116,19 +157,21 @@ def _parse_table(
             )
         if count > numel:
             raise reject(attempt, f"{count} entries exceed {numel} elements", "bounds", name)
-        seen = per_name.setdefault(name, [0, 0])
-        seen[0] += 1
-        seen[1] += count
-        if seen[0] > limits.max_items_per_tensor:
+        seen.items += 1
+        seen.entries += count
+        if seen.items > limits.max_items_per_tensor:
             raise reject(
                 attempt,
                 f"more than {limits.max_items_per_tensor} items for one tensor",
                 "oversized",
                 name,
             )
-        if seen[1] > numel:
+        if seen.entries > numel:
             raise reject(
-                attempt, f"{seen[1]} entries in one payload exceed {numel} elements", "bounds", name
+                attempt,
+                f"{seen.entries} entries in one payload exceed {numel} elements",
+                "bounds",
+                name,
             )
         if kind is not LocationKind.RUN:
             gap_width = GAP_WIDTHS[kind]
@@ -162,6 +205,15 @@ def _parse_table(
     if table.rest:
         raise reject(attempt, f"{table.rest} bytes after the last item table entry", "schema")
     return entries, gap_next, value_next
+
+
+def _entry_reject(attempt: int, entries: list[_Entry]) -> Reject:
+    """The rejection of a check on the entries, naming the tensor of the entry it names."""
+
+    def reject_entry(message: str, check: str, item: int | None = None) -> PayloadRejected:
+        return reject(attempt, message, check, None if item is None else entries[item].name)
+
+    return reject_entry
 
 
 def decode_v1(
@@ -205,29 +257,38 @@ def decode_v1(
     layout = framing.layout
     gaps = class_matrices(body.read(location_bytes), gap_totals, layout)
     values = read_words(body, value_totals, layout)
+    reject_entry = _entry_reject(attempt, entries)
     tensors: dict[tuple[str, tuple[int, ...], torch.dtype], int] = {}
     n = len(entries)
-    tensor = np.empty(n, dtype=np.int64)
-    count = np.array([e.count for e in entries], dtype=np.int64)
-    is_run = np.array([e.kind is LocationKind.RUN for e in entries], dtype=bool)
-    run = np.full(n, -1, dtype=np.int64)
+    tensor = np.fromiter(
+        (tensors.setdefault((e.name, e.shape, e.dtype), len(tensors)) for e in entries),
+        dtype=np.int64,
+        count=n,
+    )
+    count = np.fromiter((e.count for e in entries), dtype=np.int64, count=n)
+    numel = np.fromiter((e.numel for e in entries), dtype=np.int64, count=n)
+    location = np.fromiter((e.location for e in entries), dtype=np.uint64, count=n)
+    kind = np.fromiter((int(e.kind) for e in entries), dtype=np.int64, count=n)
+    is_run = kind == int(LocationKind.RUN)
+    run = np.where(is_run, location.astype(np.int64), -1)
     start = np.zeros(n, dtype=np.int64)
     np.cumsum(np.where(is_run, 0, count)[:-1], out=start[1:])
     indices = np.empty(int(count[~is_run].sum()), dtype=np.int64)
-    for i, e in enumerate(entries):
-        tensor[i] = tensors.setdefault((e.name, e.shape, e.dtype), len(tensors))
-        if e.kind is LocationKind.RUN:
-            check_run(e.location, e.count, e.numel, attempt=attempt, tensor=e.name)
-            run[i] = e.location
-        else:
-            s = int(start[i])
-            width = GAP_WIDTHS[e.kind]
-            words = take_words(gaps[width], e.location, e.count, word_dtype(width), layout)
-            indices[s : s + e.count] = decode_gaps(words, e.numel, attempt=attempt, tensor=e.name)
-        if e.dtype == torch.bool and e.count:
-            vals = values[1][e.value : e.value + e.count]
-            if int(vals.max()) > 1:
-                raise reject(attempt, "bool value other than 0 or 1", "bounds", e.name)
+    # Every item's check at once; the first failing item (in table order) is reported.
+    failures = [check_runs(is_run, location, count, numel)]
+    for gap_kind, width in GAP_WIDTHS.items():
+        members = np.flatnonzero(kind == int(gap_kind))
+        if members.shape[0]:
+            words = take_words(gaps[width], 0, gap_totals[width], word_dtype(width), layout)
+            failures.append(gap_positions(words, members, count, numel, start, indices))
+    is_bool = np.fromiter((e.dtype == torch.bool for e in entries), dtype=bool, count=n)
+    narrow = np.fromiter((NATIVE_WORDS[e.dtype].itemsize == 1 for e in entries), bool, count=n)
+    failures.append(check_bools(values[1], is_bool, narrow, count))
+    found = [f for f in failures if f is not None]
+    if found:
+        item, message = min(found)
+        raise reject_entry(message, "bounds", item)
+    check_disjoint(tensor, count, run, start, indices, reject_entry)
     return Items(
         verified=True,
         tensors=list(tensors),

@@ -1,6 +1,7 @@
 """The body of a format version 2 payload (paper App. D), decoded in named steps: the preamble,
 the tensor list and the item records (:mod:`dcr.wire.decode.records`), the buffer sizes they
-imply, the positions (:mod:`dcr.wire.decode.positions`), then the values.
+imply, the positions (:mod:`dcr.wire.decode.positions`), which no two items of one tensor may
+share (:mod:`dcr.wire.decode.overlap`), then the values.
 
 Values are XOR and overwrite words in width classes, and ULP deltas zigzagged into nibble
 symbols Rice-split with their remainders; a receiver gets one value array per width, in item
@@ -19,6 +20,7 @@ from dcr import native
 from dcr.tensors.records import TensorSpec
 from dcr.wire.decode.body import Body, class_words, read_words, reject
 from dcr.wire.decode.header import Framing
+from dcr.wire.decode.overlap import check_disjoint
 from dcr.wire.decode.positions import read_locations
 from dcr.wire.decode.records import (
     Buffers,
@@ -55,6 +57,7 @@ def decode_v2(
     buffers = plan_buffers(body, preamble, records, framing.layout, attempt)
     kernels = native.kernels
     indices, offs, run = read_locations(buffers, records, kernels)
+    check_disjoint(records.tid, records.count, run, offs, indices, records.reject)
     values, value_start = _read_values(buffers, records, kernels)
     count, tid, item_width = records.count, records.tid, records.item_width
     bools = table.is_bool[tid] & (count > 0)
