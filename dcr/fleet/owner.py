@@ -23,10 +23,9 @@ launcher says go (``<run_dir>/go.json``).
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import sys
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from dcr.delta.dist import DistTrainingGroup
+from dcr.files import atomic_write
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.model import FleetModel
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
@@ -66,21 +66,9 @@ def _save_checkpoint(path: Path, version: int, weights: dict[str, torch.Tensor])
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(weights)
     arrays: dict[str, Any] = {f"t{i}": bits(weights[k]).reshape(-1) for i, k in enumerate(keys)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, version=np.array(version), keys=np.array(keys), **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    buffer = io.BytesIO()
+    np.savez(buffer, version=np.array(version), keys=np.array(keys), **arrays)
+    atomic_write(path, buffer.getbuffer().tobytes(), mode=0o644)
 
 
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error)

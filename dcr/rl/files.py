@@ -10,42 +10,15 @@ when a function here runs.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from dcr.errors import CheckpointError, ConfigError
+from dcr.files import atomic_write, fsync_dir
 
 __all__ = ["atomic_write", "fsync_dir", "read_safetensors", "write_safetensors"]
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """Make the directory's entries (renames, new files) durable."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically and durably (temp file, fsync, rename, fsync)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(out.parent)
-    return out
 
 
 def write_safetensors(

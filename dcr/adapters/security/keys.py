@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcr.errors import ConfigError
+from dcr.files import atomic_write
 
 __all__ = [
     "COORDINATOR",
@@ -253,18 +254,8 @@ def _new_pair(root: Path, identity: Identity) -> bytes:
 
 
 def _write_private(file: Path, text: str) -> None:
-    """Write ``text`` to ``file`` (mode 0600) and move it into place atomically."""
-    tmp = file.with_name(f".{file.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``file`` (mode 0600), atomically and durably."""
+    atomic_write(file, text.encode(), mode=0o600)
 
 
 def _check_private(file: Path) -> None:
@@ -283,15 +274,8 @@ def _write_keyring(root: Path, keys: dict[Identity, bytes]) -> None:
         "format": _FORMAT,
         "identities": {str(i): keys[i].decode() for i in sorted(keys)},
     }
-    file = root / KEYRING
-    tmp = file.with_name(f".{file.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
+    atomic_write(root / KEYRING, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(),
+                 mode=0o644)  # fmt: skip
 
 
 def _read_keyring(file: Path) -> Keyring:
