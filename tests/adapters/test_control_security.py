@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,17 +15,17 @@ import anyio.abc
 import pytest
 import zmq
 import zmq.asyncio
+from test_control_zmq import CONFIG, _collect, _inbox, _status
 
-from dcr.adapters.control.zmq import ZmqControl, ZmqControlConfig, ZmqCoordinatorLink
+from dcr.adapters.control.zmq import ZmqControl
 from dcr.adapters.control.zmq.link import Hello
 from dcr.adapters.security import COORDINATOR, Identity, KeyDir, Security
 from dcr.errors import ConfigError
 from dcr.protocol import messages as msg
-from dcr.testing.control import Inbox
+from dcr.testing.conformance import until
 
 pytestmark = pytest.mark.anyio
 
-CONFIG = ZmqControlConfig(ping_s=0.1, peer_timeout_s=1.0, watch_s=0.05)
 
 
 @pytest.fixture
@@ -35,32 +34,13 @@ def anyio_backend() -> str:
 
 
 async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await anyio.sleep(0.005)
-
-
-def _status(name: str, role: str = "receiver") -> msg.EndpointStatus:
-    return msg.EndpointStatus(endpoint=name, role=role, incarnation="i1", record=None)
+    await until(predicate, timeout_s, what, poll_s=0.005)
 
 
 def _keys(tmp_path: Path, *names: str) -> KeyDir:
     return KeyDir.init(
         tmp_path / "keys", [COORDINATOR, *(Identity("receiver", n) for n in names)]
     )
-
-
-async def _collect(link: ZmqCoordinatorLink, into: list[msg.Reply]) -> None:
-    async for reply in link.replies():
-        into.append(reply)
-
-
-def _inbox(tg: anyio.abc.TaskGroup, link: object) -> Inbox:
-    inbox = Inbox(link=link)  # type: ignore[arg-type]
-    tg.start_soon(inbox.run)
-    return inbox
 
 
 class _Raw:
@@ -171,7 +151,7 @@ async def test_a_key_speaks_only_for_its_own_name(tmp_path: Path) -> None:
             await raw.send(hub, Hello(status=_status("r0")), "mallory")
             await raw.send(hub, msg.Retired(attempt=5, endpoint="r0"), "mallory")
             await raw.send(hub, msg.Retired(attempt=5, endpoint="mallory"), "mallory")
-            await raw.send(hub, _status("mallory", role="owner"), "mallory")
+            await raw.send(hub, dataclasses.replace(_status("mallory"), role="owner"), "mallory")
             sync = msg.GateClosed(attempt=5, receiver="mallory")
             await raw.send(hub, sync, "mallory")
             await _until(lambda: sync in replies, 10, "mallory's own honest reply")
