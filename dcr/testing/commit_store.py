@@ -7,6 +7,13 @@ reference model of the semantics in :mod:`dcr.adapters.commit.base`.  A store's 
 subclasses the suite -- ``class TestMyStore(CommitStoreTests)`` -- and gives it
 :meth:`CommitStoreTests.make_store`; dcr's own stores run it in
 ``tests/adapters/test_commit_store*.py``.
+
+A durable store (one whose record outlives the process) subclasses
+:class:`DurableCommitStoreTests` instead, which adds the rule that a record never rewinds: once
+written, a record lost behind the store's back (:meth:`DurableCommitStoreTests.lose_record`)
+is a ``CommitStoreError`` with ``check="missing"`` on reads and writes, never version 0, until
+an explicit :meth:`~dcr.adapters.commit.base.CommitStore.reset` names what it deletes and
+empties the store.
 """
 
 from __future__ import annotations
@@ -26,11 +33,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from dcr.adapters.commit.base import INITIAL_RECORD, CommitStore
-from dcr.errors import CommitConflict
+from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore
+from dcr.errors import CommitConflict, CommitStoreError
 from dcr.protocol.types import CommitOutcome, CommitRecord
 
-__all__ = ["CommitStoreMachine", "CommitStoreTests", "ManualClock"]
+__all__ = ["CommitStoreMachine", "CommitStoreTests", "DurableCommitStoreTests", "ManualClock"]
 
 
 @dataclass(slots=True)
@@ -201,3 +208,114 @@ class CommitStoreTests:
                 suppress_health_check=[HealthCheck.too_slow],
             ),
         )
+
+    def test_a_fresh_store_reads_as_never_written(self) -> None:
+        """A store never written holds the initial record, no coordinator epoch and no
+        attempt."""
+
+        async def main() -> CommitState:
+            store = self.make_store(ManualClock())
+            try:
+                return await store.read()
+            finally:
+                await store.close()
+
+        assert _empty(anyio.run(main))
+
+
+def _empty(state: CommitState) -> bool:
+    return (state.record, state.epoch, state.attempt) == (INITIAL_RECORD, 0, None)
+
+
+class DurableCommitStoreTests(CommitStoreTests):
+    """The suite of a durable store: :class:`CommitStoreTests` and the rule that a record
+    never rewinds.  Give it :meth:`lose_record` too, and :meth:`reopen` where a restarted
+    process opens the record through a new object."""
+
+    async def lose_record(self, store: CommitStore) -> None:
+        """Delete the stored record behind the store's back, as an operator, a cleanup script
+        or an expiry rule would (whatever the store keeps beside the record stays)."""
+        raise NotImplementedError(f"{type(self).__name__} must define lose_record(store)")
+
+    def reopen(self, store: CommitStore, clock: ManualClock) -> CommitStore:
+        """The store a process starting now opens on the same record (default: ``store``)."""
+        return store
+
+    def test_a_lost_record_is_an_error_never_a_rewind(self) -> None:
+        """Losing a record never written changes nothing; losing one after a commit makes
+        reads and writes fail with ``check="missing"`` (a message that names the reset),
+        until ``reset`` deletes what is left: then the store reads as never written."""
+
+        async def main() -> None:
+            clock = ManualClock()
+            opened = [self.make_store(clock)]
+            try:
+                await self.lose_record(opened[-1])
+                opened.append(self.reopen(opened[-1], clock))
+                store = opened[-1]
+                assert _empty(await store.read())
+                epoch = await store.claim()
+                await store.register(epoch=epoch, attempt=1, base=INITIAL_RECORD)
+                v1 = CommitRecord(version=1, candidate="g1")
+                outcome = await store.compare_and_set(
+                    epoch=epoch, attempt=1, expected=INITIAL_RECORD, new=v1,
+                    deadline=clock.now + 30,
+                )  # fmt: skip
+                assert outcome is CommitOutcome.SUCCEEDED
+                await self.lose_record(store)
+                opened.append(self.reopen(store, clock))
+                store = opened[-1]
+                for op in (store.read, store.claim, store.read):
+                    try:
+                        await op()
+                    except CommitStoreError as exc:
+                        assert exc.check == "missing" and not exc.retryable, exc
+                        assert "reset" in str(exc), exc
+                    else:
+                        raise AssertionError(f"{op.__name__} on a lost record did not fail")
+                planned = await store.reset(dry_run=True)
+                assert planned, "reset names nothing it would delete"
+                try:
+                    await store.read()
+                except CommitStoreError as exc:
+                    assert exc.check == "missing", exc
+                else:
+                    raise AssertionError("a dry run of reset deleted something")
+                assert await store.reset() == planned
+                assert _empty(await store.read())
+                opened.append(self.reopen(store, clock))
+                assert _empty(await opened[-1].read())
+                assert await opened[-1].claim() == 1  # a fresh start: epochs begin again
+            finally:
+                for s in opened:
+                    await s.close()
+
+        anyio.run(main)
+
+    def test_reset_names_what_it_deletes(self) -> None:
+        """A store never written has nothing to reset; a written one's reset names what it
+        deletes, and afterwards the record reads as never written, here and for a process
+        that starts now, and losing it then is no error."""
+
+        async def main() -> None:
+            clock = ManualClock()
+            opened = [self.make_store(clock)]
+            try:
+                store = opened[-1]
+                assert await store.reset(dry_run=True) == []
+                assert await store.reset() == []
+                await store.claim()
+                planned = await store.reset(dry_run=True)
+                assert planned and (await store.read()).epoch == 1
+                assert await store.reset() == planned
+                assert _empty(await store.read())
+                opened.append(self.reopen(store, clock))
+                assert _empty(await opened[-1].read())
+                await self.lose_record(opened[-1])
+                opened.append(self.reopen(opened[-1], clock))
+                assert _empty(await opened[-1].read())
+            finally:
+                for s in opened:
+                    await s.close()
+
+        anyio.run(main)

@@ -1,6 +1,7 @@
-"""The S3 commit store: the conformance suite on moto and on a real SeaweedFS, processes
-racing compare-and-set, lost answers resolved by the nonce, both servers' failed-condition
-answers, and a damaged record."""
+"""The S3 commit store: the conformance suite on moto and on a real SeaweedFS (with the rule that
+a record deleted or expired after a commit is an error, never version 0), processes racing
+compare-and-set, lost answers resolved by the nonce, both servers' failed-condition answers,
+a damaged record, and the marker beside the record."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dcr.adapters.commit.s3 import S3CommitStore
 from dcr.adapters.registry import load
 from dcr.errors import CommitStoreError, TransportError
 from dcr.protocol.types import CommitOutcome, CommitRecord
-from dcr.testing.commit_store import CommitStoreTests, ManualClock
+from dcr.testing.commit_store import DurableCommitStoreTests, ManualClock
 from dcr.testing.s3servers import S3Endpoint
 
 G0 = CommitRecord(version=0, candidate="g0")
@@ -42,26 +43,36 @@ def _store(endpoint: S3Endpoint, bucket: str, key: str | None = None, **kw: Any)
     )
 
 
-class TestS3StoreOnMoto(CommitStoreTests):
+class _S3StoreTests(DurableCommitStoreTests):
+    endpoint: S3Endpoint
+    bucket: str
+
+    def make_store(self, clock: ManualClock) -> CommitStore:
+        return _store(self.endpoint, self.bucket, clock=clock, poll_s=0.001)
+
+    async def lose_record(self, store: CommitStore) -> None:
+        assert isinstance(store, S3CommitStore)
+        await store._backend.delete([store.key])  # an expiry rule or a cleanup script
+
+    def reopen(self, store: CommitStore, clock: ManualClock) -> CommitStore:
+        assert isinstance(store, S3CommitStore)
+        return _store(self.endpoint, self.bucket, key=store.key, clock=clock, poll_s=0.001)
+
+
+class TestS3StoreOnMoto(_S3StoreTests):
     max_examples, steps = 20, 20
 
     @pytest.fixture(autouse=True)
     def _server(self, moto_s3: S3Endpoint, moto_bucket: str) -> None:
         self.endpoint, self.bucket = moto_s3, moto_bucket
 
-    def make_store(self, clock: ManualClock) -> CommitStore:
-        return _store(self.endpoint, self.bucket, clock=clock, poll_s=0.001)
 
-
-class TestS3StoreOnSeaweedfs(CommitStoreTests):
+class TestS3StoreOnSeaweedfs(_S3StoreTests):
     max_examples, steps = 8, 15
 
     @pytest.fixture(autouse=True)
     def _server(self, seaweed_s3: S3Endpoint, seaweed_bucket: str) -> None:
         self.endpoint, self.bucket = seaweed_s3, seaweed_bucket
-
-    def make_store(self, clock: ManualClock) -> CommitStore:
-        return _store(self.endpoint, self.bucket, clock=clock, poll_s=0.001)
 
 
 def _race(url: str, bucket: str, key: str, tag: int, start: Any, results: Any) -> None:
@@ -135,6 +146,15 @@ class _SlowObjects:
 
     async def read_versioned(self, key: str) -> tuple[bytes, str] | None:
         return None if self.data is None else (self.data, self.etag)
+
+    async def get(self, key: str) -> bytes | None:
+        return None  # the marker beside the record: not written yet
+
+    async def put(self, key: str, data: bytes) -> None:
+        pass  # the marker
+
+    def describe(self) -> str:
+        return "slow objects"
 
     async def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
         self.in_flight += 1
@@ -267,3 +287,39 @@ def test_a_damaged_record_is_refused(moto_s3: S3Endpoint, moto_bucket: str) -> N
 
 def test_registered() -> None:
     assert load("commit_store", "s3") is S3CommitStore
+
+
+def test_the_marker_follows_the_record_and_names_the_last_commit(
+    moto_s3: S3Endpoint, moto_bucket: str
+) -> None:
+    """The marker is written after the first write and each commit; the error of a lost
+    record names its address, the last version committed and the reset command.  A record
+    lost while a coordinator runs stops its writes too (no epoch is handed out again)."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        store = _store(moto_s3, moto_bucket, clock=clock)
+        b = store._backend
+        try:
+            assert await b.get(store.marker_key) is None
+            epoch = await store.claim(lease_s=60.0)
+            assert await b.get(store.marker_key) is not None
+            await store.register(epoch=epoch, attempt=4, base=G0)
+            v1 = CommitRecord(version=1, candidate="g4")
+            outcome = await store.compare_and_set(
+                epoch=epoch, attempt=4, expected=G0, new=v1, deadline=clock.now + 30
+            )
+            assert outcome is CommitOutcome.SUCCEEDED
+            await b.delete([store.key])
+            with pytest.raises(CommitStoreError) as exc:
+                await store.renew(epoch=epoch, lease_s=60.0)
+            message = str(exc.value)
+            assert exc.value.check == "missing" and store.describe() in message
+            assert "version 1 (g4)" in message and "dcr commit-store reset" in message
+            assert await b.read_versioned(store.key) is None  # nothing written back
+            assert await store.reset() == [f"{b.describe()}/{store.marker_key}"]
+            assert await b.get(store.marker_key) is None
+        finally:
+            await store.close()
+
+    anyio.run(main)

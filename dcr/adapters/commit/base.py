@@ -9,6 +9,14 @@ it refuses).  Each compare-and-set carries a deadline; the store accepts it only
 
 Subclasses implement one primitive, :meth:`CommitStore._transact`, that reads the state and
 writes a new one atomically; the base class builds every operation on it.
+
+**A record never rewinds.**  A store that was never written reads as :data:`INITIAL_RECORD`
+at epoch 0.  A durable store that has been written remembers that outside the record (the S3
+store in a marker object beside it, SQLite in a marker file beside the database), so a record
+deleted or expired afterwards is an error (:func:`record_missing`), never an empty state:
+reading it as version 0 would start a fleet that committed over from nothing and hand out
+coordinator epochs again.  :meth:`CommitStore.reset` is the operator's explicit way back to
+the empty state.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from dcr.protocol.types import CommitOutcome, CommitRecord
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
 
-__all__ = ["INITIAL_RECORD", "CommitState", "CommitStore"]
+__all__ = ["INITIAL_RECORD", "CommitState", "CommitStore", "record_missing"]
 
 INITIAL_RECORD = CommitRecord(version=0, candidate="g0")
 """The record of a store that has never committed: version 0 of the initial checkpoint."""
@@ -63,6 +71,24 @@ class CommitState:
 
 Transaction = Callable[[CommitState], CommitState | None]
 """Reads the current state and returns the new one, or ``None`` to change nothing."""
+
+RESET_COMMAND = "dcr commit-store reset --fleet <fleet file>"
+"""The command line that resets the commit store a fleet file names."""
+
+
+def record_missing(where: str, evidence: str) -> CommitStoreError:
+    """The error of a durable store whose record is gone although ``evidence`` shows it was
+    written: the fleet committed, and reading the record as version 0 would rewind it."""
+    return CommitStoreError(
+        f"the commit record {where} is missing, but {evidence}: the fleet has committed, and "
+        "reading the record as version 0 would start it over from nothing (receivers rewound, "
+        "coordinator epochs handed out again). It was deleted or expired (a lifecycle rule "
+        "over the prefix, a cleanup script). Restore it (an earlier object version, a backup), "
+        f"or start the fleet afresh on purpose: `{RESET_COMMAND}` (or `await store.reset()`) "
+        "deletes what is left of the record, then the store reads as never written",
+        retryable=False,
+        check="missing",
+    )
 
 
 class CommitStore(ABC):
@@ -102,6 +128,21 @@ class CommitStore(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+    async def reset(self, *, dry_run: bool = False) -> list[str]:
+        """Delete what the store holds of this record, so that it reads as a store never
+        written (:data:`INITIAL_RECORD`, epoch 0): an operator's deliberate fresh start, also
+        the way out of a missing record (:func:`record_missing`).  Never while a fleet uses
+        the record.  Returns what it deleted (``dry_run``: what it would delete, deleting
+        nothing); empty when nothing was stored.
+
+        Durable stores override it; this one refuses.
+        """
+        raise CommitStoreError(
+            f"{type(self).__name__} keeps no durable record to reset; make a new store",
+            retryable=False,
+            check="reset",
+        )
 
     async def read(self) -> CommitState:
         """The current state."""

@@ -20,6 +20,15 @@ transactions one at a time -- a coordinator's lease renewal and its commit never
 other inside one process.  Coordinators in several processes (standbys) rely on the store's
 conditional writes being atomic, as AWS S3's are; with SeaweedFS, prefer the SQLite store
 (one host) for the commit record.
+
+**The record never rewinds.**  A missing record object stands for a store that was never
+written -- unless the *marker* ``<key>.written`` beside it exists: the store writes it right
+after its first write of the record (and again whenever the record or the coordinator epoch
+changes, so it stays as young as the last commit and tells the last version committed).  A
+missing record with a marker is a :func:`~dcr.adapters.commit.base.record_missing` error, on
+reads and writes alike: the record was deleted or expired, and only :meth:`S3CommitStore.reset`
+(``dcr commit-store reset``) brings the store back to the empty state.  Keep the prefix out of
+lifecycle expiry rules: both objects expiring would still read as a store never written.
 """
 
 from __future__ import annotations
@@ -34,7 +43,13 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
-from dcr.adapters.commit.base import INITIAL_RECORD, CommitState, CommitStore, Transaction
+from dcr.adapters.commit.base import (
+    INITIAL_RECORD,
+    CommitState,
+    CommitStore,
+    Transaction,
+    record_missing,
+)
 from dcr.adapters.context import construct, known_options
 from dcr.adapters.transport.s3 import S3Backend, S3Options
 from dcr.errors import CommitStoreError, ConfigError, TransportError
@@ -46,6 +61,8 @@ if TYPE_CHECKING:
 __all__ = ["S3CommitStore"]
 
 FORMAT = 1
+MARKER_SUFFIX = ".written"
+"""The marker object beside the record: ``<key>.written``."""
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -66,6 +83,20 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 _DECODER = msgspec.json.Decoder(_Body, strict=True)
+
+
+class _Marker(msgspec.Struct, frozen=True):
+    """The marker object (JSON): its presence says the record was written; its fields are
+    the last record and epoch one writer saw (for messages only)."""
+
+    format: int
+    version: int
+    candidate: str
+    epoch: int
+    written: float
+
+
+_MARKER_DECODER = msgspec.json.Decoder(_Marker)
 
 
 def _encode(s: CommitState, nonce: str) -> bytes:
@@ -90,10 +121,11 @@ def _encode(s: CommitState, nonce: str) -> bytes:
 class S3CommitStore(CommitStore):
     """The commit record at ``s3://bucket/prefix/key`` (registered as ``s3``).
 
-    A missing object stands for a store that never committed: ``record`` (default version
-    0).  Credentials and region come from the standard AWS chain; ``endpoint_url`` points at
-    another S3.  ``max_races`` bounds how often one operation re-reads after losing a race
-    before it gives up with a retryable :class:`~dcr.errors.CommitStoreError`.
+    A missing object stands for a store that was never written: ``record`` (default version
+    0); once written, a missing object is an error (see the module's docstring).  Credentials
+    and region come from the standard AWS chain; ``endpoint_url`` points at another S3.
+    ``max_races`` bounds how often one operation re-reads after losing a race before it gives
+    up with a retryable :class:`~dcr.errors.CommitStoreError`.
     """
 
     def __init__(
@@ -117,6 +149,9 @@ class S3CommitStore(CommitStore):
         self.key = key
         self.max_races = max_races
         self._initial = record
+        self.marker_key = key + MARKER_SUFFIX
+        self._marked: tuple[CommitRecord, int] | None = None
+        """The record and epoch this object last wrote into the marker (``None``: not yet)."""
         self._backend = S3Backend(
             S3Options(
                 bucket=bucket,
@@ -160,6 +195,7 @@ class S3CommitStore(CommitStore):
             raise CommitStoreError(f"reading {self.describe()}: {exc.message}",
                                    retryable=exc.retryable, check="read") from exc  # fmt: skip
         if found is None:
+            await self._check_unwritten()
             return CommitState(record=self._initial), None, ""
         raw, etag = found
         try:
@@ -183,6 +219,54 @@ class S3CommitStore(CommitStore):
         )
         return state, etag, body.nonce
 
+    async def _check_unwritten(self) -> None:
+        """The record object is missing: raise :func:`record_missing` if the marker says it
+        was written."""
+        try:
+            found = await self._backend.get(self.marker_key)
+        except TransportError as exc:
+            raise CommitStoreError(f"reading {self._where(self.marker_key)}: {exc.message}",
+                                   retryable=exc.retryable, check="read") from exc  # fmt: skip
+        if found is None:
+            return
+        self._marked = None
+        try:
+            m = _MARKER_DECODER.decode(found)
+            last = f"version {m.version} ({m.candidate}) at coordinator epoch {m.epoch}"
+        except msgspec.DecodeError:
+            last = "a record"
+        raise record_missing(
+            self.describe(), f"its marker {self._where(self.marker_key)} says it held {last}"
+        )
+
+    async def _mark(self, state: CommitState) -> None:
+        """Write the marker after a write of the record: the first one of this object, and
+        each that changed the record or the epoch."""
+        if self._marked == (state.record, state.epoch):
+            return
+        body = msgspec.json.encode(
+            _Marker(
+                format=FORMAT,
+                version=state.record.version,
+                candidate=state.record.candidate,
+                epoch=state.epoch,
+                written=time.time(),
+            )
+        )
+        try:
+            await self._backend.put(self.marker_key, body)
+        except TransportError as exc:
+            raise CommitStoreError(
+                f"{self.describe()} was written, but its marker {self._where(self.marker_key)} "
+                f"was not: {exc.message} (the next write tries again)",
+                retryable=exc.retryable,
+                check="write",
+            ) from exc
+        self._marked = (state.record, state.epoch)
+
+    def _where(self, key: str) -> str:
+        return f"{self._backend.describe()}/{key}"
+
     async def _transact(self, fn: Transaction) -> CommitState:
         async with self._serial():
             return await self._transact_alone(fn)
@@ -197,11 +281,15 @@ class S3CommitStore(CommitStore):
             try:
                 written = await self._backend.put_if(self.key, _encode(new, nonce), etag=etag)
             except TransportError as exc:
-                if await self._landed(nonce):
-                    return new
-                raise CommitStoreError(f"writing {self.describe()}: {exc.message}",
-                                       retryable=exc.retryable, check="write") from exc  # fmt: skip
+                if not await self._landed(nonce):
+                    raise CommitStoreError(
+                        f"writing {self.describe()}: {exc.message}",
+                        retryable=exc.retryable,
+                        check="write",
+                    ) from exc
+                written = "landed"
             if written is not None:
+                await self._mark(new)
                 return new
             await anyio.sleep(self._rng.uniform(0, min(0.5, 0.01 * 2**race)))
         raise CommitStoreError(
@@ -217,13 +305,24 @@ class S3CommitStore(CommitStore):
         except CommitStoreError:
             return False
 
-    async def reset(self) -> None:
-        """Delete the record object: the store holds ``record`` again (a fresh fleet)."""
-        try:
-            await self._backend.delete([self.key])
-        except TransportError as exc:
-            raise CommitStoreError(f"deleting {self.describe()}: {exc.message}",
-                                   retryable=exc.retryable, check="write") from exc  # fmt: skip
+    async def reset(self, *, dry_run: bool = False) -> list[str]:
+        """Delete the record object, then its marker: the store reads as never written
+        (``record``, epoch 0).  An operator's command (``dcr commit-store reset``), never
+        while a fleet uses the record.  Returns the objects it deleted (``dry_run``: would
+        delete) as ``s3://`` addresses."""
+        async with self._serial():
+            try:
+                stored = {info.key for info in await self._backend.list(self.key)}
+                held = [k for k in (self.key, self.marker_key) if k in stored]
+                if not dry_run:
+                    for key in (self.key, self.marker_key):  # the record first: a reset cut
+                        await self._backend.delete([key])  # short still reads as missing
+            except TransportError as exc:
+                raise CommitStoreError(f"resetting {self.describe()}: {exc.message}",
+                                       retryable=exc.retryable, check="write") from exc  # fmt: skip
+            if not dry_run:
+                self._marked = None
+        return [self._where(k) for k in held]
 
     async def close(self) -> None:
         await self._backend.aclose()

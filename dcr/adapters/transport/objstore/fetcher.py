@@ -10,7 +10,10 @@ fetched and verified".  Each fetched payload's length is checked against its ent
 connection is fetched again, while an object that stays shorter or longer than its entry is
 handed over as stored, so the receiver's strict decoder fails the attempt at once instead of
 waiting out the arrival grace.  A payload missing from storage is not delivered (the arrival
-check fails the attempt).  Fetches run as background tasks on asyncio (like aiobotocore
+check fails the attempt).  A manifest entry is read the same way: a read whose length differs
+from the entry's size in the listing is tried again, and the entry is decided on only from a
+complete read (a short read that was taken for a damaged entry would hide its payload until
+the arrival grace ran out).  Fetches run as background tasks on asyncio (like aiobotocore
 itself).
 """
 
@@ -23,18 +26,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
-import msgspec
 
 from dcr.adapters.transport.base import Deliveries, Delivery
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.nodeshare import NodeFetches
 from dcr.adapters.transport.objstore.config import ObjectStoreConfig
 from dcr.adapters.transport.objstore.layout import (
-    ENTRY_DECODER,
     ENTRY_FORMAT,
     MANIFEST,
     MANIFEST_RE,
     ManifestEntry,
+    decode_entry,
     owner_name,
     payload_key,
 )
@@ -190,6 +192,8 @@ class Fetcher:
         stopped: set[int] = set()
         present: set[str] = set()
         new: list[tuple[str, int, str, str, int]] = []
+        sizes: dict[str, int] = {}
+        """Each new entry's size as the listing shows it."""
         for info in await self._list(MANIFEST):
             m = MANIFEST_RE.match(info.key)
             if m is None:
@@ -201,6 +205,7 @@ class Fetcher:
             present.add(info.key)
             if info.key not in self._known:
                 new.append((info.key, attempt, m[2], m[3], int(m[4])))
+                sizes[info.key] = info.size
         for attempt in stopped - self._remote_stopped:
             self.drop_fetches(attempt)
         self._remote_stopped = stopped
@@ -214,10 +219,14 @@ class Fetcher:
             self._fetched_keys = {k for k in self._fetched_keys if k.attempt in live}
         new = [n for n in new if n[1] not in stopped and n[1] not in self._stopped]
         new.sort(key=lambda n: (n[1], n[2], n[3], n[4]))
-        entries = await self._read_entries([n[0] for n in new])
+        entries = await self._read_entries({n[0]: sizes[n[0]] for n in new})
+        waiting: set[tuple[int, str, str]] = set()
         for key, attempt, owner_seg, writer, seq in new:
-            if key not in entries:
-                continue  # read again at the next scan
+            if key not in entries or (attempt, owner_seg, writer) in waiting:
+                # Not read whole, or an earlier entry of its stream was not: read again at
+                # the next scan, so that each stream is still delivered in order.
+                waiting.add((attempt, owner_seg, writer))
+                continue
             self._known.add(key)
             entry = entries[key]
             owner = owner_name(owner_seg)
@@ -251,32 +260,51 @@ class Fetcher:
                 except OSError as exc:
                     self._count(errors=1, last_error=f"node cache: {exc}")
 
-    async def _read_entries(self, keys: list[str]) -> dict[str, ManifestEntry | None]:
-        """GET manifest entries (``fetch_concurrency`` at a time): a decoded entry, ``None``
-        for one that is gone or damaged; keys that could not be read are left out."""
+    async def _read_entries(self, keys: dict[str, int]) -> dict[str, ManifestEntry | None]:
+        """GET manifest entries (``fetch_concurrency`` at a time; ``keys`` maps each to its
+        size in the listing): a decoded entry, ``None`` for one that is gone or damaged; keys
+        that could not be read whole are left out (their next scan reads them again).
+
+        A read shorter or longer than the listing says (a cut response that still looked
+        complete) is tried again like a short payload read, ``retries`` reads in all, each
+        retry counted in ``retried``: an entry is decided on -- delivered or refused -- only
+        from a complete read, so one bad read never hides its payload.
+        """
         entries: dict[str, ManifestEntry | None] = {}
         limiter = anyio.CapacityLimiter(self.config.fetch_concurrency)
+        tries = self.config.retries
 
         async def read(key: str) -> None:
-            try:
-                async with limiter:
-                    raw = await self._retry("reading a manifest entry",
-                                            lambda: self.storage.backend.get(key))  # fmt: skip
-            except TransportError as exc:
-                self._count(errors=1, last_error=str(exc))
-                return
-            entries[key] = None if raw is None else self._decode_entry(raw)
+            for i in range(tries):
+                try:
+                    async with limiter:
+                        raw = await self._retry("reading a manifest entry",
+                                                lambda: self.storage.backend.get(key))  # fmt: skip
+                except TransportError as exc:
+                    self._count(errors=1, last_error=str(exc))
+                    return
+                if raw is None or len(raw) == keys[key]:
+                    entries[key] = None if raw is None else self._decode_entry(key, raw)
+                    return
+                what = f"manifest entry {key}: read {len(raw)} bytes, listed {keys[key]}"
+                if i == tries - 1:
+                    self._count(errors=1, last_error=f"{what}, {tries} reads in a row")
+                    return
+                self._count(retried=1, last_error=what)
+                await anyio.sleep(self._backoff(i))
 
         async with anyio.create_task_group() as tg:
             for key in keys:
                 tg.start_soon(read, key)
         return entries
 
-    def _decode_entry(self, raw: bytes) -> ManifestEntry | None:
+    def _decode_entry(self, key: str, raw: bytes) -> ManifestEntry | None:
+        """The entry stored as ``key`` once its seal (with a fleet secret) verified and it
+        decoded; ``None``, counted as a bad entry, otherwise."""
         try:
-            entry = ENTRY_DECODER.decode(raw)
-        except msgspec.DecodeError as exc:
-            self._count(bad_entries=1, last_error=f"a manifest entry does not decode: {exc}")
+            entry = decode_entry(raw, key, self.config.manifest_seal_key)
+        except TransportError as exc:
+            self._count(bad_entries=1, last_error=exc.message)
             return None
         if (
             entry.format != ENTRY_FORMAT
