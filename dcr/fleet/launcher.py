@@ -150,6 +150,9 @@ class Launcher(FleetProgress):
         return [sys.executable, "-m", "dcr.cli", role, "--fleet", str(self.cfg.path), *extra]
 
     def _prepare_run_dir(self) -> None:
+        made = self.cfg.ensure_keys()  # one host: the launcher starts every identity
+        if made:
+            self.say(f"made key pairs for {len(made)} identities in {self.cfg.keys}")
         kept = clear_run_dir(self.cfg)
         if kept:
             self.say(f"kept what dcr fleet did not write in {self.cfg.run_dir}: {', '.join(kept)}")
