@@ -143,6 +143,7 @@ async def _scenario(
         engine = EngineServer.start(
             work / "engine", model=checkpoints[0], tp=case.tp, fleet=cfg.path, receivers=names,
             checkpoint_version=checkpoint_version, name=f"engine-{len(engines)}",
+            options=["--expose-parameters"],  # the test reads every weight's bits
         )  # fmt: skip
         engines.append(engine)
         return engine.wait_ready()
