@@ -301,8 +301,9 @@ async def test_routing_id_r_r0_gets_nothing_of_r0(tmp_path: Path) -> None:
 
 
 async def test_non_loopback_bind_needs_keys() -> None:
-    """Without keys a node refuses to listen off this host (checked before it binds)."""
-    node = RelayNode("n0", bind="tcp://0.0.0.0:0", config=CONFIG)
+    """Without keys a node refuses to listen off this host (checked before it binds; the
+    address is a documentation one, so nothing could be bound there anyway)."""
+    node = RelayNode("n0", bind="tcp://192.0.2.1:0", config=CONFIG)
     with pytest.raises(ConfigError, match="insecure"), anyio.fail_after(10):
         await node.serve()
 

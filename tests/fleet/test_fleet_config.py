@@ -85,7 +85,7 @@ def test_a_fleet_off_this_host_needs_keys_or_says_insecure(tmp_path: Path) -> No
         (MINIMAL + "[trainer]\nbuild_threads = 1.5\n", "build_threads must be an integer >= 0"),
         (MINIMAL + "[trainer]\nbuild_threads = true\n", "build_threads must be an integer >= 0"),
         ('[fleet]\nhost = "10.0.0.7"\n' + MINIMAL, "the fleet has no keys"),
-        ('[fleet]\nhost = "0.0.0.0"\ninsecure = "yes"\n' + MINIMAL, "insecure must be true"),
+        ('[fleet]\nhost = "192.0.2.1"\ninsecure = "yes"\n' + MINIMAL, "insecure must be true"),
         ('[fleet]\nkeys = 3\n' + MINIMAL, "keys must name a key directory"),
     ],
 )
