@@ -14,6 +14,7 @@ from a routing id or a field it wrote itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import Any
@@ -48,8 +49,13 @@ def peer_identity(frame: zmq.Frame) -> Identity | None:
         user = frame.get("User-Id")
     except (zmq.ZMQError, AttributeError):
         return None
-    if not isinstance(user, str) or ":" not in user:
-        return None
+    return _parsed(user) if isinstance(user, str) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(user: str) -> Identity | None:
+    """``user`` (a ZAP ``User-Id``) as an identity, parsed once per distinct value: every
+    frame a server receives carries it."""
     try:
         return Identity.parse(user)
     except ConfigError:
