@@ -214,7 +214,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="construction threads per owner process (default: the CPUs each may use)",
     )
     refit.add_argument(
-        "--keys", action="store_true",
+        "--keys",
+        action="store_true",
         help="give the fleets keys: CURVE on every socket, sealed payloads (docs/security.md)",
     )
     refit.add_argument("--dir", default="out/bench-refit", help="fleet files, logs, events")

@@ -41,7 +41,9 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "role each refit (seeded by --seed); each process is restarted and recovers",
     )
     demo.add_argument(
-        "--no-keys", dest="keys", action="store_false",
+        "--no-keys",
+        dest="keys",
+        action="store_false",
         help="run without the fleet's keys (no CURVE, unsealed payloads; loopback only); "
         "by default <dir>/keys is made and every socket is authenticated and encrypted",
     )

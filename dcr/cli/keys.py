@@ -70,8 +70,13 @@ def add_keys_parser(sub: Any) -> None:
     export = ksub.add_parser("export", help="copy what one host needs into a new directory")
     export.add_argument("dir")
     export.add_argument("out")
-    export.add_argument("--for", dest="identities", nargs="+", required=True,
-                        help="the identities whose processes run on that host")
+    export.add_argument(
+        "--for",
+        dest="identities",
+        nargs="+",
+        required=True,
+        help="the identities whose processes run on that host",
+    )
     for p in (init, add, rotate, revoke, show, export):
         p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -48,7 +48,9 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                     "every step and the final weights agree, and plot it beside")  # fmt: skip
     rl.add_argument("--plot", default=None, help="write reward, KL and refit time as a PNG")
     rl.add_argument(
-        "--no-keys", dest="keys", action="store_false",
+        "--no-keys",
+        dest="keys",
+        action="store_false",
         help="run the delta fleet without keys (no CURVE, unsealed payloads; loopback only); "
         "by default <dir>/keys is made and every socket is authenticated and encrypted",
     )

@@ -449,7 +449,7 @@ def _check(cfg: FleetConfig) -> None:
         raise ConfigError(
             f"{cfg.path}: host = {cfg.host!r} is reachable from other hosts, and the fleet has "
             "no keys: anyone who reaches its ports could send and read weights. Make keys "
-            "(`dcr keys init keys --fleet FILE`) and say [fleet] keys = \"keys\", or say "
+            '(`dcr keys init keys --fleet FILE`) and say [fleet] keys = "keys", or say '
             "[fleet] insecure = true for a network you trust entirely (docs/security.md)"
         )
     if not cfg.rollout:

@@ -115,6 +115,7 @@ EXAMPLES: tuple[msg.Message, ...] = (
 """One representative value of every class in :data:`~dcr.protocol.messages.MESSAGES`:
 nested records, enums, frozensets, tuples of pairs, optional and defaulted fields."""
 
+
 def _speaking_for(reply: msg.Reply, name: str) -> msg.Reply:
     """``reply`` with its ``endpoint``/``receiver``/``owner`` field set to ``name``."""
     fields = {f.name for f in dataclasses.fields(reply)}
@@ -351,9 +352,11 @@ class ControlTests(AsyncSuite):
                 forged = msg.Acked(attempt=5, receiver="ep-r", applied=(), post_apply_checked=True)
                 await link.notify(forged)
                 await link.notify(msg.Retired(attempt=5, endpoint="ep-m"))
-                await link.notify(msg.EndpointStatus(
-                    endpoint="ep-r", role="receiver", incarnation="i1", record=None
-                ))
+                await link.notify(
+                    msg.EndpointStatus(
+                        endpoint="ep-r", role="receiver", incarnation="i1", record=None
+                    )
+                )
                 honest = msg.GateClosed(attempt=5, receiver="ep-m")
                 await link.notify(honest)
                 await _until(lambda: honest in replies.got, 10, "the honest reply")

@@ -75,7 +75,8 @@ class _Provider:
         self.counts["allowed" if ok else "denied"] += 1
         if not ok:
             log.warning(
-                "refused a %s connection: %s", domain,
+                "refused a %s connection: %s",
+                domain,
                 "key not in the keyring" if identity is None else f"{identity} may not connect",
             )
         return ok

@@ -105,5 +105,6 @@ def check_bind(address: str, security: Security, what: str) -> None:
         )
     log.warning(
         "INSECURE: %s listens on %s without authentication or encryption (insecure = true)",
-        what, address,
+        what,
+        address,
     )

@@ -24,6 +24,7 @@ from dcr.protocol import messages as msg
 if TYPE_CHECKING:
     from dcr.adapters.context import AdapterContext
 
+
 class ZmqControl(ControlChannel):
     """The control channel of one process over ZeroMQ (asyncio backend only).
 
@@ -73,7 +74,7 @@ class ZmqControl(ControlChannel):
         if "curve" in opts:
             raise ConfigError(
                 f"[{context.section}] curve is gone: CURVE keys are the fleet's now "
-                "(`dcr keys init DIR`, then [fleet] keys = \"DIR\"); see docs/security.md"
+                '(`dcr keys init DIR`, then [fleet] keys = "DIR"); see docs/security.md'
             )
         opts.setdefault("bind", f"tcp://{context.host}:0")
         config: ZmqControlConfig = dataclass_options(ZmqControlConfig, opts, context.section)

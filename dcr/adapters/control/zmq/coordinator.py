@@ -245,7 +245,6 @@ class ZmqCoordinatorLink(CoordinatorLink):
             self._send.close()
             self._recv.close()
 
-
     def _close_socket(self, sock: zmq.asyncio.Socket) -> None:
         sock.close(linger=0)
         if self._secured:

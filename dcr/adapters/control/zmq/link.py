@@ -43,6 +43,7 @@ class Ping:
 LINK_MESSAGES: tuple[type, ...] = (Hello, Bye, Ping)
 """Connection bookkeeping of this channel, encoded by the same codec as the calls."""
 
+
 def routing_id(name: str) -> bytes:
     """An endpoint name as bytes, checked: 1-255 UTF-8 bytes, not starting with a zero byte.
     (Routing ids themselves are ZeroMQ's, one per connection: a peer never chooses its own.)"""
