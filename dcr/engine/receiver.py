@@ -201,7 +201,9 @@ class ReceiverService:
             self._count += 1
             self._deliveries[self._count] = d
             self._unacked.add(self._count)
-            await self._local(ev.PayloadReceived(delivery=self._count, key=d.key))
+            await self._local(
+                ev.PayloadReceived(delivery=self._count, key=d.key, addressed=d.addressed)
+            )
 
     async def _handle(self, message: object, tg: TaskGroup) -> None:
         event = message

@@ -129,8 +129,9 @@ class FleetCoordinator:
                 await anyio.sleep(lease / 4)
             self.epoch = epoch
             self.membership = self._core(epoch)
-            self.log.emit("active", epoch=epoch, address=link.address,
-                          keyed=self.config.keys is not None)
+            self.log.emit(
+                "active", epoch=epoch, address=link.address, keyed=self.config.keys is not None
+            )
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._dispatch, link)
@@ -187,7 +188,9 @@ class FleetCoordinator:
                     call = msg.DenseRefit(
                         job=job, record=record, owners=self.owners, receivers=frozenset({receiver})
                     )
-                    self._spawn(partial(self._dense, (*self.owners, receiver), call))
+                    # The receiver first: its payloads may still overtake the call (it holds
+                    # them until the call arrives), but seldom.
+                    self._spawn(partial(self._dense, (receiver, *self.owners), call))
                 case CheckArrival(job=job, receiver=receiver, expected=expected):
                     arrival = msg.CheckArrival(attempt=job, expected=expected)
                     self._spawn(partial(self._call, receiver, arrival))

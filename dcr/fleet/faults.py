@@ -24,12 +24,15 @@ class Fault:
     while a receiver it hosts stops at its point (``"applied"`` or ``"dense"``): the rest of
     the refit is still in flight through that node.  ``"flip"`` kills nothing: receiver
     ``target`` flips one stored bit once it holds ``version`` (silent corruption the proof
-    of the base version must catch at the next prepare).
+    of the base version must catch at the next prepare).  ``down_s``: how long supervision
+    leaves the killed process down before it starts it again (a relay node that stays away
+    longer than the tree's ``peer_timeout_s``, say).
     """
 
     version: int
     target: str
     after: str = "applied"
+    down_s: float = 0.0
 
 
 def _relayed(cfg: FleetConfig) -> bool:

@@ -345,12 +345,13 @@ class Launcher(FleetProgress):
         self._start_trainer()
         self.say(f"started {len(self.procs)} processes (run directory {self.cfg.run_dir})")
 
-    def kill(self, name: str, version: int) -> None:
+    def kill(self, name: str, version: int, *, down_s: float = 0.0) -> None:
         """SIGKILL one process now (a planned fault during the refit to ``version``), the
-        engine of an engine-hosted receiver; supervision restarts it."""
+        engine of an engine-hosted receiver; supervision restarts it (``down_s`` later)."""
         proc = self.procs[self._process_of(name)]
         if proc.popen is not None and proc.popen.poll() is None:
             _kill(proc)
+            proc.down_until = time.monotonic() + down_s
             self.kills.append((version, proc.name))
             self.rows.setdefault(version, RefitRow(version=version)).killed.append(proc.role)
             self.say(f"SIGKILL {proc.name} (pid {proc.popen.pid}) during refit {version}")
@@ -360,6 +361,8 @@ class Launcher(FleetProgress):
         for proc in self.procs.values():
             if proc.popen is None or proc.popen.poll() is None:
                 continue
+            if time.monotonic() < proc.down_until:
+                continue  # a planned fault keeps it down a while
             code = proc.popen.returncode
             if proc.role == "owner":
                 trainer_down = True

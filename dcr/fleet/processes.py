@@ -23,6 +23,8 @@ class _Proc:
     """Runs in a process group of its own (an engine and its children), signalled as one."""
     env: dict[str, str] = field(default_factory=dict)
     stop_s: float = 10.0
+    down_until: float = 0.0
+    """Monotonic time before which supervision does not restart it (a planned fault)."""
 
 
 def _last_line(log: Path) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -122,7 +122,7 @@ class FleetProgress:
         self._trained: dict[str, int] = {}
         """Owner -> the version it reported ``trained`` at (its last step)."""
 
-    def kill(self, name: str, version: int) -> None:
+    def kill(self, name: str, version: int, *, down_s: float = 0.0) -> None:
         """SIGKILL one process now (a planned fault during the refit to ``version``)."""
         raise NotImplementedError
 
@@ -254,7 +254,7 @@ class FleetProgress:
         late = [i for i, f in enumerate(self.faults) if f.version < self._next(f)]
         for i in late:
             f = self.faults[i]
-            self.faults[i] = Fault(version=self._next(f), target=f.target, after=f.after)
+            self.faults[i] = replace(f, version=self._next(f))
         if late:
             self._write_faults()
 
@@ -278,7 +278,8 @@ class FleetProgress:
             if hit and fault.target == e.get("target", who):
                 # Kill first: a process waiting at its fault point resumes once the fault
                 # leaves the plan, and a relay node must be gone by then.
-                self.kill(fault.target if fault.target.startswith("relay-") else who, fault.version)
+                name = fault.target if fault.target.startswith("relay-") else who
+                self.kill(name, fault.version, down_s=fault.down_s)
                 self.faults.remove(fault)
                 self._write_faults()
                 return

@@ -215,6 +215,9 @@ class PayloadReceived:
 
     delivery: int
     key: PayloadKey
+    addressed: bool = False
+    """Addressed to this receiver by name (a dense job's payload, which may overtake the
+    job's call): one whose job has not started here yet is held, not dropped."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

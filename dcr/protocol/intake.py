@@ -17,6 +17,8 @@ and ends them and decides when the receiver acknowledges, stops or reopens its g
 
 from __future__ import annotations
 
+from collections import deque
+
 from dcr.protocol import commands as cmd
 from dcr.protocol import events as ev
 from dcr.protocol import messages as msg
@@ -57,6 +59,8 @@ class Intake:
         """The current attempt's ingestion."""
         self.dense: Ingest | None = None
         """The dense-refit job in progress (its ``info.base`` is the record it restores)."""
+        self.ended: deque[int] = deque(maxlen=64)
+        """The latest dense-refit jobs that ended here: their late payloads are stale."""
         self._m = machine
         self._storage = storage
 
@@ -71,10 +75,22 @@ class Intake:
             return s
         return None
 
-    def on_received(self, delivery: int, key: PayloadKey, out: list[cmd.ReceiverCommand]) -> None:
+    def on_received(
+        self,
+        delivery: int,
+        key: PayloadKey,
+        out: list[cmd.ReceiverCommand],
+        *,
+        early: bool = False,
+    ) -> None:
+        """A delivery the transport handed over; ``early``: its attempt (or dense job) may
+        not have started yet, so it is held until it does rather than discarded."""
         s = self.stream_of(key.attempt)
         if s is None:
-            out.append(cmd.Discard(delivery=delivery, reason="not the active attempt"))
+            if early:
+                self.parked.hold_early(delivery, key, out)
+            else:
+                out.append(cmd.Discard(delivery=delivery, reason="not the active attempt"))
             return
         s.received.add(key)
         if s.paused and key != s.want:
@@ -83,6 +99,20 @@ class Intake:
         s.checking.add(delivery)
         out.append(cmd.CheckPayload(delivery=delivery))
         self.pump(s, out)
+
+    def adopt(self, s: Ingest, out: list[cmd.ReceiverCommand]) -> None:
+        """``s`` has just started: its early deliveries go through as if they had just
+        arrived (the dense job's payloads may overtake its call)."""
+        taken = self.parked.adopt(s.attempt)
+        if not taken:
+            return
+        s.received.update(key for _, key in taken)
+        if not s.info.sync:
+            for delivery, _ in taken:
+                self.parked.take(delivery)
+                s.checking.add(delivery)
+                out.append(cmd.CheckPayload(delivery=delivery))
+        self.pump(s, out)  # a synchronous one lets them through as its queue has room
 
     def on_arrived(self, e: ev.PayloadArrived, out: list[cmd.ReceiverCommand]) -> None:
         key = e.key
@@ -268,5 +298,6 @@ class Intake:
         if d is None:
             return
         self.dense = None
+        self.ended.append(d.attempt)
         self.parked.discard(lambda key: key.attempt == d.attempt, "released", out)
         out.append(cmd.Release(attempt=d.attempt))

@@ -146,8 +146,9 @@ class ReceiverCore:
                 self._on_prepare(info, rejection, proof, out)
             case msg.Disproved(attempt=tau, epoch=epoch):
                 self._on_disproved(tau, epoch, out)
-            case ev.PayloadReceived(delivery=delivery, key=key):
-                self._intake.on_received(delivery, key, out)
+            case ev.PayloadReceived(delivery=delivery, key=key, addressed=addressed):
+                early = addressed and self._early(key.attempt)
+                self._intake.on_received(delivery, key, out, early=early)
             case ev.PayloadArrived():
                 self._intake.on_arrived(event, out)
             case ev.PayloadDecoded(key=key, failure=failure):
@@ -274,6 +275,7 @@ class ReceiverCore:
                 message=msg.PrepareAccepted(attempt=info.attempt, endpoint=self.name, proof=proof)
             )
         )
+        self._intake.adopt(self._intake.ingest, out)
 
     def _on_disproved(self, tau: int, epoch: int, out: list[cmd.ReceiverCommand]) -> None:
         """The proof of the base version failed: the storage holds no committed record.
@@ -447,7 +449,13 @@ class ReceiverCore:
             owners=call.owners,
             receivers=frozenset({self.name}),
         )
-        self._intake.dense = Ingest(info=info, dense=True, apply_open=True)
+        d = self._intake.dense = Ingest(info=info, dense=True, apply_open=True)
+        self._intake.parked.discard(
+            lambda key: key.attempt != call.job and not self._is_active(key.attempt),
+            "obsolete",
+            out,
+        )
+        self._intake.adopt(d, out)
 
     def _restored(
         self, record: CommitRecord, out: list[cmd.ReceiverCommand], *, job: int | None = None
@@ -455,6 +463,7 @@ class ReceiverCore:
         """The storage holds ``record`` exactly (a dense refit finished: job ``job``)."""
         if self._intake.dense is not None:
             out.append(cmd.Release(attempt=self._intake.dense.attempt))
+            self._intake.ended.append(self._intake.dense.attempt)
             self._intake.dense = None
         self._m.fire(_X.DENSE_REFIT)
         self._storage.restored(record)
@@ -470,6 +479,19 @@ class ReceiverCore:
         if s is None or not s.complete():
             return "payloads are still missing or queued"
         return None
+
+    def _early(self, tau: int) -> bool:
+        """Whether a delivery of ``tau``, which no ingestion takes, may belong to a dense job
+        (or attempt) that has not started here yet, rather than to one that ended.
+
+        Only a dense job's payloads can overtake its call (an attempt's owners stream after
+        every receiver accepted its prepare), and a dense job starts only while no attempt
+        runs, so while one runs a delivery of another attempt is dropped at once.
+        """
+        if tau <= self._latest or tau in self._intake.ended or self.phase in RUNNING:
+            return False
+        d, s = self._intake.dense, self._intake.ingest
+        return (d is None or tau > d.attempt) and (s is None or tau > s.attempt)
 
     def _see_epoch(self, epoch: int) -> None:
         self._epoch = max(self._epoch, epoch)

@@ -358,8 +358,9 @@ class TransportTests(AsyncSuite):
             tg.cancel_scope.cancel()
 
     async def test_delivery_to_named_receivers(self) -> None:
-        """``to`` limits delivery to the named receivers; unknown names and an empty set are
-        not waited for; receivers not named never see the payload."""
+        """``to`` limits delivery to the named receivers; an empty set and names that never
+        subscribe are not waited for forever (a transport may hold a payload a bounded while
+        for a named receiver that is still subscribing); receivers not named never see it."""
         names = ("r0", "r1", "r2")
         async with self.world() as h, anyio.create_task_group() as tg:
             inboxes = await _inboxes(h, tg, names)

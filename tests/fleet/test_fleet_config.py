@@ -61,7 +61,12 @@ def test_a_fleet_off_this_host_needs_keys_or_says_insecure(tmp_path: Path) -> No
     assert keyed.keys == tmp_path / "k" and keyed.ensure_keys() == keyed.identities()
     assert keyed.security().keyed and keyed.ensure_keys() == []
     assert [str(i) for i in keyed.identities()] == [
-        "coordinator:main", "owner:o0", "owner:o1", "owner:o2", "owner:o3", "receiver:r0",
+        "coordinator:main",
+        "owner:o0",
+        "owner:o1",
+        "owner:o2",
+        "owner:o3",
+        "receiver:r0",
         "relay:a",
     ]
 
@@ -86,7 +91,7 @@ def test_a_fleet_off_this_host_needs_keys_or_says_insecure(tmp_path: Path) -> No
         (MINIMAL + "[trainer]\nbuild_threads = true\n", "build_threads must be an integer >= 0"),
         ('[fleet]\nhost = "10.0.0.7"\n' + MINIMAL, "the fleet has no keys"),
         ('[fleet]\nhost = "192.0.2.1"\ninsecure = "yes"\n' + MINIMAL, "insecure must be true"),
-        ('[fleet]\nkeys = 3\n' + MINIMAL, "keys must name a key directory"),
+        ("[fleet]\nkeys = 3\n" + MINIMAL, "keys must name a key directory"),
     ],
 )
 def test_bad_fleet_files_raise_a_clear_config_error(tmp_path: Path, text: str, needle: str) -> None:

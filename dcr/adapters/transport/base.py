@@ -47,6 +47,10 @@ class Delivery:
 
     key: PayloadKey
     data: bytes
+    addressed: bool = False
+    """Sent to this receiver by name (``send(..., to=...)``: a dense refit's payloads), not
+    to every subscriber.  Such a payload may overtake the call that announces its job, so
+    the receiver holds it until the call arrives instead of dropping it."""
 
 
 class Inbox(Protocol):

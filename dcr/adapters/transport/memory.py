@@ -68,7 +68,7 @@ class MemoryTransport(Transport):
             if to is not None and name not in to:
                 continue
             try:
-                send.send_nowait(Delivery(key=key, data=data))
+                send.send_nowait(Delivery(key=key, data=data, addressed=to is not None))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 continue
 

@@ -71,6 +71,8 @@ class _Fetch:
     obj: str
     size: int
     recipients: list[_Sub]
+    addressed: bool = False
+    """Its manifest entry names its receivers (``to``)."""
     state: str = "queued"
     """``queued`` -> ``fetching`` -> ``done`` (or ``queued`` -> ``done``: dropped)."""
     dispatched: bool = False
@@ -244,6 +246,7 @@ class Fetcher:
                     obj=payload_key(attempt, owner, writer, seq),
                     size=entry.size,
                     recipients=recipients,
+                    addressed=entry.to is not None,
                 )
             )
 
@@ -438,7 +441,7 @@ class Fetcher:
                 s.reserved -= 1
             if f.data is None or stopped or s.closed:
                 continue
-            s.inbox.append(Delivery(key=f.key, data=f.data))
+            s.inbox.append(Delivery(key=f.key, data=f.data, addressed=f.addressed))
             s.untaken += 1
             s.wake.set()
 

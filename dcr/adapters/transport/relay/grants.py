@@ -132,7 +132,13 @@ class Grants(Forwarding):
     def _admit(self) -> None:
         """Grant room to waiting offers in arrival order while the buffer has room; an offer of
         a peer at its room bound (``max_peer_granted_bytes``) waits, and so do that peer's
-        later offers (its payloads keep their order), without holding up other peers'."""
+        later offers (its payloads keep their order), without holding up other peers'.
+
+        An offer addressed by name to receivers none of which is subscribed in the tree waits
+        the same way, up to ``peer_timeout_s``, for one of them to subscribe: a dense refit is
+        sent to a receiver that has just started, whose subscription may still be on its way
+        up the tree, and delivering the payload to nobody would lose it.  After that it goes
+        through and reaches nobody (a receiver that is gone)."""
         if not self._admit_due:
             return
         self._admit_due = False
@@ -140,6 +146,8 @@ class Grants(Forwarding):
         waiting: deque[tuple[bytes, Offer]] = deque()
         blocked: set[str] = set()
         full = False
+        known = self.receivers()
+        unheard: dict[tuple[bytes, int], float] = {}
         for ident, offer in self._offers:
             client = self._clients.get(ident)
             if client is None:
@@ -148,6 +156,13 @@ class Grants(Forwarding):
             if full or budget.key in blocked:
                 waiting.append((ident, offer))
                 continue
+            if offer.to and not offer.to & known:
+                since = self._unheard.get((ident, offer.seq), now)
+                if now - since < config.peer_timeout_s:
+                    unheard[(ident, offer.seq)] = since
+                    blocked.add(budget.key)
+                    waiting.append((ident, offer))
+                    continue
             held = budget.granted_bytes
             if held and held + offer.size > config.max_peer_granted_bytes:
                 blocked.add(budget.key)
@@ -163,6 +178,9 @@ class Grants(Forwarding):
             self._hold(1, offer.size)
             self._reply(ident, Grant(seq=offer.seq))  # may forget the client
         self._offers = deque((i, o) for i, o in waiting if i in self._clients)
+        self._unheard = unheard
+        if unheard:
+            self._admit_due = True  # at the next tick, or when a receiver subscribes
 
     def _on_data(self, client: Client, frame: Data, body: Sized, now: float) -> None:
         """Data of a granted offer: checked against its grant before anything is queued."""

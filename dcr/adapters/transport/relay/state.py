@@ -197,6 +197,9 @@ class NodeState:
         self._seq = itertools.count(1)
         self._clients: dict[bytes, Client] = {}
         self._offers: deque[tuple[bytes, Offer]] = deque()
+        self._unheard: dict[tuple[bytes, int], float] = {}
+        """Waiting offers addressed only to receivers not subscribed in the tree (yet) -> since
+        when (monotonic): they wait up to ``peer_timeout_s`` for one to subscribe."""
         self._granted: dict[tuple[bytes, int], Granted] = {}
         self._seen: dict[PayloadKey, int] = {}
         self._stats = TransportStats()

@@ -142,7 +142,7 @@ class Subscription:
             self.drops["replayed"] += 1
             return
         self.last_payload = (frame.origin, frame.seq)
-        self.inbox.append(Delivery(key=frame.key, data=data))
+        self.inbox.append(Delivery(key=frame.key, data=data, addressed=frame.to is not None))
         self.untaken.setdefault(frame.key, deque()).append((frame.seq, frame.size))
         self.count += 1
         self.bytes += frame.size
