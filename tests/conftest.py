@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import dcr.native
+from dcr.testing.netns import only_loopback
 
 
 def _vllm_installed() -> bool:
@@ -21,7 +22,8 @@ def _vllm_installed() -> bool:
     return spec is not None and spec.origin is not None
 
 
-collect_ignore = [] if _vllm_installed() else ["vllm"]
+# The Ray suite runs only in a private network namespace with loopback alone (`make test-ray`).
+collect_ignore = ([] if _vllm_installed() else ["vllm"]) + ([] if only_loopback() else ["ray"])
 
 
 @pytest.fixture

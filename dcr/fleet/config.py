@@ -60,6 +60,7 @@ from dcr.fleet.sections import (
     CoordinatorSection,
     EngineSection,
     ModelSection,
+    RaySection,
     ReceiverSpec,
     RolloutNode,
     TrainerSection,
@@ -112,6 +113,11 @@ class FleetConfig:
     commit_store: dict[str, Any] = field(default_factory=lambda: {"kind": "sqlite"})
     control: dict[str, Any] = field(default_factory=lambda: {"kind": "zmq"})
     transport: dict[str, Any] = field(default_factory=lambda: {"kind": "relay", "fanout": 2})
+    ray: RaySection = field(default_factory=RaySection)
+    """Placement on a Ray cluster (``[ray]``): only :mod:`dcr.ray` reads it."""
+    relay_addresses: dict[str, str] = field(default_factory=dict)
+    """Relay node -> its address, where something other than the fleet file and ``host``
+    knows it (Ray: each node binds its own IP and its actor names the address)."""
 
     @property
     def receivers(self) -> tuple[ReceiverSpec, ...]:
@@ -222,6 +228,8 @@ class FleetConfig:
     def address(self, node: str) -> str:
         """The relay address of rollout node ``node`` (waits briefly for a port chosen at
         run time)."""
+        if node in self.relay_addresses:
+            return self.relay_addresses[node]
         return f"tcp://{self.host}:{self.ports(wait_s=RELAY_PORT_WAIT_S)[node]}"
 
     def record_port(self, node: str, port: int) -> None:
@@ -301,7 +309,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
     if not isinstance(insecure, bool):
         raise ConfigError(f"[fleet] insecure must be true or false, got {insecure!r}")
     allowed = {"fleet", "model", "trainer", "rollout", "engine", "coordinator", "queue",
-               "commit_store", "control", "transport", "proof"}  # fmt: skip
+               "commit_store", "control", "transport", "proof", "ray"}  # fmt: skip
     if set(raw) - allowed:
         raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
     coord_raw = dict(raw.get("coordinator", {}))
@@ -354,6 +362,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
         commit_store={"kind": "sqlite", **raw.get("commit_store", {})},
         control={"kind": "zmq", **raw.get("control", {})},
         transport=_transport(raw.get("transport", {})),
+        ray=_section(RaySection, raw.get("ray"), "ray"),
     )
     _check(cfg)
     return cfg

@@ -13,12 +13,13 @@ what crossed into the tree (V_cross, V_payload) as ``relay`` events.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import anyio
 
 from dcr.adapters.transport.relay import RelayConfig, RelayNode, balanced_tree
 from dcr.adapters.transport.relay.sizing import largest_payload
-from dcr.errors import DcrError
+from dcr.errors import ConfigError, DcrError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.eventlog import EventLog
 from dcr.fleet.runtime import _options
@@ -79,21 +80,44 @@ def relay_config(cfg: FleetConfig) -> RelayConfig:
     return config
 
 
-async def run_relay(cfg: FleetConfig, node: str) -> None:
-    """Serve relay node ``node`` until cancelled."""
+def relay_parent(cfg: FleetConfig, node: str) -> str | None:
+    """The parent of rollout node ``node`` in the fleet's balanced relay tree (``None``: the
+    root); a ``ConfigError`` for a node the fleet file does not name."""
     tree = balanced_tree([n.name for n in cfg.rollout], int(cfg.transport.get("fanout", 2)))
     if node not in tree:
-        raise SystemExit(f"the fleet file names no rollout node {node!r}")
-    parent = tree[node]
+        raise ConfigError(f"the fleet file names no rollout node {node!r}")
+    return tree[node]
+
+
+async def run_relay(cfg: FleetConfig, node: str) -> None:
+    """Serve relay node ``node`` until cancelled."""
+    try:
+        relay_parent(cfg, node)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
     # Its port: the fleet file's, the launcher's choice, or (started by hand with port = 0)
     # any free one, recorded for the processes of this host.
     chosen = next(n.port for n in cfg.rollout if n.name == node) or cfg.recorded_ports().get(
         node, 0
     )
+
+    def record(address: str) -> None:
+        if not chosen:
+            cfg.record_port(node, int(address.rsplit(":", 1)[1]))
+
+    await serve_relay(cfg, node, bind=f"tcp://{cfg.host}:{chosen}", on_bound=record)
+
+
+async def serve_relay(
+    cfg: FleetConfig, node: str, *, bind: str, on_bound: Callable[[str], None] | None = None
+) -> None:
+    """Serve relay node ``node`` on ``bind`` until cancelled, its parent at the address the
+    fleet knows (:meth:`FleetConfig.address`); ``on_bound`` learns the address it bound."""
+    parent = relay_parent(cfg, node)
     config = relay_config(cfg)
     relay = RelayNode(
         node,
-        bind=f"tcp://{cfg.host}:{chosen}",
+        bind=bind,
         parent=cfg.address(parent) if parent is not None else None,
         parent_name=parent,
         config=config,
@@ -103,8 +127,8 @@ async def run_relay(cfg: FleetConfig, node: str) -> None:
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(relay.serve)
-            if not chosen:
-                cfg.record_port(node, int(relay.address.rsplit(":", 1)[1]))
+            if on_bound is not None:
+                on_bound(relay.address)
             log_.emit(
                 "started", role="relay", node=node, parent=parent, address=relay.address,
                 keyed=relay.security.keyed, max_payload_bytes=config.max_payload_bytes,

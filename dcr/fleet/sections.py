@@ -14,6 +14,7 @@ __all__ = [
     "CoordinatorSection",
     "EngineSection",
     "ModelSection",
+    "RaySection",
     "ReceiverSpec",
     "RolloutNode",
     "TrainerSection",
@@ -245,3 +246,33 @@ class CoordinatorSection:
             baseline_s=3.0,
         )
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RaySection:
+    """Where a fleet's roles run on a Ray cluster (``[ray]``, used by :mod:`dcr.ray`).
+
+    Nodes are told apart by custom resources, as ``ray start --resources`` gives them: the
+    fleet's ``[[rollout]]`` nodes go one each to distinct alive Ray nodes carrying
+    ``rollout`` (in node-id order), and its trainer ranks to nodes carrying ``trainer``.
+    """
+
+    namespace: str = "dcr"
+    """The Ray namespace of the fleet's named actors (one fleet per namespace)."""
+    trainer: str = "trainer"
+    """The custom resource that marks trainer nodes."""
+    rollout: str = "rollout"
+    """The custom resource that marks rollout nodes (one fleet rollout node each)."""
+    coordinators: int = 2
+    """Coordinator actors: the active one and its standbys."""
+    max_restarts: int = 3
+    """Ray restarts of each dcr actor (coordinator, relay node) before the fleet fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "trainer", "rollout"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.coordinators < 1:
+            raise ValueError("coordinators must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0")

@@ -1,0 +1,147 @@
+"""The fleet's own roles as Ray actors: relay nodes, coordinators, and the directory that
+names where the relay nodes listen.
+
+Each actor runs its role exactly as the process fleet does (:func:`~dcr.fleet.relay.
+serve_relay`, :func:`~dcr.fleet.coordinator.run_coordinator`), on an event loop of its own in
+a thread that its constructor starts: when Ray restarts an actor (``max_restarts``) it runs
+the constructor again, so the role is back without anyone calling it.  A restarted relay node
+binds the address it had (the directory remembers it), so its children and receivers
+reconnect by themselves; a restarted coordinator takes over as in the process fleet.
+
+These classes are plain Python; :mod:`dcr.ray.fleet` makes them actors with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import anyio
+
+from dcr.fleet.config import FleetConfig
+
+__all__ = ["BIND_WAIT_S", "CoordinatorActor", "Directory", "RelayActor"]
+
+BIND_WAIT_S = 60.0
+"""How long :meth:`RelayActor.address` waits for the node to bind."""
+
+_REGISTER_S = 2.0
+"""How often a relay node tells the directory its address again (a restarted directory)."""
+
+
+class Directory:
+    """Where the fleet's relay nodes listen, by node name (Ray's naming of the fleet): the
+    driver, relay nodes and receivers ask it instead of reading files on a shared disk.  A
+    restarted directory is filled again by the relay nodes within a couple of seconds."""
+
+    def __init__(self) -> None:
+        self._relays: dict[str, str] = {}
+
+    def set_relay(self, node: str, address: str) -> None:
+        self._relays[node] = address
+
+    def relay(self, node: str) -> str | None:
+        return self._relays.get(node)
+
+    def relays(self) -> dict[str, str]:
+        return dict(self._relays)
+
+
+class _Role:
+    """Runs ``main`` on an event loop of its own in a daemon thread; remembers how it ended."""
+
+    def __init__(self, main: Callable[[], Awaitable[None]], name: str) -> None:
+        self.failure: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(main,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, main: Callable[[], Awaitable[None]]) -> None:
+        try:
+            anyio.run(main)
+        except BaseException as exc:  # reported by alive(); the actor process stays up
+            self.failure = f"{type(exc).__name__}: {exc}"
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class RelayActor:
+    """Relay node ``node`` of the fleet, bound to ``ip`` (the Ray node's address); its parent's
+    address and its own earlier one come from the directory ``directory``."""
+
+    def __init__(self, cfg: FleetConfig, node: str, ip: str, directory: Any) -> None:
+        self.node = node
+        self._directory = directory
+        self._bound = threading.Event()
+        self._address = ""
+        import ray
+
+        relays: dict[str, str] = ray.get(directory.relays.remote())
+        bind = relays.get(node) or f"tcp://{ip}:0"
+        self._cfg = replace(cfg, relay_addresses={**cfg.relay_addresses, **relays})
+        self._role = _Role(self._main(bind), f"dcr-relay-{node}")
+
+    def _main(self, bind: str) -> Callable[[], Awaitable[None]]:
+        from dcr.fleet.relay import serve_relay
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._register)
+                await serve_relay(self._cfg, self.node, bind=bind, on_bound=self._on_bound)
+
+        return main
+
+    def _on_bound(self, address: str) -> None:
+        self._address = address
+        self._bound.set()
+
+    async def _register(self) -> None:
+        import ray
+
+        await anyio.to_thread.run_sync(self._bound.wait)
+        while True:
+            ref = self._directory.set_relay.remote(self.node, self._address)
+            with contextlib.suppress(Exception):  # a directory being restarted
+                await anyio.to_thread.run_sync(ray.get, ref)
+            await anyio.sleep(_REGISTER_S)
+
+    def address(self) -> str:
+        """The address this node listens on, once bound (a ``RuntimeError`` if it failed)."""
+        deadline = time.monotonic() + BIND_WAIT_S
+        while not self._bound.wait(0.1):
+            if not self._role.alive() or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"relay node {self.node} did not bind: {self._role.failure or 'timed out'}"
+                )
+        return self._address
+
+    def alive(self) -> bool:
+        return self._role.alive()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class CoordinatorActor:
+    """Coordinator ``name`` of the fleet (the active one or a standby: the lease decides)."""
+
+    def __init__(self, cfg: FleetConfig, name: str) -> None:
+        from dcr.fleet.coordinator import run_coordinator
+
+        self.name = name
+
+        async def main() -> None:
+            await run_coordinator(cfg, name)
+
+        self._role = _Role(main, f"dcr-{name}")
+
+    def alive(self) -> bool:
+        return self._role.alive()
+
+    def failure(self) -> str | None:
+        return self._role.failure

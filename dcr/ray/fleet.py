@@ -1,0 +1,145 @@
+"""A fleet's own roles on a Ray cluster: :class:`RayFleet` places them and starts them.
+
+``RayFleet(cfg).start()`` (on a driver connected to the cluster with ``ray.init``) checks the
+placement first (:func:`~dcr.ray.placement.plan`: nothing starts when it cannot be
+satisfied), then starts the directory, one relay node per rollout node (root first, each
+pinned to its Ray node and bound to that node's IP), and the coordinators.  Each actor
+declares ``[ray] max_restarts``: Ray restarts what dies, and the role recovers as in the
+process fleet.  ``stop()`` kills every actor it started, restarts off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Any
+
+from dcr.adapters.transport.relay import balanced_tree
+from dcr.errors import ConfigError, DcrError
+from dcr.fleet.config import FleetConfig
+from dcr.ray.actors import BIND_WAIT_S, CoordinatorActor, Directory, RelayActor
+from dcr.ray.placement import Placement, plan
+
+__all__ = ["RayFleet", "require_ray"]
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or a clear error saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError("dcr.ray needs Ray: pip install 'dcr[ray]'") from exc
+    if not ray.is_initialized():
+        raise ConfigError("connect to the Ray cluster first (ray.init(address=...))")
+    return ray
+
+
+class RayFleet:
+    """The coordinators and relay nodes of the fleet ``cfg`` as Ray actors."""
+
+    def __init__(self, cfg: FleetConfig) -> None:
+        self.cfg = cfg
+        self.placement: Placement | None = None
+        self.directory: Any = None
+        self.relays: dict[str, Any] = {}
+        self.coordinators: dict[str, Any] = {}
+        self.addresses: dict[str, str] = {}
+
+    def name(self, role: str) -> str:
+        """The Ray name of one of the fleet's actors (in namespace ``[ray] namespace``)."""
+        return f"dcr-{self.cfg.name}-{role}"
+
+    def start(self) -> FleetConfig:
+        """Place and start the fleet's actors; returns the fleet config as every other role
+        should use it (with the relay nodes' addresses)."""
+        ray = require_ray()
+        self.placement = placement = plan(self.cfg, ray.nodes())
+        try:
+            self._start(ray, placement)
+        except BaseException:
+            self.stop()
+            raise
+        return replace(self.cfg, relay_addresses=dict(self.addresses))
+
+    def _start(self, ray: Any, placement: Placement) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        cfg, ns, restarts = self.cfg, self.cfg.ray.namespace, self.cfg.ray.max_restarts
+        self.directory = (
+            ray.remote(Directory)
+            .options(name=self.name("directory"), namespace=ns, max_restarts=-1, num_cpus=0)
+            .remote()
+        )
+        for node in _tree_order(cfg):
+            node_id = placement.rollout[node]
+            actor = (
+                ray.remote(RelayActor)
+                .options(
+                    name=self.name(f"relay-{node}"),
+                    namespace=ns,
+                    num_cpus=0,
+                    max_restarts=restarts,
+                    max_task_retries=restarts,  # its methods only read: safe to repeat
+                    max_concurrency=4,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                )
+                .remote(cfg, node, placement.ips[node_id], self.directory)
+            )
+            self.relays[node] = actor
+            try:
+                self.addresses[node] = ray.get(actor.address.remote(), timeout=2 * BIND_WAIT_S)
+            except Exception as exc:
+                raise DcrError(f"relay node {node} did not start on Ray: {exc}") from exc
+        resolved = replace(cfg, relay_addresses=dict(self.addresses))
+        for i in range(cfg.ray.coordinators):
+            name = "coordinator" if i == 0 else f"coordinator-{i}"
+            self.coordinators[name] = (
+                ray.remote(CoordinatorActor)
+                .options(
+                    name=self.name(name),
+                    namespace=ns,
+                    num_cpus=0,
+                    max_restarts=restarts,
+                    max_task_retries=restarts,  # its methods only read: safe to repeat
+                    max_concurrency=4,
+                )
+                .remote(resolved, name)
+            )
+        deadline = time.monotonic() + BIND_WAIT_S
+        for name, actor in self.coordinators.items():
+            if not ray.get(actor.alive.remote(), timeout=max(1.0, deadline - time.monotonic())):
+                failure = ray.get(actor.failure.remote())
+                raise DcrError(f"{name} did not start on Ray: {failure}")
+
+    def stop(self) -> None:
+        """Kill every actor this fleet started (Ray restarts none of them)."""
+        try:
+            import ray
+        except ImportError:
+            return
+        actors = [*self.coordinators.values(), *self.relays.values(), self.directory]
+        for actor in actors:
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already gone
+                    continue
+        self.coordinators.clear()
+        self.relays.clear()
+        self.directory = None
+
+
+def _tree_order(cfg: FleetConfig) -> list[str]:
+    """The fleet's rollout nodes, every parent before its children."""
+    tree = balanced_tree([n.name for n in cfg.rollout], int(cfg.transport.get("fanout", 2)))
+    children: dict[str | None, list[str]] = {}
+    for node, parent in tree.items():
+        children.setdefault(parent, []).append(node)
+    order: list[str] = []
+    todo = deque(children.get(None, []))
+    while todo:
+        node = todo.popleft()
+        order.append(node)
+        todo.extend(children.get(node, []))
+    return order
