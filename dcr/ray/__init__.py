@@ -10,5 +10,6 @@ from __future__ import annotations
 
 from dcr.ray.fleet import RayFleet, require_ray
 from dcr.ray.placement import Placement, plan
+from dcr.ray.run import RayRun
 
-__all__ = ["Placement", "RayFleet", "plan", "require_ray"]
+__all__ = ["Placement", "RayFleet", "RayRun", "plan", "require_ray"]

@@ -25,7 +25,14 @@ import anyio
 
 from dcr.fleet.config import FleetConfig
 
-__all__ = ["BIND_WAIT_S", "CoordinatorActor", "Directory", "RelayActor"]
+__all__ = [
+    "BIND_WAIT_S",
+    "CoordinatorActor",
+    "Directory",
+    "ReceiverActor",
+    "RelayActor",
+    "TrainerActor",
+]
 
 BIND_WAIT_S = 60.0
 """How long :meth:`RelayActor.address` waits for the node to bind."""
@@ -68,6 +75,11 @@ class _Role:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def join(self) -> str | None:
+        """Wait until the role ends; how it failed (``None``: it returned)."""
+        self._thread.join()
+        return self.failure
 
 
 class RelayActor:
@@ -145,3 +157,43 @@ class CoordinatorActor:
 
     def failure(self) -> str | None:
         return self._role.failure
+
+
+class ReceiverActor:
+    """Receiver ``name`` of the fleet, served as ``dcr receiver`` serves it (its rank of the
+    fleet's model, restored by dense refit when it starts)."""
+
+    def __init__(self, cfg: FleetConfig, name: str) -> None:
+        from dcr.fleet.receiver import run_receiver
+
+        async def main() -> None:
+            await run_receiver(cfg, name)
+
+        self._role = _Role(main, f"dcr-{name}")
+
+    def alive(self) -> bool:
+        return self._role.alive()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class TrainerActor:
+    """Trainer rank ``rank`` of the fleet's ``[trainer] kind`` (its owner joins the fleet
+    through the trainer-side join), meeting the other ranks at ``store`` (``host:port`` of the
+    rendezvous store)."""
+
+    def __init__(self, cfg: FleetConfig, rank: int, store_port: int) -> None:
+        from dcr.fleet.trainer import run_trainer
+
+        async def main() -> None:
+            await run_trainer(cfg, rank, store_port)
+
+        self._role = _Role(main, f"dcr-rank-{rank}")
+
+    def alive(self) -> bool:
+        return self._role.alive()
+
+    def join(self) -> str | None:
+        """Wait until the rank ends (the trainer's last step); how it failed, if it did."""
+        return self._role.join()

@@ -45,6 +45,16 @@ class RayFleet:
         self.relays: dict[str, Any] = {}
         self.coordinators: dict[str, Any] = {}
         self.addresses: dict[str, str] = {}
+        self.refs: list[Any] = []
+        """Object refs of the actors' constructor arguments, held while the actors live: Ray
+        needs them again to restart an actor."""
+
+    def put(self, value: Any) -> Any:
+        """``value`` in Ray's object store, referenced for as long as this fleet runs."""
+        ray = require_ray()
+        ref = ray.put(value)
+        self.refs.append(ref)
+        return ref
 
     def name(self, role: str) -> str:
         """The Ray name of one of the fleet's actors (in namespace ``[ray] namespace``)."""
@@ -84,14 +94,14 @@ class RayFleet:
                     max_concurrency=4,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 )
-                .remote(cfg, node, placement.ips[node_id], self.directory)
+                .remote(self.put(cfg), node, placement.ips[node_id], self.directory)
             )
             self.relays[node] = actor
             try:
                 self.addresses[node] = ray.get(actor.address.remote(), timeout=2 * BIND_WAIT_S)
             except Exception as exc:
                 raise DcrError(f"relay node {node} did not start on Ray: {exc}") from exc
-        resolved = replace(cfg, relay_addresses=dict(self.addresses))
+        resolved = self.put(replace(cfg, relay_addresses=dict(self.addresses)))
         for i in range(cfg.ray.coordinators):
             name = "coordinator" if i == 0 else f"coordinator-{i}"
             self.coordinators[name] = (
@@ -128,6 +138,7 @@ class RayFleet:
         self.coordinators.clear()
         self.relays.clear()
         self.directory = None
+        self.refs.clear()
 
 
 def _tree_order(cfg: FleetConfig) -> list[str]:

@@ -98,7 +98,7 @@ def test_a_missed_fault_moves_to_the_next_refit(tmp_path: Path) -> None:
     launcher = Launcher(cfg, faults=[Fault(version=2, target="relay-node1")])
     launcher._committed = 2  # refit 2 finished before a receiver applied anything
     killed: list[tuple[str, int]] = []
-    launcher.kill = lambda name, version: killed.append((name, version))  # type: ignore[method-assign]
+    launcher.kill = lambda name, version, **_: killed.append((name, version))  # type: ignore[method-assign]
     (cfg.run_dir).mkdir(parents=True)
     launcher._advance_faults()
     planned = json.loads((cfg.run_dir / "faults.json").read_text())

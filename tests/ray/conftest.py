@@ -48,9 +48,9 @@ def cluster() -> Iterator[object]:
         wait_gone(pids)
 
 
-def ray_fleet(tmp_path: Path, *, keys: bool = True) -> FleetConfig:
+def ray_fleet(tmp_path: Path, *, keys: bool = True, refits: int = 3) -> FleetConfig:
     path = demo_fleet_file(
-        tmp_path, size_mb=0, refits=3, rate=0.05, model_overrides=TINY, chunk_mb=0.03125,
+        tmp_path, size_mb=0, refits=refits, rate=0.05, model_overrides=TINY, chunk_mb=0.03125,
         bucket_mb=0.0625, keys=keys,
     )  # fmt: skip
     cfg = load_fleet(path)

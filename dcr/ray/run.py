@@ -1,0 +1,190 @@
+"""A whole fleet on Ray, run to its last version: what ``dcr fleet`` does with processes,
+done with actors.
+
+:class:`RayRun` starts the fleet's own roles (:class:`~dcr.ray.fleet.RayFleet`), one actor
+per receiver pinned to its rollout node, and one actor per trainer rank on the trainer
+nodes.  It follows the roles' events as the process launcher does (bit-for-bit checks of
+every receiver against the synthetic trainer's versions, lockstep, the report) and strikes
+planned faults with ``ray.kill``: a coordinator, relay node or receiver is restarted by Ray
+(``max_restarts``) and recovers by itself; a killed trainer rank takes its group down, and
+the run restarts the whole group at the committed version, as torch.distributed stacks do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dcr.errors import DcrError
+from dcr.fleet.config import FleetConfig
+from dcr.fleet.faults import Fault
+from dcr.fleet.progress import FleetProgress
+from dcr.ray.actors import ReceiverActor, TrainerActor
+from dcr.ray.fleet import RayFleet, require_ray
+
+__all__ = ["RayRun"]
+
+_RUN_DIR_MARKER = ".dcr-run-dir"
+
+
+class RayRun(FleetProgress):
+    """Run the fleet ``cfg`` on the Ray cluster this driver is connected to."""
+
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        *,
+        faults: Sequence[Fault] = (),
+        say: Callable[[str], None] = lambda _: None,
+        deadline_s: float = 600.0,
+        watch: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        super().__init__(cfg, faults=faults, say=say, deadline_s=deadline_s, watch=watch)
+        self.procs = {}
+        self.fleet = RayFleet(cfg)
+        self.resolved = cfg
+        self.receivers: dict[str, Any] = {}
+        self.ranks: list[Any] = []
+        self._ends: dict[Any, Any] = {}
+        """A trainer rank's ``join`` call -> the rank (ready: the rank ended)."""
+        self._store: Any = None
+        self._cfg_ref: Any = None
+        self.trainer_starts = 0
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ray = require_ray()
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.run_dir / _RUN_DIR_MARKER).write_text("made by dcr.ray\n")
+        (cfg.run_dir / "logs").mkdir(exist_ok=True)
+        self._write_faults()
+        self.resolved = self.fleet.start()
+        resolved = self._cfg_ref = self.fleet.put(self.resolved)
+        placement = self.fleet.placement
+        assert placement is not None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node in cfg.rollout:
+            for r in node.receivers:
+                self.receivers[r.name] = (
+                    ray.remote(ReceiverActor)
+                    .options(
+                        name=self.fleet.name(r.name),
+                        namespace=cfg.ray.namespace,
+                        num_cpus=0,
+                        max_restarts=cfg.ray.max_restarts,
+                        max_task_retries=cfg.ray.max_restarts,
+                        max_concurrency=4,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(
+                            placement.rollout[node.name], soft=False
+                        ),
+                    )
+                    .remote(resolved, r.name)
+                )
+        self._start_trainer()
+        self.say(f"started the fleet on Ray: {len(self.receivers)} receivers, "
+                 f"{len(self.ranks)} trainer ranks")  # fmt: skip
+
+    def _start_trainer(self) -> None:
+        """(Re)start every trainer rank around a fresh rendezvous store held here."""
+        ray = require_ray()
+        from dcr.fleet.trainer import rendezvous_store
+
+        cfg = self.cfg
+        self._store = rendezvous_store(cfg.host, cfg.world_size + 1)
+        env = {"GLOO_SOCKET_IFNAME": "lo"} if cfg.host.startswith("127.") else {}
+        self.ranks = [
+            ray.remote(TrainerActor)
+            .options(
+                name=self.fleet.name(f"rank-{rank}-{self.trainer_starts}"),
+                namespace=cfg.ray.namespace,
+                num_cpus=1,
+                resources={cfg.ray.trainer: 0.001},
+                max_restarts=0,
+                max_concurrency=4,
+                runtime_env={"env_vars": env},
+            )
+            .remote(self._cfg_ref, rank, int(self._store.port))
+            for rank in range(cfg.world_size)
+        ]
+        self._ends = {actor.join.remote(): rank for rank, actor in enumerate(self.ranks)}
+        self.trainer_starts += 1
+
+    # -- faults and supervision ----------------------------------------------------------------
+
+    def _actor(self, name: str) -> tuple[Any, bool]:
+        """The actor hosting ``name`` and whether Ray restarts it (a trainer rank: no)."""
+        if name.startswith("relay-"):
+            return self.fleet.relays[name.removeprefix("relay-")], True
+        if name in self.fleet.coordinators:
+            return self.fleet.coordinators[name], True
+        if name in self.receivers:
+            return self.receivers[name], True
+        if name in self.cfg.owners:
+            return self.ranks[self.cfg.owners.index(name)], False
+        raise DcrError(f"no actor of the fleet is named {name!r}")
+
+    def kill(self, name: str, version: int, *, down_s: float = 0.0) -> None:
+        """Kill the actor hosting ``name`` now (a planned fault during the refit to
+        ``version``): Ray restarts it, or (a trainer rank) the run restarts the group."""
+        ray = require_ray()
+        actor, restarted = self._actor(name)
+        ray.kill(actor, no_restart=not restarted)
+        self.kills.append((version, name))
+        self._row(version).killed.append(name)
+        self.say(f"ray.kill {name} during refit {version}")
+
+    def _supervise(self) -> None:
+        ray = require_ray()
+        ready, _ = ray.wait(list(self._ends), num_returns=len(self._ends), timeout=0)
+        died = False
+        for ref in ready:
+            self._ends.pop(ref)
+            try:
+                failure = ray.get(ref)
+            except Exception as exc:  # the actor died (killed, or its process crashed)
+                failure = f"{type(exc).__name__}"
+            if failure is not None:
+                died = True
+        if died:
+            self.say("a trainer rank ended: restarting the whole trainer at the committed version")
+            for actor in self.ranks:
+                ray.kill(actor, no_restart=True)
+            self._start_trainer()
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Start the fleet, run it to the last version, stop it; returns the report."""
+        t0 = time.monotonic()
+        self.start()
+        try:
+            while not self.done():
+                if time.monotonic() - t0 > self.deadline_s:
+                    raise TimeoutError(self._stalled())
+                for e in self._reader.poll():
+                    self._on_event(e)
+                self._supervise()
+                self._lockstep()
+                time.sleep(0.05)
+        finally:
+            self.stop()
+        return self.report(time.monotonic() - t0)
+
+    def stop(self) -> None:
+        """Kill every actor of the run (restarts off) and close the rendezvous store."""
+        try:
+            import ray
+        except ImportError:
+            return
+        for actor in [*self.ranks, *self.receivers.values()]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                continue
+        self.ranks, self.receivers, self._ends = [], {}, {}
+        self.fleet.stop()
+        self._store = None
