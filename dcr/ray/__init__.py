@@ -8,8 +8,8 @@ Importing this package does not import Ray.
 
 from __future__ import annotations
 
-from dcr.ray.fleet import RayFleet, require_ray
+from dcr.ray.fleet import RayFleet, fleet_config, require_ray
 from dcr.ray.placement import Placement, plan
 from dcr.ray.run import RayRun
 
-__all__ = ["Placement", "RayFleet", "RayRun", "plan", "require_ray"]
+__all__ = ["Placement", "RayFleet", "RayRun", "fleet_config", "plan", "require_ray"]

@@ -48,6 +48,18 @@ class Directory:
 
     def __init__(self) -> None:
         self._relays: dict[str, str] = {}
+        self._config: FleetConfig | None = None
+
+    def set_config(self, cfg: FleetConfig) -> None:
+        self._config = cfg
+
+    def config(self) -> FleetConfig | None:
+        """The fleet config every role uses, relay addresses included (``None`` until the
+        fleet's driver started it)."""
+        if self._config is None:
+            return None
+        return replace(self._config, relay_addresses={**self._config.relay_addresses,
+                                                      **self._relays})  # fmt: skip
 
     def set_relay(self, node: str, address: str) -> None:
         self._relays[node] = address

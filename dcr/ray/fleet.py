@@ -21,7 +21,7 @@ from dcr.fleet.config import FleetConfig
 from dcr.ray.actors import BIND_WAIT_S, CoordinatorActor, Directory, RelayActor
 from dcr.ray.placement import Placement, plan
 
-__all__ = ["RayFleet", "require_ray"]
+__all__ = ["RayFleet", "fleet_config", "require_ray"]
 
 
 def require_ray() -> Any:
@@ -102,6 +102,7 @@ class RayFleet:
             except Exception as exc:
                 raise DcrError(f"relay node {node} did not start on Ray: {exc}") from exc
         resolved = self.put(replace(cfg, relay_addresses=dict(self.addresses)))
+        ray.get(self.directory.set_config.remote(resolved))
         for i in range(cfg.ray.coordinators):
             name = "coordinator" if i == 0 else f"coordinator-{i}"
             self.coordinators[name] = (
@@ -139,6 +140,29 @@ class RayFleet:
         self.relays.clear()
         self.directory = None
         self.refs.clear()
+
+
+def fleet_config(fleet: str, *, namespace: str = "dcr", timeout_s: float = 60.0) -> FleetConfig:
+    """The config of fleet ``fleet`` (its ``[fleet] name``) that a :class:`RayFleet` started
+    in ``namespace``, relay addresses included: what a trainer worker or rollout actor of
+    your own passes to :func:`dcr.join_trainer` instead of a fleet file on a shared disk."""
+    ray = require_ray()
+    name = f"dcr-{fleet}-directory"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            directory = ray.get_actor(name, namespace=namespace)
+            cfg = ray.get(directory.config.remote(), timeout=timeout_s)
+        except ValueError:  # not started (yet)
+            cfg = None
+        if cfg is not None:
+            return cfg  # type: ignore[no-any-return]
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"no dcr fleet {fleet!r} runs in Ray namespace {namespace!r} "
+                f"(no actor {name!r} with a config within {timeout_s:g} s)"
+            )
+        time.sleep(0.2)
 
 
 def _tree_order(cfg: FleetConfig) -> list[str]:

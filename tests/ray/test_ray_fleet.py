@@ -19,7 +19,7 @@ from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.runtime import make_transport
 from dcr.fleet.sections import RolloutNode
-from dcr.ray import RayFleet, plan
+from dcr.ray import RayFleet, fleet_config, plan
 
 DEADLINE_S = 120.0
 
@@ -53,6 +53,8 @@ def test_a_placement_that_cannot_be_satisfied_fails_before_anything_starts(
     with pytest.raises(ConfigError, match="'gpu-box'"):
         RayFleet(unlabelled).start()
     assert not ray.util.list_named_actors(all_namespaces=True)
+    with pytest.raises(ConfigError, match="no dcr fleet 'nothing'"):
+        fleet_config("nothing", timeout_s=1)
     # The plan itself: each rollout node on its own node carrying "rollout".
     placement = plan(cfg, ray.nodes())
     assert len(set(placement.rollout.values())) == len(cfg.rollout) == 2
@@ -67,6 +69,10 @@ def test_relay_nodes_and_coordinators_recover_through_ray_restarts(
     fleet = RayFleet(cfg)
     try:
         resolved = fleet.start()
+        # What a trainer or rollout actor of the user's finds by the fleet's name.
+        found = fleet_config(cfg.name, namespace=cfg.ray.namespace)
+        assert found.relay_addresses == resolved.relay_addresses == fleet.addresses
+        assert found.rollout == cfg.rollout and found.owners == cfg.owners
         placement = fleet.placement
         assert placement is not None
         nodes = {n["NodeID"]: n for n in ray.nodes()}
