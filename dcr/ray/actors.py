@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -72,18 +73,23 @@ class Directory:
 
 
 class _Role:
-    """Runs ``main`` on an event loop of its own in a daemon thread; remembers how it ended."""
+    """Runs ``main`` on an event loop of its own in a daemon thread.  A role that fails ends
+    its actor's process (its error on stderr, in the actor's log), so that Ray restarts the
+    actor within its ``max_restarts`` budget and then reports it dead."""
 
     def __init__(self, main: Callable[[], Awaitable[None]], name: str) -> None:
         self.failure: str | None = None
+        self.name = name
         self._thread = threading.Thread(target=self._run, args=(main,), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, main: Callable[[], Awaitable[None]]) -> None:
         try:
             anyio.run(main)
-        except BaseException as exc:  # reported by alive(); the actor process stays up
+        except BaseException as exc:
             self.failure = f"{type(exc).__name__}: {exc}"
+            print(f"dcr: {self.name} failed: {self.failure}", file=sys.stderr, flush=True)
+            os._exit(1)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -106,7 +112,8 @@ class RelayActor:
         import ray
 
         relays: dict[str, str] = ray.get(directory.relays.remote())
-        bind = relays.get(node) or f"tcp://{ip}:0"
+        port = next((n.port for n in cfg.rollout if n.name == node), 0)
+        bind = relays.get(node) or f"tcp://{ip}:{port}"
         self._cfg = replace(cfg, relay_addresses={**cfg.relay_addresses, **relays})
         self._role = _Role(self._main(bind), f"dcr-relay-{node}")
 
@@ -166,9 +173,6 @@ class CoordinatorActor:
 
     def alive(self) -> bool:
         return self._role.alive()
-
-    def failure(self) -> str | None:
-        return self._role.failure
 
 
 class ReceiverActor:

@@ -100,7 +100,10 @@ class RayFleet:
             try:
                 self.addresses[node] = ray.get(actor.address.remote(), timeout=2 * BIND_WAIT_S)
             except Exception as exc:
-                raise DcrError(f"relay node {node} did not start on Ray: {exc}") from exc
+                raise DcrError(
+                    f"relay node {node} did not start on Ray (restarted up to {restarts} "
+                    f"times; its error is in the actor's log): {type(exc).__name__}"
+                ) from exc
         resolved = self.put(replace(cfg, relay_addresses=dict(self.addresses)))
         ray.get(self.directory.set_config.remote(resolved))
         for i in range(cfg.ray.coordinators):
@@ -117,11 +120,14 @@ class RayFleet:
                 )
                 .remote(resolved, name)
             )
-        deadline = time.monotonic() + BIND_WAIT_S
         for name, actor in self.coordinators.items():
-            if not ray.get(actor.alive.remote(), timeout=max(1.0, deadline - time.monotonic())):
-                failure = ray.get(actor.failure.remote())
-                raise DcrError(f"{name} did not start on Ray: {failure}")
+            try:
+                ray.get(actor.alive.remote(), timeout=BIND_WAIT_S)
+            except Exception as exc:
+                raise DcrError(
+                    f"{name} did not start on Ray (its error is in the actor's log): "
+                    f"{type(exc).__name__}"
+                ) from exc
 
     def stop(self) -> None:
         """Kill every actor this fleet started (Ray restarts none of them)."""

@@ -15,7 +15,7 @@ import pytest
 from conftest import ray_fleet
 
 from dcr.adapters.security import COORDINATOR, Identity
-from dcr.errors import ConfigError
+from dcr.errors import ConfigError, DcrError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.runtime import make_transport
 from dcr.fleet.sections import RolloutNode
@@ -58,6 +58,28 @@ def test_a_placement_that_cannot_be_satisfied_fails_before_anything_starts(
     # The plan itself: each rollout node on its own node carrying "rollout".
     placement = plan(cfg, ray.nodes())
     assert len(set(placement.rollout.values())) == len(cfg.rollout) == 2
+
+
+def test_a_relay_node_that_cannot_start_fails_the_fleet_closed(
+    cluster: object, tmp_path: Path
+) -> None:
+    """The root's port is taken: its actor fails, Ray restarts it within its budget, then
+    the start fails with an error naming the node, and no actor of the fleet is left."""
+    import socket
+
+    import ray
+
+    cfg = ray_fleet(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        root = dataclasses.replace(cfg.rollout[0], port=taken.getsockname()[1])
+        cfg = dataclasses.replace(
+            cfg, rollout=(root, *cfg.rollout[1:]), ray=dataclasses.replace(cfg.ray, max_restarts=1)
+        )
+        with pytest.raises(DcrError, match="relay node node0 did not start"):
+            RayFleet(cfg).start()
+    assert not ray.util.list_named_actors(all_namespaces=True)
 
 
 def test_relay_nodes_and_coordinators_recover_through_ray_restarts(
