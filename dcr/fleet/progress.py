@@ -234,13 +234,17 @@ class FleetProgress:
                 self.mismatches.append(f"{name} v{version}: {failed[name]}")
                 self.say(f"[red]{name} holds v{version} with other bits: {failed[name]}")
 
+    def expected_receivers(self) -> set[str]:
+        """The receivers whose reports the run waits for (all of the fleet file's)."""
+        return {r.name for r in self.cfg.receivers}
+
     def _lockstep(self) -> None:
         """``[trainer] lockstep``: let the trainer publish version ``k`` once every rank
         computed it and every receiver's report of ``k - 1`` was checked (``go.json``)."""
         if not self.cfg.trainer.lockstep:
             return
         k = self._go + 1
-        receivers = {r.name for r in self.cfg.receivers}
+        receivers = self.expected_receivers()
         if set(self.cfg.owners) <= self._stepped.get(k, set()) and receivers <= self._checked.get(
             k - 1, set()
         ):
@@ -299,7 +303,7 @@ class FleetProgress:
         last = self.target()
         if last is None or self._committed < last:
             return False
-        receivers = {r.name for r in self.cfg.receivers}
+        receivers = self.expected_receivers()
         if not self.checks:
             return receivers <= self._checked.get(last, set())
         row = self.rows.get(last)

@@ -38,6 +38,9 @@ __all__ = [
 BIND_WAIT_S = 60.0
 """How long :meth:`RelayActor.address` waits for the node to bind."""
 
+_LINGER_S = 1.0
+"""How long an actor whose role failed stays up before it exits (and Ray restarts it)."""
+
 _REGISTER_S = 2.0
 """How often a relay node tells the directory its address again (a restarted directory)."""
 
@@ -87,8 +90,11 @@ class _Role:
         try:
             anyio.run(main)
         except BaseException as exc:
+            while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # the error itself, not the task group around it
             self.failure = f"{type(exc).__name__}: {exc}"
             print(f"dcr: {self.name} failed: {self.failure}", file=sys.stderr, flush=True)
+            time.sleep(_LINGER_S)  # a caller waiting on the role learns why
             os._exit(1)
 
     def alive(self) -> bool:
@@ -134,7 +140,8 @@ class RelayActor:
     async def _register(self) -> None:
         import ray
 
-        await anyio.to_thread.run_sync(self._bound.wait)
+        while not self._bound.is_set():  # polled: a failed bind cancels this at once
+            await anyio.sleep(0.05)
         while True:
             ref = self._directory.set_relay.remote(self.node, self._address)
             with contextlib.suppress(Exception):  # a directory being restarted
@@ -145,7 +152,8 @@ class RelayActor:
         """The address this node listens on, once bound (a ``RuntimeError`` if it failed)."""
         deadline = time.monotonic() + BIND_WAIT_S
         while not self._bound.wait(0.1):
-            if not self._role.alive() or time.monotonic() > deadline:
+            failed = self._role.failure is not None or not self._role.alive()
+            if failed or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"relay node {self.node} did not bind: {self._role.failure or 'timed out'}"
                 )

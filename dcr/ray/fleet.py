@@ -100,10 +100,7 @@ class RayFleet:
             try:
                 self.addresses[node] = ray.get(actor.address.remote(), timeout=2 * BIND_WAIT_S)
             except Exception as exc:
-                raise DcrError(
-                    f"relay node {node} did not start on Ray (restarted up to {restarts} "
-                    f"times; its error is in the actor's log): {type(exc).__name__}"
-                ) from exc
+                raise DcrError(f"relay node {node} did not start on Ray: {_cause(exc)}") from exc
         resolved = self.put(replace(cfg, relay_addresses=dict(self.addresses)))
         ray.get(self.directory.set_config.remote(resolved))
         for i in range(cfg.ray.coordinators):
@@ -114,6 +111,7 @@ class RayFleet:
                     name=self.name(name),
                     namespace=ns,
                     num_cpus=0,
+                    scheduling_strategy="SPREAD",  # one lost node takes at most one of them
                     max_restarts=restarts,
                     max_task_retries=restarts,  # its methods only read: safe to repeat
                     max_concurrency=4,
@@ -124,10 +122,7 @@ class RayFleet:
             try:
                 ray.get(actor.alive.remote(), timeout=BIND_WAIT_S)
             except Exception as exc:
-                raise DcrError(
-                    f"{name} did not start on Ray (its error is in the actor's log): "
-                    f"{type(exc).__name__}"
-                ) from exc
+                raise DcrError(f"{name} did not start on Ray: {_cause(exc)}") from exc
 
     def stop(self) -> None:
         """Kill every actor this fleet started (Ray restarts none of them)."""
@@ -169,6 +164,15 @@ def fleet_config(fleet: str, *, namespace: str = "dcr", timeout_s: float = 60.0)
                 f"(no actor {name!r} with a config within {timeout_s:g} s)"
             )
         time.sleep(0.2)
+
+
+def _cause(exc: BaseException) -> str:
+    """What an actor's failure says, without Ray's traceback (the actor's log has it)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''} (the actor's log says why)"
 
 
 def _tree_order(cfg: FleetConfig) -> list[str]:

@@ -50,6 +50,9 @@ class RayRun(FleetProgress):
         """A trainer rank's ``join`` call -> the rank (ready: the rank ended)."""
         self._store: Any = None
         self._cfg_ref: Any = None
+        self.lost: dict[str, str] = {}
+        """Receiver -> the rollout node it was lost with (its Ray node died)."""
+        self._nodes_checked = 0.0
         self.trainer_starts = 0
 
     # -- starting ------------------------------------------------------------------------------
@@ -137,8 +140,32 @@ class RayRun(FleetProgress):
         self._row(version).killed.append(name)
         self.say(f"ray.kill {name} during refit {version}")
 
+    def expected_receivers(self) -> set[str]:
+        """Receivers still expected to report: those of rollout nodes that are alive."""
+        return super().expected_receivers() - set(self.lost)
+
+    def _watch_nodes(self) -> None:
+        """A rollout node whose Ray node died takes its relay node and receivers with it:
+        the fleet goes on without them (the coordinator stops waiting for them)."""
+        ray = require_ray()
+        now = time.monotonic()
+        if now - self._nodes_checked < 1.0 or self.fleet.placement is None:
+            return
+        self._nodes_checked = now
+        dead = {str(n["NodeID"]) for n in ray.nodes() if not n.get("Alive", False)}
+        for node in self.cfg.rollout:
+            if self.fleet.placement.rollout.get(node.name) not in dead:
+                continue
+            gone = [r.name for r in node.receivers if r.name not in self.lost]
+            for name in gone:
+                self.lost[name] = node.name
+            if gone:
+                self.say(f"rollout node {node.name} lost (its Ray node died): the fleet goes "
+                         f"on without {', '.join(gone)}")  # fmt: skip
+
     def _supervise(self) -> None:
         ray = require_ray()
+        self._watch_nodes()
         ready, _ = ray.wait(list(self._ends), num_returns=len(self._ends), timeout=0)
         died = False
         for ref in ready:
@@ -172,7 +199,9 @@ class RayRun(FleetProgress):
                 time.sleep(0.05)
         finally:
             self.stop()
-        return self.report(time.monotonic() - t0)
+        report = self.report(time.monotonic() - t0)
+        report["lost"] = dict(self.lost)
+        return report
 
     def stop(self) -> None:
         """Kill every actor of the run (restarts off) and close the rendezvous store."""

@@ -48,10 +48,12 @@ def cluster() -> Iterator[object]:
         wait_gone(pids)
 
 
-def ray_fleet(tmp_path: Path, *, keys: bool = True, refits: int = 3) -> FleetConfig:
+def ray_fleet(
+    tmp_path: Path, *, keys: bool = True, refits: int = 3, extra: str = ""
+) -> FleetConfig:
     path = demo_fleet_file(
         tmp_path, size_mb=0, refits=refits, rate=0.05, model_overrides=TINY, chunk_mb=0.03125,
-        bucket_mb=0.0625, keys=keys,
+        bucket_mb=0.0625, keys=keys, extra=extra,
     )  # fmt: skip
     cfg = load_fleet(path)
     cfg.ensure_keys()
