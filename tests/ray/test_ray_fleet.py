@@ -77,7 +77,7 @@ def test_a_relay_node_that_cannot_start_fails_the_fleet_closed(
         cfg = dataclasses.replace(
             cfg, rollout=(root, *cfg.rollout[1:]), ray=dataclasses.replace(cfg.ray, max_restarts=1)
         )
-        with pytest.raises(DcrError, match="relay node node0 did not start.*in use"):
+        with pytest.raises(DcrError, match=r"relay node node0 did not start.*in use"):
             RayFleet(cfg).start()
     assert not ray.util.list_named_actors(all_namespaces=True)
 
