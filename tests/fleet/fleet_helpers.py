@@ -3,12 +3,14 @@ a planned SIGKILL lands mid-refit), short deadlines."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from dcr.demo import demo_fleet_file
 from dcr.fleet.config import FleetConfig, load_fleet
+from dcr.testing.pids import alive
+
+__all__ = ["TINY", "alive", "small_fleet"]
 
 TINY = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32)  # fmt: skip
@@ -20,14 +22,3 @@ def small_fleet(directory: Path, *, refits: int, rate: float = 0.05, **kw: Any) 
         chunk_mb=0.03125, bucket_mb=0.0625, **kw,
     )  # fmt: skip
     return load_fleet(path)
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie of ours counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return os.path.exists(f"/proc/{pid}")

@@ -12,6 +12,7 @@ import pytest
 from dcr.demo import demo_fleet_file
 from dcr.fleet.config import FleetConfig, load_fleet
 from dcr.testing.netns import only_loopback
+from dcr.testing.pids import wait_gone
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
@@ -43,8 +44,6 @@ def cluster() -> Iterator[object]:
         ]
         ray.shutdown()
         c.shutdown()
-        from fleet_procs import wait_gone
-
         wait_gone(pids)
 
 

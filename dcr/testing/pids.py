@@ -1,12 +1,15 @@
-"""Checks that processes a test started are gone (by pid)."""
+"""Whether the processes a test started are gone, checked by pid (never by name)."""
 
 from __future__ import annotations
 
 import os
 import time
 
+__all__ = ["alive", "wait_gone"]
+
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie of ours counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
@@ -17,6 +20,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pids: list[int], timeout_s: float = 60.0) -> None:
+    """Wait up to ``timeout_s`` for every process of ``pids`` to be gone; an
+    ``AssertionError`` names those left."""
     deadline = time.monotonic() + timeout_s
     while [p for p in pids if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
