@@ -5,6 +5,7 @@ message, and the gate's calls between worker and engine process over real ZeroMQ
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -91,6 +92,11 @@ def test_the_join_message_crosses_as_plain_data() -> None:
     assert msgspec.json.decode(msgspec.json.encode(wire)) == wire  # plain data only
     assert JoinSpec.from_wire(wire) == spec
     assert JoinSpec.from_wire({**wire, "held": None}).held is None
+    # Relay addresses known from elsewhere than the fleet file (Ray) cross as plain data.
+    ray = JoinSpec(fleet="/f.toml", names=("r0",), gate="tcp://127.0.0.1:5",
+                   relay_addresses={"node0": "tcp://10.0.0.3:7000"})  # fmt: skip
+    assert JoinSpec.from_wire(json.loads(json.dumps(ray.to_wire()))) == ray
+    assert JoinSpec.from_wire({**wire, "relay_addresses": None}).relay_addresses == {}
 
 
 def test_worker_errors_come_back_as_their_own_class() -> None:

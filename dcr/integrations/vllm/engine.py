@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -38,6 +38,9 @@ from dcr.integrations.vllm.gate import EngineGate, GateServer, PauseMode, servin
 from dcr.integrations.vllm.join import JoinSpec, error_from_wire
 from dcr.protocol.types import CommitRecord
 from dcr.wire.seal import seal_keys
+
+if TYPE_CHECKING:
+    from dcr.fleet.config import FleetConfig
 
 __all__ = [
     "EngineReceivers",
@@ -137,7 +140,7 @@ async def _committed(fleet: Path) -> CommitRecord:
 @asynccontextmanager
 async def join_fleet(
     engine: Any,
-    fleet: str | Path,
+    fleet: str | Path | FleetConfig,
     names: Sequence[str],
     *,
     checkpoint_version: int | None = None,
@@ -149,7 +152,9 @@ async def join_fleet(
     fleet_secret: bytes | None = None,
 ) -> AsyncIterator[EngineReceivers]:
     """Make the workers of ``engine`` receivers ``names`` (one per worker rank) of the fleet
-    described by the fleet file ``fleet``, for the duration of the block.
+    described by the fleet file ``fleet``, for the duration of the block.  ``fleet`` may also
+    be a fleet config (:func:`dcr.ray.fleet_config` on Ray): its file, with the relay
+    addresses it knows.
 
     Raises the worker's error (a :class:`~dcr.errors.DcrError`: repacked weights, a fleet file
     that does not match the engine, a catalog that does not fit its model) before the block
@@ -176,12 +181,15 @@ async def join_fleet(
     ``KeyDir(path).secret()``): every receiver then refuses payloads not sealed with it
     (:mod:`dcr.wire.seal`); it crosses to the engine's own workers only.
     """
-    from dcr.fleet.config import load_fleet
+    from dcr.fleet.config import FleetConfig, load_fleet
 
     if fleet_secret is not None:
         seal_keys(fleet_secret)  # a ConfigError unless 32 bytes, before any worker is asked
-    path = Path(fleet).resolve()
-    cfg = load_fleet(path)
+    if isinstance(fleet, FleetConfig):
+        path, cfg = fleet.path.resolve(), fleet
+    else:
+        path = Path(fleet).resolve()
+        cfg = load_fleet(path)
     workers = int(engine.vllm_config.parallel_config.world_size)
     if len(names) != workers:
         raise ConfigError(f"{workers} workers need {workers} receiver names, got {list(names)}")
@@ -210,6 +218,7 @@ async def join_fleet(
             checkpoint=None if checkpoint is None else str(Path(checkpoint).resolve()),
             report_fingerprints=report_fingerprints,
             fleet_secret=fleet_secret,
+            relay_addresses=dict(cfg.relay_addresses),
         )
         results = await engine.collective_rpc("dcr_join", args=(spec.to_wire(),))
         failed = [(w, r["error"]) for w, r in enumerate(results) if "error" in r]

@@ -27,7 +27,9 @@ class JoinSpec:
     checkpoint directory whose catalog the receivers take instead of the fleet file's;
     ``report_fingerprints`` whether they report the fingerprint of every version they hold
     (for the launcher's checks); ``fleet_secret`` the fleet's 32-byte secret the receivers
-    verify payload seals with (hex on the wire, to the engine's own workers only).
+    verify payload seals with (hex on the wire, to the engine's own workers only);
+    ``relay_addresses`` the relay nodes' addresses where the fleet knows them from elsewhere
+    than its file (a fleet on Ray: :func:`dcr.ray.fleet_config`).
     """
 
     fleet: str
@@ -39,6 +41,7 @@ class JoinSpec:
     checkpoint: str | None = None
     report_fingerprints: bool = False
     fleet_secret: bytes | None = field(default=None, repr=False)
+    relay_addresses: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -51,6 +54,7 @@ class JoinSpec:
             "checkpoint": self.checkpoint,
             "report_fingerprints": self.report_fingerprints,
             "fleet_secret": None if self.fleet_secret is None else self.fleet_secret.hex(),
+            "relay_addresses": dict(self.relay_addresses),
         }
 
     @classmethod
@@ -67,6 +71,9 @@ class JoinSpec:
             checkpoint=None if raw.get("checkpoint") is None else str(raw["checkpoint"]),
             report_fingerprints=bool(raw.get("report_fingerprints", False)),
             fleet_secret=None if secret is None else bytes.fromhex(str(secret)),
+            relay_addresses={
+                str(k): str(v) for k, v in dict(raw.get("relay_addresses") or {}).items()
+            },
         )
 
 

@@ -383,6 +383,8 @@ class DcrWorkerExtension:
             raise ConfigError(f"no receiver name for worker rank {rank} in {list(spec.names)}")
         name = spec.names[rank]
         cfg = load_fleet(spec.fleet)
+        if spec.relay_addresses:
+            cfg = replace(cfg, relay_addresses=dict(spec.relay_addresses))
         if spec.checkpoint is not None:
             cfg = replace(cfg, model=replace(cfg.model, checkpoint=spec.checkpoint))
         declared = cfg.receiver(name)
