@@ -410,14 +410,7 @@ class Launcher(FleetProgress):
         previous = signal.signal(signal.SIGTERM, terminate)
         self.start()
         try:
-            while not self.done():
-                if time.monotonic() - t0 > self.deadline_s:
-                    raise TimeoutError(self._stalled())
-                for e in self._reader.poll():
-                    self._on_event(e)
-                self._supervise()
-                self._lockstep()
-                time.sleep(0.05)
+            self.follow(t0)
             # The root reports its traffic every quarter second: wait (briefly) for the last.
             settle = time.monotonic() + (5.0 if relayed(self.cfg) else 0.0)
             while not self._traffic_complete() and time.monotonic() < settle:

@@ -79,10 +79,10 @@ class FleetProgress:
         self,
         cfg: FleetConfig,
         *,
-        faults: Sequence[Fault],
-        say: Callable[[str], None],
-        deadline_s: float,
-        watch: Callable[[dict[str, Any]], None] | None,
+        faults: Sequence[Fault] = (),
+        say: Callable[[str], None] = lambda line: None,
+        deadline_s: float = 3600.0,
+        watch: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.model = FleetModel(cfg)
@@ -298,6 +298,22 @@ class FleetProgress:
         if set(self._trained) < set(self.cfg.owners):
             return None
         return max(self._trained.values())
+
+    def _supervise(self) -> None:
+        """Restart what died (the launcher its processes; on Ray, the trainer group)."""
+
+    def follow(self, t0: float) -> None:
+        """Follow the roles' events until the last version is committed and checked on every
+        receiver expected; past ``deadline_s`` after ``t0`` a ``TimeoutError`` says where the
+        fleet stands."""
+        while not self.done():
+            if time.monotonic() - t0 > self.deadline_s:
+                raise TimeoutError(self._stalled())
+            for e in self._reader.poll():
+                self._on_event(e)
+            self._supervise()
+            self._lockstep()
+            time.sleep(0.05)
 
     def done(self) -> bool:
         last = self.target()

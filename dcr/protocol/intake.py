@@ -93,6 +93,18 @@ class Intake:
                 out.append(cmd.Discard(delivery=delivery, reason="not the active attempt"))
             return
         s.received.add(key)
+        before = PayloadKey(attempt=key.attempt, owner=key.owner, payload_id=key.payload_id - 1)
+        if s.dense and key.payload_id > 0 and before not in s.received:
+            # An owner sends its dense payloads one at a time, each once the last was handed
+            # over, and transports keep each owner's order: the earlier one was lost (a relay
+            # node that died with it).  Waiting for it would hold the later ones unread.
+            message = (
+                f"dense payload {key.owner}/{before.payload_id} never arrived, yet "
+                f"{key.owner}/{key.payload_id} did: it was lost on the way"
+            )
+            self.fail(s, "missing", message, out)
+            out.append(cmd.Discard(delivery=delivery, reason="missing"))
+            return
         if s.paused and key != s.want:
             self.parked.park(delivery, key, out)
             return

@@ -13,12 +13,10 @@ the run restarts the whole group at the committed version, as torch.distributed 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from dcr.errors import DcrError
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.faults import Fault
 from dcr.fleet.progress import FleetProgress
 from dcr.ray.actors import ReceiverActor, TrainerActor
 from dcr.ray.fleet import RayFleet, require_ray
@@ -29,18 +27,11 @@ _RUN_DIR_MARKER = ".dcr-run-dir"
 
 
 class RayRun(FleetProgress):
-    """Run the fleet ``cfg`` on the Ray cluster this driver is connected to."""
+    """Run the fleet ``cfg`` on the Ray cluster this driver is connected to; ``options`` are
+    the launcher's (``faults``, ``say``, ``deadline_s``, ``watch``)."""
 
-    def __init__(
-        self,
-        cfg: FleetConfig,
-        *,
-        faults: Sequence[Fault] = (),
-        say: Callable[[str], None] = lambda _: None,
-        deadline_s: float = 600.0,
-        watch: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
-        super().__init__(cfg, faults=faults, say=say, deadline_s=deadline_s, watch=watch)
+    def __init__(self, cfg: FleetConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
         self.procs = {}
         self.fleet = RayFleet(cfg)
         self.resolved = cfg
@@ -189,14 +180,7 @@ class RayRun(FleetProgress):
         t0 = time.monotonic()
         self.start()
         try:
-            while not self.done():
-                if time.monotonic() - t0 > self.deadline_s:
-                    raise TimeoutError(self._stalled())
-                for e in self._reader.poll():
-                    self._on_event(e)
-                self._supervise()
-                self._lockstep()
-                time.sleep(0.05)
+            self.follow(t0)
         finally:
             self.stop()
         report = self.report(time.monotonic() - t0)

@@ -148,3 +148,16 @@ def test_a_prepare_discards_held_deliveries_of_other_attempts() -> None:
     r.handle(msg.Prepare(info=info))
     assert r.discarded == {1: "obsolete"} and r.core.parked == 0
     assert any(isinstance(m, msg.PrepareAccepted) for m in r.notified)
+
+
+def test_a_dense_payload_whose_predecessor_never_came_fails_the_job_at_once() -> None:
+    """An owner sends its dense payloads one at a time and transports keep its order: o0/1
+    arriving without o0/0 means o0/0 was lost.  The job fails at once ("missing") instead of
+    holding o0/1 unread until the coordinator gives up on the receiver."""
+    r = Receiver(ReceiverCore("r", held=None, queue=ONE, window=8))
+    r.handle(dense(3, owners=("o0", "o1")))
+    r.deliver(3, "o1", 0)
+    r.deliver(3, "o0", 1)
+    [failure] = [m for m in r.notified if isinstance(m, msg.AttemptFailed)]
+    assert (failure.attempt, failure.check) == (3, "missing") and "o0/0" in failure.message
+    assert r.core.dense_job is None and r.core.parked == 0 and not r.unacked

@@ -325,10 +325,11 @@ def test_a_restarted_receiver_joins_only_after_a_dense_refit_of_the_committed_re
 
 
 def _dense(e: Engine, job: int, record: CommitRecord, counts: dict[str, int]) -> list[object]:
-    """Deliver a dense job's payloads (in reverse order) and complete the work it asks for."""
+    """Deliver a dense job's payloads -- each owner's in the order it sends them, the owners
+    interleaved against the declared order -- and complete the work the core asks for."""
     out: list[object] = []
-    arrivals = [(o, p, p == n - 1) for o, n in counts.items() for p in range(n)]
-    for owner, pid, final in reversed(arrivals):
+    arrivals = [(o, p, p == n - 1) for o, n in reversed(counts.items()) for p in range(n)]
+    for owner, pid, final in sorted(arrivals, key=lambda a: a[1]):
         out += e.arrive(job, owner, pid, final=final)
     for _ in range(100):
         todo = [c for c in out if isinstance(c, cmd.Decode | cmd.Apply | cmd.Synchronize)]
