@@ -146,7 +146,7 @@ class Grants(Forwarding):
         waiting: deque[tuple[bytes, Offer]] = deque()
         blocked: set[str] = set()
         full = False
-        known = self.receivers()
+        known: frozenset[str] | None = None  # the tree's receivers, looked up when needed
         unheard: dict[tuple[bytes, int], float] = {}
         for ident, offer in self._offers:
             client = self._clients.get(ident)
@@ -156,7 +156,9 @@ class Grants(Forwarding):
             if full or budget.key in blocked:
                 waiting.append((ident, offer))
                 continue
-            if offer.to and not offer.to & known:
+            if offer.to and known is None:
+                known = self.receivers()
+            if offer.to and known is not None and not offer.to & known:
                 since = self._unheard.get((ident, offer.seq), now)
                 if now - since < config.peer_timeout_s:
                     unheard[(ident, offer.seq)] = since
