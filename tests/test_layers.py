@@ -161,7 +161,7 @@ def test_no_product_module_imports_the_test_scaffolding() -> None:
 
 ORDER: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("_kernels", "native", "ports", "alloc", "files", "protocol"),
+    ("_kernels", "native", "ports", "alloc", "files", "metrics", "protocol"),
     ("tensors",),
     ("delta", "wire"),
     ("apply", "models"),

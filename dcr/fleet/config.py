@@ -45,6 +45,7 @@ the dataclasses of its sections are in :mod:`dcr.fleet.sections`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -59,6 +60,7 @@ from dcr.errors import ConfigError
 from dcr.fleet.sections import (
     CoordinatorSection,
     EngineSection,
+    MetricsSection,
     ModelSection,
     RaySection,
     ReceiverSpec,
@@ -115,6 +117,8 @@ class FleetConfig:
     transport: dict[str, Any] = field(default_factory=lambda: {"kind": "relay", "fanout": 2})
     ray: RaySection = field(default_factory=RaySection)
     """Placement on a Ray cluster (``[ray]``): only :mod:`dcr.ray` reads it."""
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    """Per-refit metrics of every process (``[metrics]``: ``port``, ``host``, ``ray``)."""
     relay_addresses: dict[str, str] = field(default_factory=dict)
     """Relay node -> its address, where something other than the fleet file and ``host``
     knows it (Ray: each node binds its own IP and its actor names the address)."""
@@ -309,7 +313,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
     if not isinstance(insecure, bool):
         raise ConfigError(f"[fleet] insecure must be true or false, got {insecure!r}")
     allowed = {"fleet", "model", "trainer", "rollout", "engine", "coordinator", "queue",
-               "commit_store", "control", "transport", "proof", "ray"}  # fmt: skip
+               "commit_store", "control", "transport", "proof", "ray", "metrics"}  # fmt: skip
     if set(raw) - allowed:
         raise ConfigError(f"{path}: unknown sections {sorted(set(raw) - allowed)}")
     coord_raw = dict(raw.get("coordinator", {}))
@@ -363,9 +367,22 @@ def load_fleet(path: str | Path) -> FleetConfig:
         control={"kind": "zmq", **raw.get("control", {})},
         transport=_transport(raw.get("transport", {})),
         ray=_section(RaySection, raw.get("ray"), "ray"),
+        metrics=_metrics(raw.get("metrics")),
     )
     _check(cfg)
     return cfg
+
+
+def _metrics(raw: Any) -> MetricsSection:
+    """``[metrics]``; a ``port`` needs ``prometheus_client`` (the ``metrics`` extra)."""
+    section: MetricsSection = _section(MetricsSection, raw, "metrics")
+    if section.port and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(
+            f"[metrics] port = {section.port} serves metrics with prometheus_client, which is "
+            "not installed: pip install 'dcr[metrics]'",
+            check="metrics",
+        )
+    return section
 
 
 def _runtimes(

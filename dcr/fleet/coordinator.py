@@ -48,7 +48,7 @@ from dcr.engine.coordinator import CoordinatorService
 from dcr.engine.integration import attempt_from_json
 from dcr.errors import CommitConflict, CommitStoreError, ConfigError, DcrError, TransportError
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
+from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints, install_metrics
 from dcr.fleet.model import FleetModel
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol import commands as cmd
@@ -448,6 +448,7 @@ class FleetCoordinator:
 async def run_coordinator(cfg: FleetConfig, name: str = "coordinator") -> None:
     """Serve as the fleet's coordinator (or its standby) until cancelled."""
     log = EventLog(cfg.events_dir, name)
+    install_metrics(cfg, "coordinator", name)  # [metrics]: its events as metrics
     store = make_store(cfg)
     control = make_control(cfg, store)
     transport = make_transport(cfg, identity=COORDINATOR)

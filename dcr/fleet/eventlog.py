@@ -3,18 +3,56 @@
 Processes append to ``<run_dir>/events/<process>.jsonl``; the launcher tails every file to
 show progress, to strike faults at the right moment and to build the per-refit report.  A
 file per process keeps lines whole without any locking across processes.
+
+Within a process, listeners (:func:`add_listener`) see every event any of its event logs
+writes, before the line is written: the process's metrics (:func:`install_metrics`,
+:mod:`dcr.metrics`) are updated that way, so that whoever reads an event from a file finds
+the metrics of that process already counting it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["NAMES_SHOWN", "EventLog", "EventReader"]
+if TYPE_CHECKING:
+    from dcr.engine.receiver import ReceiverHooks
+    from dcr.fleet.config import FleetConfig
+
+__all__ = [
+    "NAMES_SHOWN",
+    "EventLog",
+    "EventReader",
+    "add_listener",
+    "gate_events",
+    "install_metrics",
+    "metrics_ports",
+    "remove_listener",
+]
+
+Listener = Callable[[Mapping[str, Any]], None]
+_LISTENERS: list[Listener] = []
+
+
+def add_listener(listener: Listener) -> None:
+    """Call ``listener`` with every event any event log of this process writes (the event as
+    a dict, before its line is written; in the emitting thread).  Once per listener; a
+    listener that raises is ignored for that event."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    with contextlib.suppress(ValueError):
+        _LISTENERS.remove(listener)
+
 
 NAMES_SHOWN = 16
 """How many tensor names an event lists where a model may have thousands (the first, sorted;
@@ -36,8 +74,12 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def emit(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "cpu": round(time.process_time(), 4),
-                           "who": self.who, "event": event, **fields})  # fmt: skip
+        record = {"t": time.time(), "cpu": round(time.process_time(), 4), "who": self.who,
+                  "event": event, **fields}  # fmt: skip
+        line = json.dumps(record)
+        for listener in tuple(_LISTENERS):
+            with contextlib.suppress(Exception):
+                listener(record)
         os.write(self._fd, (line + "\n").encode())
 
     def close(self) -> None:
@@ -119,3 +161,82 @@ class FaultPoints:
             ):
                 return dict(fault)
         return None
+
+
+def gate_events(log: EventLog, hooks: ReceiverHooks | None) -> ReceiverHooks:
+    """``hooks`` (or the default ones) reporting the request gate in ``log``: ``gate`` with
+    ``state="closed"`` once a close returned (``start``: when it was called, ``drain_s``: how
+    long the requests in flight took to finish), and ``state="open"`` once a reopen returned
+    (``closed_s``: seconds since the first close call before it; ``None`` when the gate was
+    closed from the start, as for a receiver restored by dense refit)."""
+    from dcr.engine.receiver import ReceiverHooks
+
+    inner = hooks if hooks is not None else ReceiverHooks()
+    closed_since: list[float] = []
+
+    async def close_gate() -> None:
+        start, wall = time.monotonic(), time.time()
+        await inner.close_gate()
+        if not closed_since:
+            closed_since.append(start)
+        log.emit("gate", state="closed", start=wall, drain_s=time.monotonic() - start)
+
+    async def open_gate() -> None:
+        await inner.open_gate()
+        closed_s = time.monotonic() - closed_since.pop() if closed_since else None
+        log.emit("gate", state="open", closed_s=closed_s)
+
+    return replace(inner, close_gate=close_gate, open_gate=open_gate)
+
+
+def metrics_ports(cfg: FleetConfig) -> dict[str, int]:
+    """Process name -> the port its metrics are served on (``[metrics] port`` plus the
+    process's place in this order: the coordinators (``coordinator``, ``coordinator-1``, ...
+    as many as the launcher or Ray starts), every rollout node's relay node
+    (``relay-<node>``), every receiver, every owner); empty when ``port`` is 0."""
+    base = cfg.metrics.port
+    if not base:
+        return {}
+    coordinators = max(1 + cfg.coordinator.standbys, cfg.ray.coordinators)
+    names = [
+        *("coordinator" if i == 0 else f"coordinator-{i}" for i in range(coordinators)),
+        *(f"relay-{n.name}" for n in cfg.rollout),
+        *(r.name for r in cfg.receivers),
+        *cfg.owners,
+    ]
+    return {name: base + i for i, name in enumerate(names)}
+
+
+def _model_elements(cfg: FleetConfig) -> int | None:
+    """Canonical elements of the fleet's model, when the fleet file says what it is."""
+    if cfg.model.checkpoint is None and not cfg.trainer.synthetic:
+        return None
+    from dcr.errors import DcrError
+    from dcr.fleet.model import FleetModel
+
+    try:
+        return sum(spec.numel for spec in FleetModel(cfg).catalog.values())
+    except (DcrError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def install_metrics(cfg: FleetConfig, role: str, name: str) -> None:
+    """Report this process's events (process ``name`` of ``role``) as metrics, as the fleet
+    file's ``[metrics]`` asks (:func:`dcr.metrics.install`; nothing when it asks for none).
+    Raises :class:`~dcr.errors.ConfigError` when ``port`` is set and ``prometheus_client``
+    is missing."""
+    m = cfg.metrics
+    if not m.port and not m.ray:
+        return
+    from dcr import metrics
+
+    port = metrics_ports(cfg).get(name) if m.port else None
+    if m.port and port is None:
+        print(f"dcr metrics: {name}: the fleet file gives this process no metrics port "
+              "(see dcr.fleet.eventlog.metrics_ports)", file=sys.stderr, flush=True)  # fmt: skip
+    installed = metrics.install(
+        fleet=cfg.name, role=role, name=name, port=port, host=m.host, ray=m.ray,
+        elements=_model_elements(cfg) if role == "owner" else None,
+    )  # fmt: skip
+    if installed is not None:
+        add_listener(installed.on_event)

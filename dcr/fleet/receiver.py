@@ -46,7 +46,7 @@ from dcr.engine.receiver import ReceiverHooks, ReceiverService
 from dcr.errors import ConfigError
 from dcr.fleet.checks import holds_request, proof_to_json
 from dcr.fleet.config import FleetConfig, fleet_secret_of
-from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints
+from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints, gate_events, install_metrics
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.sections import ReceiverSpec
@@ -188,6 +188,8 @@ async def run_receiver(
     spec = cfg.receiver(name)
     model = FleetModel(cfg)
     log = EventLog(cfg.events_dir, name)
+    install_metrics(cfg, "receiver", name)  # [metrics]: its events as metrics
+    hooks = gate_events(log, hooks)  # reports its request gate (gate-closed seconds)
     preloaded = None
     if receiver is None and spec.kind == "sharded":
         rank = model.receiver_model(spec)

@@ -21,7 +21,7 @@ from dcr.adapters.transport.relay import RelayConfig, RelayNode, balanced_tree
 from dcr.adapters.transport.relay.sizing import largest_payload
 from dcr.errors import ConfigError, DcrError
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.eventlog import EventLog
+from dcr.fleet.eventlog import EventLog, install_metrics
 from dcr.fleet.runtime import _options
 
 __all__ = ["payload_bound", "relay_config", "run_relay"]
@@ -124,6 +124,7 @@ async def serve_relay(
         security=cfg.security(),
     )
     log_ = EventLog(cfg.events_dir, f"relay-{node}")
+    install_metrics(cfg, "relay", f"relay-{node}")  # [metrics]: its events as metrics
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(relay.serve)

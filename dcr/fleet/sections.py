@@ -1,6 +1,7 @@
 """The sections of a fleet file (:mod:`dcr.fleet.config`): the synthetic ``[model]``, the
 ``[trainer]`` and its construction settings, the ``[[rollout]]`` nodes and their receivers,
-the vLLM ``[[engine]]`` tables and the ``[coordinator]``, each with its defaults."""
+the vLLM ``[[engine]]`` tables, the ``[coordinator]`` and ``[metrics]``, each with its
+defaults."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ __all__ = [
     "SYNTHETIC",
     "CoordinatorSection",
     "EngineSection",
+    "MetricsSection",
     "ModelSection",
     "RaySection",
     "ReceiverSpec",
@@ -234,6 +236,10 @@ class CoordinatorSection:
     join_wait_s: float = 60.0
     """Before a transition starts, how long to wait for receivers that are still starting or
     restoring the committed version, so that they take part instead of joining later."""
+    depart_after_s: float = 30.0
+    """A receiver whose control connection has been gone this long departs: it is no longer
+    required nor waited for (the transition in flight goes on without it) until it reports
+    again.  Well above the control channel's ping and peer timeout; 0 turns it off."""
     sync: bool = True
     timeouts: Timeouts = field(
         default_factory=lambda: Timeouts(
@@ -246,6 +252,10 @@ class CoordinatorSection:
             baseline_s=3.0,
         )
     )
+
+    def __post_init__(self) -> None:
+        if self.depart_after_s < 0:
+            raise ValueError(f"depart_after_s must be >= 0, got {self.depart_after_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -276,3 +286,32 @@ class RaySection:
             raise ValueError("coordinators must be >= 1")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsSection:
+    """Per-refit metrics of the fleet's processes in Prometheus form (``[metrics]``,
+    :mod:`dcr.metrics`; off by default).
+
+    With ``port`` set, every process serves its own metrics with ``prometheus_client`` on
+    ``host``, at ``port`` plus its place in the fleet
+    (:func:`dcr.fleet.eventlog.metrics_ports`).  With ``ray``, processes that run in Ray
+    actors report through ``ray.util.metrics`` instead, exported by each Ray node's metrics
+    agent."""
+
+    port: int = 0
+    """The first metrics port of the fleet's processes; 0: no metrics endpoint."""
+    host: str = "127.0.0.1"
+    """Where the metrics endpoints listen (loopback unless you say otherwise: they are
+    unauthenticated)."""
+    ray: bool = False
+    """Processes in Ray actors report through ``ray.util.metrics``."""
+
+    def __post_init__(self) -> None:
+        port = self.port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an integer in 0..65535, got {port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must name an address, got {self.host!r}")
+        if not isinstance(self.ray, bool):
+            raise ValueError(f"ray must be true or false, got {self.ray!r}")
