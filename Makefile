@@ -10,7 +10,7 @@ STAMP   := $(VENV)/.installed-dev
 JOBS    ?= 2
 PYTEST  ?= -q --durations=15 -n $(JOBS)
 
-.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-ray test-vllm test-megatron lint bench soak docs clean
+.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-ray test-vllm test-ray-rl test-megatron lint bench soak docs clean
 
 help:
 	@echo "make demo       the RL loop (dcr rl) in .venv-vllm: a dense reference run, then the same"
@@ -79,16 +79,21 @@ test-fast: $(STAMP)
 
 # Ray binds every interface: its suite runs in a private network namespace with loopback only.
 test-ray: $(STAMP)
-	unshare -n $(BIN)/python -m dcr.testing.netns $(BIN)/python -m pytest -q --durations=5 tests/ray
+	unshare -n $(BIN)/python -m dcr.ray.netns $(BIN)/python -m pytest -q --durations=5 tests/ray
 
 test-vllm: venv-vllm
 	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm tests/rl
+
+# The RL loop on Ray (dcr rl --backend ray): vLLM and Ray, in a private network namespace.
+test-ray-rl: venv-vllm
+	unshare -n .venv-vllm/bin/python -m dcr.ray.netns .venv-vllm/bin/python -m pytest -q \
+		--durations=5 tests/ray_rl
 
 test-megatron: venv-megatron
 	.venv-megatron/bin/python -m pytest $(PYTEST) tests/megatron
 
 test: envs
-	$(MAKE) --no-print-directory test-main test-ray test-vllm test-megatron
+	$(MAKE) --no-print-directory test-main test-ray test-vllm test-ray-rl test-megatron
 
 bench: $(STAMP)
 	mkdir -p out

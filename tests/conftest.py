@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import dcr.native
-from dcr.testing.netns import only_loopback
+from dcr.ray.netns import only_loopback
 
 
 def _vllm_installed() -> bool:
@@ -22,8 +22,11 @@ def _vllm_installed() -> bool:
     return spec is not None and spec.origin is not None
 
 
-# The Ray suite runs only in a private network namespace with loopback alone (`make test-ray`).
+# The Ray suites run only in a private network namespace with loopback alone (`make test-ray`,
+# `make test-ray-rl`); the RL loop on Ray needs vLLM too.
 collect_ignore = ([] if _vllm_installed() else ["vllm"]) + ([] if only_loopback() else ["ray"])
+if not (_vllm_installed() and only_loopback()):
+    collect_ignore.append("ray_rl")
 
 
 @pytest.fixture

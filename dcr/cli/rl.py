@@ -39,8 +39,15 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                     "mode, 0 in sync mode)")  # fmt: skip
     rl.add_argument("--tp", type=int, choices=[1, 2], default=1, help="the engine's TP")
     rl.add_argument("--faults", action="store_true",
-                    help="SIGKILL the engine mid-refit twice and a trainer rank once; each "
-                    "restarts and recovers")  # fmt: skip
+                    help="SIGKILL the engine mid-refit twice and a trainer rank once (on "
+                    "Ray: ray.kill of their actors); each restarts and recovers")  # fmt: skip
+    rl.add_argument("--backend", choices=["process", "ray"], default="process",
+                    help="process (default): the fleet as processes on this machine; ray: "
+                    "a Ray cluster started here (head, a trainer node, two rollout nodes), "
+                    "the trainer ranks, the vLLM engine, the coordinators and relay nodes as "
+                    "actors, refits over the relay tree rooted on a rollout node (or S3). "
+                    "Needs Ray (`pip install 'dcr[ray]'`); on a shared machine run it in a "
+                    "private network namespace (`unshare -n python -m dcr.ray.netns ...`)")
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
     rl.add_argument("--against", default=None,
@@ -63,7 +70,8 @@ def run_rl_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dcr.errors import ConfigError
-    from dcr.rl.run import RLOptions, compare_runs, format_rl_table, plot_rl, run_rl
+    from dcr.rl.plot import plot_rl
+    from dcr.rl.run import RLOptions, compare_runs, format_rl_table, run_rl
 
     console = Console(stderr=True)  # progress on stderr: stdout stays the JSON
     against = json.loads(Path(args.against).read_text()) if args.against else None
@@ -71,7 +79,7 @@ def run_rl_command(args: argparse.Namespace) -> int:
         opts = RLOptions(
             steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
             tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
-            directory=Path(args.dir), keys=args.keys,
+            directory=Path(args.dir), keys=args.keys, backend=args.backend,
         )  # fmt: skip
         result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
     except ConfigError as exc:

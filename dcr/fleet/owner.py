@@ -38,7 +38,6 @@ import torch
 from dcr.delta.dist import DistTrainingGroup
 from dcr.files import atomic_write
 from dcr.fleet.config import FleetConfig
-from dcr.fleet.eventlog import install_metrics
 from dcr.fleet.model import FleetModel
 from dcr.fleet.timing import TimedSends, TimedTrainingSide
 from dcr.fleet.trainer import TrainerContext, join_trainer
@@ -149,7 +148,6 @@ async def synthetic_trainer(ctx: TrainerContext) -> None:
     (dense refits of joining receivers) until cancelled."""
     torch.set_num_threads(1)
     cfg, rank = ctx.fleet, ctx.rank
-    install_metrics(cfg, "owner", ctx.name)  # [metrics]: the rank's events as metrics
     model = FleetModel(cfg)
     await anyio.to_thread.run_sync(ctx.init_process_group)
     record = await ctx.committed()

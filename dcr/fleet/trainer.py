@@ -56,7 +56,7 @@ from dcr.engine.integration import Integration
 from dcr.engine.owner import OwnerService, TrainingSide, open_owner
 from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, fleet_secret_of, load_fleet
-from dcr.fleet.eventlog import EventLog, FaultPoints
+from dcr.fleet.eventlog import EventLog, FaultPoints, install_metrics
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol.types import CommitRecord, PayloadKey
 
@@ -293,6 +293,7 @@ async def join_trainer(
         )
         (rank,) = group.ranks
         name = cfg.owners[rank]
+        install_metrics(cfg, "owner", name)  # [metrics]: the rank's events as metrics
         log = EventLog(cfg.events_dir, name)
         stack.callback(log.close)
         control = make_control(cfg, store)

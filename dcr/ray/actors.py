@@ -1,5 +1,6 @@
-"""The fleet's own roles as Ray actors: relay nodes, coordinators, and the directory that
-names where the relay nodes listen.
+"""The fleet's roles as Ray actors: relay nodes, coordinators, receivers, vLLM engines whose
+workers are receivers, trainer ranks, and the directory that names where relay nodes and
+engines listen.
 
 Each actor runs its role exactly as the process fleet does (:func:`~dcr.fleet.relay.
 serve_relay`, :func:`~dcr.fleet.coordinator.run_coordinator`), on an event loop of its own in
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -28,8 +29,10 @@ from dcr.fleet.config import FleetConfig
 
 __all__ = [
     "BIND_WAIT_S",
+    "ENGINE_WAIT_S",
     "CoordinatorActor",
     "Directory",
+    "EngineActor",
     "ReceiverActor",
     "RelayActor",
     "TrainerActor",
@@ -37,6 +40,9 @@ __all__ = [
 
 BIND_WAIT_S = 60.0
 """How long :meth:`RelayActor.address` waits for the node to bind."""
+
+ENGINE_WAIT_S = 900.0
+"""How long :meth:`EngineActor.url` waits for the engine to serve."""
 
 _LINGER_S = 1.0
 """How long an actor whose role failed stays up before it exits (and Ray restarts it)."""
@@ -52,6 +58,7 @@ class Directory:
 
     def __init__(self) -> None:
         self._relays: dict[str, str] = {}
+        self._engines: dict[str, str] = {}
         self._config: FleetConfig | None = None
 
     def set_config(self, cfg: FleetConfig) -> None:
@@ -73,6 +80,13 @@ class Directory:
 
     def relays(self) -> dict[str, str]:
         return dict(self._relays)
+
+    def set_engine(self, name: str, url: str) -> None:
+        self._engines[name] = url
+
+    def engine(self, name: str) -> str | None:
+        """The URL engine ``name`` serves on (``None`` until it serves)."""
+        return self._engines.get(name)
 
 
 class _Role:
@@ -194,6 +208,67 @@ class ReceiverActor:
             await run_receiver(cfg, name)
 
         self._role = _Role(main, f"dcr-{name}")
+
+    def alive(self) -> bool:
+        return self._role.alive()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class EngineActor:
+    """The vLLM engine ``[[engine]] name`` of the fleet, served as ``python -m
+    dcr.integrations.vllm`` serves it (an ``AsyncLLM`` whose workers join the fleet as the
+    engine's receivers, token-in/token-out HTTP on this node), its URL registered in the
+    directory.  Restarted by Ray, it starts a fresh engine whose workers restore the committed
+    version by dense refit, and registers its new URL."""
+
+    def __init__(self, cfg: FleetConfig, name: str, directory: Any, host: str = "127.0.0.1"):
+        from dcr.integrations.vllm.gate import PauseMode
+        from dcr.integrations.vllm.server import ServerOptions, serve
+
+        self.name = name
+        engine = next(e for e in cfg.engines if e.name == name)
+        self._directory = directory
+        self._url = ""
+        options = ServerOptions(
+            model=str(engine.model or cfg.model.checkpoint),
+            tensor_parallel_size=len(engine.receivers),
+            dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            plain_weights=engine.plain_weights,
+            fleet=cfg,
+            receivers=engine.receivers,
+            checkpoint_version=engine.checkpoint_version,
+            report_fingerprints=cfg.trainer.synthetic,  # what the run checks them against
+            pause_mode=cast("PauseMode | None", engine.pause_mode),  # the section checked it
+            prefix_caching=engine.prefix_caching,
+            chunked_prefill=engine.chunked_prefill,
+            host=host,
+            on_serving=self._on_serving,
+        )
+
+        async def main() -> None:
+            await serve(options)
+
+        self._role = _Role(main, f"dcr-engine-{name}")
+
+    def _on_serving(self, url: str) -> None:
+        import ray
+
+        self._url = url
+        ray.get(self._directory.set_engine.remote(self.name, url))
+
+    def url(self) -> str:
+        """The engine's URL once it serves (waits; a ``RuntimeError`` if it failed)."""
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while not self._url:
+            if self._role.failure is not None or not self._role.alive():
+                raise RuntimeError(f"engine {self.name} failed: {self._role.failure}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {self.name} did not serve in {ENGINE_WAIT_S:.0f} s")
+            time.sleep(0.1)
+        return self._url
 
     def alive(self) -> bool:
         return self._role.alive()

@@ -21,16 +21,17 @@ from dcr.fleet.config import FleetConfig
 from dcr.ray.actors import BIND_WAIT_S, CoordinatorActor, Directory, RelayActor
 from dcr.ray.placement import Placement, plan
 
-__all__ = ["RayFleet", "fleet_config", "require_ray"]
+__all__ = ["RayFleet", "engine_url", "fleet_config", "require_ray"]
 
 
-def require_ray() -> Any:
-    """The ``ray`` module, or a clear error saying how to install it."""
+def require_ray(*, connected: bool = True) -> Any:
+    """The ``ray`` module, or a clear error saying how to install it (or, ``connected``, that
+    this process must connect to a cluster first)."""
     try:
         import ray
     except ImportError as exc:
         raise ConfigError("dcr.ray needs Ray: pip install 'dcr[ray]'") from exc
-    if not ray.is_initialized():
+    if connected and not ray.is_initialized():
         raise ConfigError("connect to the Ray cluster first (ray.init(address=...))")
     return ray
 
@@ -164,6 +165,18 @@ def fleet_config(fleet: str, *, namespace: str = "dcr", timeout_s: float = 60.0)
                 f"(no actor {name!r} with a config within {timeout_s:g} s)"
             )
         time.sleep(0.2)
+
+
+def engine_url(fleet: str, engine: str, *, namespace: str = "dcr") -> str | None:
+    """The URL the vLLM engine actor ``engine`` of fleet ``fleet`` serves on (``None`` while it
+    does not serve: not started yet, or being restarted)."""
+    ray = require_ray()
+    try:
+        directory = ray.get_actor(f"dcr-{fleet}-directory", namespace=namespace)
+        url = ray.get(directory.engine.remote(engine), timeout=30.0)
+    except (ValueError, ray.exceptions.RayError):  # no directory (yet), or it is restarting
+        return None
+    return None if url is None else str(url)
 
 
 def _cause(exc: BaseException) -> str:

@@ -2,8 +2,9 @@
 done with actors.
 
 :class:`RayRun` starts the fleet's own roles (:class:`~dcr.ray.fleet.RayFleet`), one actor
-per receiver pinned to its rollout node, and one actor per trainer rank on the trainer
-nodes.  It follows the roles' events as the process launcher does (bit-for-bit checks of
+per receiver pinned to its rollout node (for an ``[[engine]]``, one vLLM engine actor on the
+rollout node of its receivers, its workers the receivers), and one actor per trainer rank on
+the trainer nodes.  It follows the roles' events as the process launcher does (bit-for-bit checks of
 every receiver against the synthetic trainer's versions, lockstep, the report) and strikes
 planned faults with ``ray.kill``: a coordinator, relay node or receiver is restarted by Ray
 (``max_restarts``) and recovers by itself; a killed trainer rank takes its group down, and
@@ -13,12 +14,13 @@ the run restarts the whole group at the committed version, as torch.distributed 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dcr.errors import DcrError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.progress import FleetProgress
-from dcr.ray.actors import ReceiverActor, TrainerActor
+from dcr.ray.actors import EngineActor, ReceiverActor, TrainerActor
 from dcr.ray.fleet import RayFleet, require_ray
 
 __all__ = ["RayRun"]
@@ -36,6 +38,8 @@ class RayRun(FleetProgress):
         self.fleet = RayFleet(cfg)
         self.resolved = cfg
         self.receivers: dict[str, Any] = {}
+        """Receiver -> the actor hosting it (a receiver actor, or its engine's actor)."""
+        self.engines: dict[str, Any] = {}
         self.ranks: list[Any] = []
         self._ends: dict[Any, Any] = {}
         """A trainer rank's ``join`` call -> the rank (ready: the rank ended)."""
@@ -61,26 +65,42 @@ class RayRun(FleetProgress):
         assert placement is not None
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        def on(node: str, name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+            return {
+                "name": self.fleet.name(name),
+                "namespace": cfg.ray.namespace,
+                "num_cpus": 0,
+                "max_restarts": cfg.ray.max_restarts,
+                "max_task_retries": cfg.ray.max_restarts,
+                "max_concurrency": 4,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    placement.rollout[node], soft=False
+                ),
+                **({"runtime_env": {"env_vars": env}} if env else {}),
+            }
+
         for node in cfg.rollout:
             for r in node.receivers:
-                self.receivers[r.name] = (
-                    ray.remote(ReceiverActor)
-                    .options(
-                        name=self.fleet.name(r.name),
-                        namespace=cfg.ray.namespace,
-                        num_cpus=0,
-                        max_restarts=cfg.ray.max_restarts,
-                        max_task_retries=cfg.ray.max_restarts,
-                        max_concurrency=4,
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(
-                            placement.rollout[node.name], soft=False
-                        ),
-                    )
-                    .remote(resolved, r.name)
-                )
+                engine = cfg.engine_of(r.name)
+                if engine is None:
+                    self.receivers[r.name] = (
+                        ray.remote(ReceiverActor).options(**on(node.name, r.name))
+                        .remote(resolved, r.name)
+                    )  # fmt: skip
+                elif engine.name not in self.engines:
+                    self.engines[engine.name] = (
+                        ray.remote(EngineActor)
+                        .options(**on(node.name, f"engine-{engine.name}", engine.env))
+                        .remote(resolved, engine.name, self.fleet.directory,
+                                placement.ips[placement.rollout[node.name]])
+                    )  # fmt: skip
+                if engine is not None:
+                    self.receivers[r.name] = self.engines[engine.name]
         self._start_trainer()
-        self.say(f"started the fleet on Ray: {len(self.receivers)} receivers, "
-                 f"{len(self.ranks)} trainer ranks")  # fmt: skip
+        self.say(
+            f"started the fleet on Ray: {len(self.receivers)} receivers "
+            f"({len(self.engines)} in vLLM engines), {len(self.ranks)} trainer ranks"
+        )
 
     def _start_trainer(self) -> None:
         """(Re)start every trainer rank around a fresh rendezvous store held here."""
@@ -127,7 +147,8 @@ class RayRun(FleetProgress):
         ray = require_ray()
         actor, restarted = self._actor(name)
         ray.kill(actor, no_restart=not restarted)
-        self.kills.append((version, name))
+        engine = self.cfg.engine_of(name)
+        self.kills.append((version, f"engine-{engine.name}" if engine is not None else name))
         self._row(version).killed.append(name)
         self.say(f"ray.kill {name} during refit {version}")
 
@@ -175,12 +196,16 @@ class RayRun(FleetProgress):
 
     # -- the run -------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Start the fleet, run it to the last version, stop it; returns the report."""
+    def run(self, *, before_stop: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Start the fleet, run it to the last version, stop it; returns the report.
+        ``before_stop`` runs once the last version is checked, while the fleet still runs
+        (reading an engine's digest, say)."""
         t0 = time.monotonic()
         self.start()
         try:
             self.follow(t0)
+            if before_stop is not None:
+                before_stop()
         finally:
             self.stop()
         report = self.report(time.monotonic() - t0)
@@ -193,11 +218,11 @@ class RayRun(FleetProgress):
             import ray
         except ImportError:
             return
-        for actor in [*self.ranks, *self.receivers.values()]:
+        for actor in [*self.ranks, *self.receivers.values(), *self.engines.values()]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 continue
-        self.ranks, self.receivers, self._ends = [], {}, {}
+        self.ranks, self.receivers, self.engines, self._ends = [], {}, {}, {}
         self.fleet.stop()
         self._store = None

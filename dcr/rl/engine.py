@@ -1,8 +1,11 @@
 """The trainer's side of the rollout engine: HTTP to ``python -m dcr.integrations.vllm``.
 
 The engine process writes ``{"url", "pid"}`` to its ready file once it serves; a restarted
-engine writes a new one.  :class:`EngineClient` reads it on every connection failure, so a
-trainer waits through an engine restart (bounded by ``wait_s``) instead of failing.  Every
+engine writes a new one.  On Ray the engine actor registers its URL in the fleet's directory
+actor instead, and the client is given ``ray:NAMESPACE/FLEET/ENGINE`` (:data:`RAY_ENGINE`)
+where it would be given a ready file.  :class:`EngineClient` looks the URL up again on every
+connection failure, so a trainer waits through an engine restart (bounded by ``wait_s``)
+instead of failing.  Every
 call is idempotent where it may be repeated: a rollout batch is a pure function of the
 weights and the batch, so asking again after a lost answer gives the same tokens.
 """
@@ -23,7 +26,11 @@ from typing import Any
 
 from dcr.errors import ConfigError, DcrError
 
-__all__ = ["EngineClient", "EngineUnavailable", "tokens_digest"]
+__all__ = ["RAY_ENGINE", "EngineClient", "EngineUnavailable", "tokens_digest"]
+
+RAY_ENGINE = "ray:"
+"""``ray:NAMESPACE/FLEET/ENGINE``: the engine ``ENGINE`` of the fleet ``FLEET`` on Ray, its URL
+in the fleet's directory actor (in Ray namespace ``NAMESPACE``)."""
 
 
 class EngineUnavailable(DcrError):
@@ -42,8 +49,9 @@ def tokens_digest(sequences: Sequence[Sequence[int]]) -> str:
 
 @dataclass(slots=True)
 class EngineClient:
-    """Calls the engine whose ready file is ``ready_file``; waits up to ``wait_s`` for it to
-    (re)start, retrying every ``retry_s``."""
+    """Calls the engine whose ready file is ``ready_file`` (or, ``ray:NAMESPACE/FLEET/ENGINE``,
+    the engine actor of a fleet on Ray); waits up to ``wait_s`` for it to (re)start, retrying
+    every ``retry_s``."""
 
     ready_file: Path
     wait_s: float = 900.0
@@ -52,11 +60,12 @@ class EngineClient:
     _url: str | None = None
 
     def url(self) -> str:
-        """The engine's URL, read from its ready file (waiting for one)."""
+        """The engine's URL, read from its ready file or the fleet's directory on Ray (waiting
+        for one)."""
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
-                url = str(json.loads(self.ready_file.read_text())["url"])
+                url = self._lookup()
                 self._url = url
                 return url
             except (OSError, ValueError, KeyError, TypeError):
@@ -66,6 +75,18 @@ class EngineClient:
                         check="engine",
                     ) from None
                 time.sleep(self.retry_s)
+
+    def _lookup(self) -> str:
+        where = str(self.ready_file)
+        if not where.startswith(RAY_ENGINE):
+            return str(json.loads(self.ready_file.read_text())["url"])
+        from dcr.ray.fleet import engine_url
+
+        namespace, fleet, engine = where.removeprefix(RAY_ENGINE).split("/")
+        url = engine_url(fleet, engine, namespace=namespace)
+        if url is None:
+            raise KeyError(engine)  # not serving yet
+        return url
 
     def _open(self, path: str, body: dict[str, Any] | None) -> Any:
         """The engine's open answer to ``GET`` (no body) or ``POST`` ``path``, the connection

@@ -39,16 +39,18 @@ from dcr.rl.config import RLConfig
 from dcr.rl.loop import MODES, REFITS, RunSpec
 
 __all__ = [
+    "BACKENDS",
     "COMPARED",
     "TRANSPORTS",
     "RLOptions",
     "compare_runs",
     "format_rl_table",
-    "plot_rl",
     "run_rl",
 ]
 
 TRANSPORTS = ("relay", "s3", "directory")
+BACKENDS = ("process", "ray")
+RAY_NAMESPACE = "dcr-rl"
 
 MARKER = ".dcr-rl-run"
 """A file in every run directory ``dcr rl`` made: only such a directory is cleared."""
@@ -86,6 +88,9 @@ class RLOptions:
     directory: Path = Path("out/rl")
     rl: RLConfig = field(default_factory=RLConfig)
     deadline_s: float = 3600.0
+    backend: str = "process"
+    """``process``: the fleet launcher's processes on this machine; ``ray``: a local Ray
+    cluster of four nodes started here, the fleet's roles as actors (:mod:`dcr.rl.ray`)."""
     keys: bool = True
     """The delta fleet's key directory (``<dir>/keys``, made per run): CURVE on every socket,
     sealed payloads.  ``False``: no keys (loopback only)."""
@@ -101,6 +106,13 @@ class RLOptions:
             raise ConfigError(f"--tp is 1 or 2, got {self.tp}")
         if self.faults and self.refit != "delta":
             raise ConfigError("--faults kills processes of a dcr fleet: it needs --refit delta")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend is one of {BACKENDS}, got {self.backend!r}")
+        if self.backend == "ray" and self.refit != "delta":
+            raise ConfigError(
+                "--backend ray runs the delta fleet on Ray: the dense reference "
+                "runs as processes (--refit dense without --backend ray)"
+            )
         if self.faults and self.steps < 4:
             raise ConfigError("--faults needs at least 4 steps (three kills from step 2 on)")
 
@@ -165,6 +177,8 @@ def faults_plan(steps: int) -> list[tuple[int, str, str]]:
 def _fleet_file(
     opts: RLOptions, spec: RunSpec, checkpoint: Path, directory: Path, s3: dict[str, Any] | None
 ) -> Path:
+    """The fleet of ``--refit delta``: one rollout node with the engine's receivers; on Ray a
+    relay-only root node first (on a rollout node of its own) and ``[ray]`` placement."""
     receivers = [f"r{r}" for r in range(opts.tp)]
     transport: dict[str, Any] = {"kind": opts.transport}
     if opts.transport == "directory":
@@ -191,6 +205,10 @@ def _fleet_file(
         "baseline_s": 3.0,
     }
     rollout = [{"name": r, "tp": opts.tp, "rank": i} for i, r in enumerate(receivers)]
+    nodes = [_table("[rollout]", {"name": "node0", "receivers": rollout})]
+    if opts.backend == "ray":
+        nodes.insert(0, _table("[rollout]", {"name": "root", "receivers": []}))
+        nodes.insert(0, _table("ray", {"namespace": RAY_NAMESPACE, "coordinators": 2}))
     fleet = {"name": "rl", "run_dir": "run", **({"keys": "keys"} if opts.keys else {})}
     engine = {
         "name": "e0",
@@ -215,7 +233,7 @@ def _fleet_file(
             _table("coordinator", coordinator),
             _table("coordinator.timeouts", timeouts),
             _table("transport", transport),
-            _table("[rollout]", {"name": "node0", "receivers": rollout}),
+            *nodes,
             _table("[engine]", engine),
         ]
     )
@@ -227,7 +245,7 @@ def _fleet_file(
     return path
 
 
-def _spec(opts: RLOptions, directory: Path, checkpoint: Path, ready: Path) -> RunSpec:
+def _spec(opts: RLOptions, directory: Path, checkpoint: Path, ready: Path | str) -> RunSpec:
     return RunSpec(
         steps=opts.steps,
         seed=opts.seed,
@@ -332,9 +350,11 @@ def _run_delta(
     from dcr.fleet.config import load_fleet
     from dcr.fleet.faults import Fault
     from dcr.fleet.launcher import Launcher
-    from dcr.rl.engine import EngineClient
+    from dcr.rl.engine import RAY_ENGINE, EngineClient
 
-    ready = directory / "run" / "engine-e0.ready.json"
+    ready: Path | str = directory / "run" / "engine-e0.ready.json"
+    if opts.backend == "ray":
+        ready = f"{RAY_ENGINE}{RAY_NAMESPACE}/rl/e0"  # the engine actor's URL, from Ray
     spec = _spec(opts, directory, checkpoint, ready)
     steps = _Steps(say)
     final: dict[str, Any] = {}
@@ -344,13 +364,18 @@ def _run_delta(
             Fault(version=v, target=t, after=point)
             for v, t, point in (faults_plan(opts.steps) if opts.faults else [])
         ]
-        launcher = Launcher(cfg, faults=faults, say=say, deadline_s=opts.deadline_s,
-                            watch=steps.on_event)  # fmt: skip
 
         def before_stop() -> None:
-            final.update(EngineClient(ready, wait_s=300.0).digest())
+            final.update(EngineClient(Path(ready), wait_s=300.0).digest())
 
-        report = launcher.run(before_stop=before_stop)
+        if opts.backend == "ray":
+            from dcr.rl.ray import run_on_ray
+
+            report = run_on_ray(cfg, faults, steps.on_event, before_stop, opts.deadline_s, say)
+        else:
+            launcher = Launcher(cfg, faults=faults, say=say, deadline_s=opts.deadline_s,
+                                watch=steps.on_event)  # fmt: skip
+            report = launcher.run(before_stop=before_stop)
     killed = [{"step": k["version"], "role": _role(k["process"])} for k in report["sigkills"]]
     return {"rows": steps.rows(opts.steps), "killed": killed, "digest": final, "fleet": report}
 
@@ -462,6 +487,7 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
     out = runner(opts, directory, checkpoint, say)
     return {
         "refit": opts.refit,
+        "backend": opts.backend,
         "mode": opts.mode,
         "transport": opts.transport if opts.refit == "delta" else None,
         "tp": opts.tp,
@@ -470,6 +496,7 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
         "killed": out["killed"],
         "final_weights_sha256": out["digest"].get("sha256"),
         "seconds": round(time.monotonic() - start, 2),
+        **({"ray_start_s": out["fleet"]["ray_start_s"]} if opts.backend == "ray" else {}),
         "directory": str(directory),
     }
 
@@ -536,43 +563,6 @@ def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = Non
         same = result["final_weights_sha256"] == against["final_weights_sha256"]
         console.print(f"final weights equal the dense run's: {'✓' if same else '✗'}")
     return buf.getvalue()
-
-
-def plot_rl(result: dict[str, Any], path: Path, against: dict[str, Any] | None = None) -> None:
-    """Reward, KL and refit seconds per step (beside a dense run's when given) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    runs = [(result, f"{result['refit']} refit")]
-    if against is not None:
-        runs.append((against, f"{against['refit']} refit"))
-    for run, label in runs:
-        steps = [r["step"] for r in run["steps"]]
-        style = "-o" if run is result else "--s"
-        for ax, key in zip(axes, ("reward", "kl", "refit_s"), strict=True):
-            ax.plot(steps, [r[key] if r[key] is not None else float("nan") for r in run["steps"]],
-                    style, label=label, markersize=3)  # fmt: skip
-    for k in result["killed"]:
-        for ax in axes:
-            ax.axvline(k["step"], color="red", alpha=0.3, linewidth=1)
-    axes[0].set_title("mean reward")
-    axes[1].set_title("KL to the initial policy (k3)")
-    axes[2].set_title("refit seconds (publish -> live in the engine; log)")
-    axes[2].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("step")
-        ax.legend()
-    fig.suptitle(
-        f"dcr rl: {result['mode']}, TP {result['tp']}"
-        + (f", {len(result['killed'])} SIGKILLs (red)" if result["killed"] else "")
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def options_with(opts: RLOptions, **changes: Any) -> RLOptions:

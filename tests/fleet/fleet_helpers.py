@@ -8,7 +8,7 @@ from typing import Any
 
 from dcr.demo import demo_fleet_file
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.testing.pids import alive
+from dcr.fleet.pids import alive
 
 __all__ = ["TINY", "alive", "small_fleet"]
 

@@ -20,9 +20,6 @@ from typing import Any
 
 import pytest
 from fleet_helpers import small_fleet
-
-pytest.importorskip("prometheus_client")
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from dcr import metrics as dm

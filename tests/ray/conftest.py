@@ -11,8 +11,8 @@ import pytest
 
 from dcr.demo import demo_fleet_file
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.testing.netns import only_loopback
-from dcr.testing.pids import wait_gone
+from dcr.ray.cluster import ClusterShape, local_cluster
+from dcr.ray.netns import only_loopback
 
 TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
@@ -24,27 +24,8 @@ def cluster() -> Iterator[object]:
     ``trainer`` resource) and two rollout nodes (``rollout``).  Shut down afterwards, with
     every raylet it started gone (checked by pid)."""
     assert only_loopback(), "run the Ray suite with `make test-ray` (a private network)"
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    c.add_node(num_cpus=4, resources={"trainer": 4})
-    for _ in range(2):
-        c.add_node(num_cpus=1, resources={"rollout": 1})
-    try:
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    with local_cluster(ClusterShape()) as c:
         yield c
-    finally:
-        pids = [
-            p.process.pid
-            for node in c.list_all_nodes()
-            for infos in node.all_processes.values()
-            for p in infos
-        ]
-        ray.shutdown()
-        c.shutdown()
-        wait_gone(pids)
 
 
 def ray_fleet(

@@ -15,29 +15,12 @@ from typing import Any
 
 import pytest
 from conftest import ray_fleet
+from prometheus_client.parser import text_string_to_metric_families
 
 from dcr.fleet.config import FleetConfig
 from dcr.ports import free_ports
-from dcr.testing.netns import only_loopback
-from dcr.testing.pids import wait_gone
-
-prometheus = pytest.importorskip("prometheus_client.parser")
-
-
-def _metrics_agent() -> bool:
-    """Whether Ray can start each node's metrics agent: what ``ray[default]`` adds to Ray."""
-    import importlib.util
-
-    wanted = ("aiohttp_cors", "opencensus", "opentelemetry.exporter.prometheus", "grpc")
-    try:
-        return all(importlib.util.find_spec(m) is not None for m in wanted)
-    except ImportError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(
-    not _metrics_agent(), reason="Ray's metrics agent needs ray[default] (dcr[ray])"
-)
+from dcr.ray.cluster import ClusterShape, local_cluster
+from dcr.ray.netns import only_loopback
 
 EXPORT_WAIT_S = 90.0
 """How long the exported values may take to catch up with the events (Ray reports every
@@ -49,32 +32,11 @@ def exporting() -> Iterator[list[int]]:
     """The conftest's four-node cluster, each node exporting its metrics on a port of its own;
     yields the ports.  Shut down afterwards, every raylet it started gone (by pid)."""
     assert only_loopback(), "run the Ray suite with `make test-ray` (a private network)"
-    import ray
-    from ray.cluster_utils import Cluster
-
     ports = free_ports(4)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "metrics_export_port": ports[0],
-                        "_system_config": {"metrics_report_interval_ms": 1000}},
-    )  # fmt: skip
-    c.add_node(num_cpus=4, resources={"trainer": 4}, metrics_export_port=ports[1])
-    for port in ports[2:]:
-        c.add_node(num_cpus=1, resources={"rollout": 1}, metrics_export_port=port)
-    try:
-        c.wait_for_nodes()
-        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+    shape = ClusterShape(metrics_ports=tuple(ports),
+                         system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+    with local_cluster(shape):
         yield ports
-    finally:
-        pids = [
-            p.process.pid
-            for node in c.list_all_nodes()
-            for infos in node.all_processes.values()
-            for p in infos
-        ]
-        ray.shutdown()
-        c.shutdown()
-        wait_gone(pids)
 
 
 Sample = tuple[str, dict[str, str], float]
@@ -92,7 +54,7 @@ def scrape_all(ports: list[int]) -> tuple[list[Sample], str]:
         except OSError:
             continue  # a node's agent still starting
         texts.append(text)
-        for family in prometheus.text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name.startswith("ray_dcr_"):
                     samples.append((s.name, dict(s.labels), float(s.value)))

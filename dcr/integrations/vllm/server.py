@@ -81,7 +81,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +90,7 @@ from typing import Any
 import anyio
 
 from dcr.errors import ConfigError, DcrError, LoaderPathUnsupported
+from dcr.fleet.config import FleetConfig
 from dcr.integrations.vllm.gate import PAUSE_MODES, PauseMode
 
 __all__ = ["EXPOSE_PARAMETERS_ENV", "MAX_BATCH", "MAX_BODY_BYTES", "ServerOptions", "main", "serve"]
@@ -114,7 +115,9 @@ class ServerOptions:
     max_model_len: int | None = None
     enforce_eager: bool = True
     plain_weights: bool = False
-    fleet: str | None = None
+    fleet: str | FleetConfig | None = None
+    """The fleet file whose receivers the workers become, or its config (on Ray: the
+    config :func:`dcr.ray.fleet_config` gives, relay addresses included)."""
     receivers: tuple[str, ...] = ()
     checkpoint_version: int | None = None
     catalog: str | None = None
@@ -130,6 +133,8 @@ class ServerOptions:
     ready_file: str | None = None
     expose_parameters: bool = False
     """Serve ``GET /dcr/parameters`` (every weight's bytes); off: that route answers 404."""
+    on_serving: Callable[[str], None] | None = None
+    """Called with the URL once the engine serves (where a Ray actor registers it)."""
 
 
 def _bad_request(message: str) -> Any:
@@ -391,6 +396,8 @@ async def serve(options: ServerOptions) -> None:
                 tmp = ready.with_name(ready.name + ".tmp")
                 tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "pid": os.getpid()}))
                 tmp.replace(ready)
+            if options.on_serving is not None:
+                options.on_serving(f"http://{host}:{port}")
             await anyio.sleep_forever()
     finally:
         engine.shutdown()

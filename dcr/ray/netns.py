@@ -1,8 +1,10 @@
-"""Run a command inside the private network namespace it was started in (``unshare -n``),
-with the loopback interface brought up first: a Ray cluster started there stays on
-127.0.0.1 (Ray binds every interface and talks to the machine's own address otherwise).
+"""Run a command inside the private network namespace it was started in (``unshare -n``, as
+root), with the loopback interface brought up first: a Ray cluster started there stays on
+127.0.0.1 (Ray binds every interface and talks to the machine's own address otherwise).  What
+``dcr rl --backend ray``, the Ray examples and dcr's Ray tests run in on a shared machine:
 
-    unshare -n python -m dcr.testing.netns python -m pytest tests/ray
+    unshare -n python -m dcr.ray.netns dcr rl --backend ray
+    unshare -n python -m dcr.ray.netns python -m pytest tests/ray
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ def loopback_up() -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: unshare -n python -m dcr.testing.netns COMMAND [ARG...]", file=sys.stderr)
+        print("usage: unshare -n python -m dcr.ray.netns COMMAND [ARG...]", file=sys.stderr)
         return 2
     if not only_loopback():
-        print("dcr.testing.netns: not in a private network namespace (run it under "
+        print("dcr.ray.netns: not in a private network namespace (run it under "
               "`unshare -n`)", file=sys.stderr)  # fmt: skip
         return 2
     loopback_up()

@@ -1,4 +1,5 @@
-"""Whether the processes a test started are gone, checked by pid (never by name)."""
+"""Whether processes are gone, checked by pid (never by name): what a fleet, a Ray cluster
+or a test started and stopped."""
 
 from __future__ import annotations
 
