@@ -58,6 +58,7 @@ from dcr.errors import ConfigError
 from dcr.tensors.parallel import default_threads
 
 __all__ = [
+    "BACKENDS",
     "TRANSPORTS",
     "BenchLayout",
     "fleet_text",
@@ -67,6 +68,7 @@ __all__ = [
 ]
 
 TRANSPORTS = ("relay", "s3", "directory")
+BACKENDS = ("process", "ray")
 GB = 1e9
 
 
@@ -131,8 +133,10 @@ def fleet_text(
     transport_extra: str = "",
     model_dims: Mapping[str, int] | None = None,
     keys: bool = False,
+    backend: str = "process",
 ) -> str:
-    """The benchmark's fleet file for one transport; ``model_dims`` replaces the model of
+    """The benchmark's fleet file for one transport (on Ray: one coordinator, as the process
+    fleet runs); ``model_dims`` replaces the model of
     ``dcr bench construct`` (tests run a tiny one); ``keys``: the fleet's key directory
     ``keys`` beside it (CURVE on every socket, sealed payloads)."""
     from dcr.bench.construct import synthetic_config
@@ -154,6 +158,7 @@ def fleet_text(
         f"tp = {layout.serving_tp}, rank = {i % layout.serving_tp} }}]\n\n"
         for i in range(layout.nodes)
     )
+    ray = '[ray]\nnamespace = "dcr-bench"\ncoordinators = 1\n' if backend == "ray" else ""
     return f"""# dcr bench refit: {transport}
 [fleet]
 name = "bench-refit-{transport}"
@@ -183,7 +188,7 @@ lockstep = true
 [coordinator]
 standbys = 0
 join_wait_s = 600
-
+{ray}
 [transport]
 {kind}link_gbps = {link_gbps}
 {transport_extra}
@@ -234,6 +239,7 @@ def _run_transport(
     model_dims: Mapping[str, int] | None,
     log: Callable[[str], None],
     keys: bool = False,
+    backend: str = "process",
 ) -> dict[str, Any]:
     from dcr.adapters.s3server import SeaweedServer
     from dcr.adapters.security import KeyDir
@@ -256,24 +262,42 @@ def _run_transport(
             env.update(server.endpoint.environ())
             log(f"s3: SeaweedFS at {server.endpoint.url}, bucket {bucket}")
         stack.enter_context(_environ(env))
-        path = directory / kind / "fleet.toml"
+        label = kind if backend == "process" else f"{kind}@{backend}"
+        path = directory / label / "fleet.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         text = fleet_text(transport=kind, size_bytes=size_bytes, steps=steps, layout=layout,
                           link_gbps=link_gbps, transport_extra=extra,
-                          model_dims=model_dims, keys=keys)  # fmt: skip
+                          model_dims=model_dims, keys=keys, backend=backend)  # fmt: skip
         path.write_text(text)
         cfg = load_fleet(path)
         if cfg.keys is not None:
             cfg.ensure_keys()
             KeyDir(cfg.keys).add(reference_identities(cfg))
-        launcher = Launcher(cfg, say=lambda line: log(f"{kind}: {line}"), deadline_s=3600.0)
-        checkpoint = launcher.model.checkpoint_bytes
-        log(f"{kind}: fleet of {checkpoint / GB:.2f} GB, {len(steps)} refits "
-            f"(warm-up at {steps[0]:.0%}), link {link_gbps:g} Gbit/s")  # fmt: skip
+
+        def say(line: str) -> None:
+            log(f"{label}: {line}")
+
         t = time.monotonic()
-        report = launcher.run()
-        log(f"{kind}: fleet done in {time.monotonic() - t:.0f} s, bit-exact: "
-            f"{report['bit_exact']}")  # fmt: skip
+        with contextlib.ExitStack() as cluster:
+            ray_start_s = None
+            if backend == "ray":
+                from dcr.ray.cluster import ClusterShape, local_cluster
+                from dcr.ray.run import RayRun
+
+                shape = ClusterShape(trainer_cpus=cfg.world_size, rollout_nodes=len(cfg.rollout))
+                cluster.enter_context(local_cluster(shape, say=say))
+                ray_start_s = time.monotonic() - t
+                say(f"Ray cluster of {2 + shape.rollout_nodes} nodes started in "
+                    f"{ray_start_s:.1f} s")  # fmt: skip
+                runner: Launcher | RayRun = RayRun(cfg, say=say, deadline_s=3600.0)
+            else:
+                runner = Launcher(cfg, say=say, deadline_s=3600.0)
+            checkpoint = runner.model.checkpoint_bytes
+            say(f"fleet of {checkpoint / GB:.2f} GB, {len(steps)} refits "
+                f"(warm-up at {steps[0]:.0%}), link {link_gbps:g} Gbit/s")  # fmt: skip
+            t = time.monotonic()
+            report = runner.run()
+        say(f"fleet done in {time.monotonic() - t:.0f} s, bit-exact: {report['bit_exact']}")
         timings = refit_timings(_read_events(cfg.events_dir), owners=cfg.owners,
                                 relayed=kind == "relay")  # fmt: skip
         exact = {r["version"]: r["bit_exact"] for r in report["refits"]}
@@ -289,6 +313,9 @@ def _run_transport(
             references.append(ref)
     return {
         "transport": kind,
+        "backend": backend,
+        "label": label,
+        "ray_start_s": ray_start_s,
         "checkpoint_bytes": checkpoint,
         "report": report,
         "refits": timings,
@@ -319,6 +346,8 @@ def _rows(run: dict[str, Any], rates: Sequence[float], cpus: int) -> list[dict[s
         out.append(
             {
                 "transport": run["transport"],
+                "backend": run["backend"],
+                "ray_start_s": run["ray_start_s"],
                 "rate": rate,
                 "model_bytes": run["checkpoint_bytes"],
                 "latency_s": latency,
@@ -358,21 +387,29 @@ def run_refit_bench(
     model_dims: Mapping[str, int] | None = None,
     log: Callable[[str], None] = lambda line: None,
     keys: bool = False,
+    backends: Sequence[str] = ("process",),
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"layout", "link_gbps", "keys", "results": [...],
-    "refits", "bit_exact"}`` with one result per (transport, rate).  ``model_dims``: HF config
-    fields of another model than ``dcr bench construct``'s (``size_bytes`` is then ignored);
-    ``keys``: the fleets run with keys (CURVE on every socket, sealed payloads)."""
+    "refits", "bit_exact"}`` with one result per (backend, transport, rate).  ``model_dims``:
+    HF config fields of another model than ``dcr bench construct``'s (``size_bytes`` is then
+    ignored); ``keys``: the fleets run with keys (CURVE on every socket, sealed payloads);
+    ``backends``: ``process`` (the fleet launcher) and/or ``ray`` (a local Ray cluster of the
+    head, a trainer node and one node per rollout node, :mod:`dcr.ray.cluster`; the same
+    fleet as actors, :class:`~dcr.ray.run.RayRun`), each run in turn."""
     layout = layout or BenchLayout()
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
         raise ConfigError(f"transports are {', '.join(TRANSPORTS)}, got {list(transports)}")
     if link_gbps <= 0:
         raise ConfigError("the benchmark needs a link rate (--link-gbps > 0)")
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        raise ConfigError(f"backends are {', '.join(BACKENDS)}, got {list(backends)}")
     runs = [
         _run_transport(kind, directory=directory, size_bytes=size_bytes, rates=rates,
                        repeats=repeats, layout=layout, link_gbps=link_gbps,
-                       model_dims=model_dims, log=log, keys=keys)
+                       model_dims=model_dims, log=log, keys=keys, backend=backend)
+        for backend in backends
         for kind in transports
     ]  # fmt: skip
     cpus = default_threads()  # the CPUs the fleet's processes may run on
@@ -384,8 +421,9 @@ def run_refit_bench(
         "keys": keys,
         "cpus": cpus,
         "results": results,
-        "refits": {run["transport"]: run["refits"] for run in runs},
-        "references": {run["transport"]: run["reference"] for run in runs},
+        "backends": list(backends),
+        "refits": {run["label"]: run["refits"] for run in runs},
+        "references": {run["label"]: run["reference"] for run in runs},
         "bit_exact": all(run["report"]["bit_exact"] for run in runs),
     }
 
@@ -396,7 +434,7 @@ def run_refit_bench(
 def format_refit_table(result: dict[str, Any]) -> str:
     """The fixed-width table of :func:`run_refit_bench`'s results."""
     head = (
-        f"{'transport':<10} {'rate':>5} {'latency':>8} {'reference':>9} {'speedup':>7} "
+        f"{'transport':<13} {'rate':>5} {'latency':>8} {'reference':>9} {'speedup':>7} "
         f"{'V_payload':>11} {'V_cross':>9} {'constr.':>8} {'transp.':>8} {'lat/max':>7} "
         f"{'exact':>5}"
     )
@@ -413,7 +451,7 @@ def format_refit_table(result: dict[str, Any]) -> str:
         cross = "-" if r["cross_bytes"] is None else f"{r['cross_bytes'] / 1e6:.1f}MB"
         ratio = "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}"
         lines.append(
-            f"{r['transport']:<10} {r['rate']:>5.0%} {r['latency_s']:>7.2f}s "
+            f"{_label(r):<13} {r['rate']:>5.0%} {r['latency_s']:>7.2f}s "
             f"{r['reference_s']:>8.1f}s {r['speedup']:>6.1f}x "
             f"{r['payload_bytes'] / 1e6:>6.1f}MB/{share:.1%} {cross:>9} "
             f"{r['construction_bound_s']:>7.2f}s {r['transport_bound_s']:>7.2f}s {ratio:>7} "
@@ -429,11 +467,20 @@ def format_refit_table(result: dict[str, Any]) -> str:
         cpu = " / ".join(f"{c.get(k, 0.0):.2f}" for k in ("owners", "receivers", "relay",
                                                            "coordinator"))  # fmt: skip
         lines.append(
-            f"  {r['transport']:<10} {r['rate']:>4.0%}  {p['stage_s']:.2f} / "
+            f"  {_label(r):<13} {r['rate']:>4.0%}  {p['stage_s']:.2f} / "
             f"{p['admit_s']:.2f} / {p['stream_s']:.2f} / {p['finalize_s']:.2f} | {cpu}, "
             f"{r['cpu_share']:.0%}, {r['cpu_bound_s']:.2f}s"
         )
+    starts = {_label(r): r["ray_start_s"] for r in result["results"] if r["ray_start_s"]}
+    for label, seconds in starts.items():
+        lines.append(f"{label}: the Ray cluster started in {seconds:.1f} s")
     return "\n".join(lines)
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A result's transport, with its backend when that is not the process fleet."""
+    backend = row.get("backend", "process")
+    return row["transport"] if backend == "process" else f"{row['transport']}@{backend}"
 
 
 def plot_refit(result: dict[str, Any], path: Path) -> None:
@@ -445,7 +492,7 @@ def plot_refit(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from exc
-    kinds = [k for k in TRANSPORTS if any(r["transport"] == k for r in result["results"])]
+    kinds = list(dict.fromkeys(_label(r) for r in result["results"]))
     fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 4.0), sharey=True,
                              squeeze=False)  # fmt: skip
     series = (
@@ -454,7 +501,7 @@ def plot_refit(result: dict[str, Any], path: Path) -> None:
         ("transport_bound_s", "transport bound", "#ff7f0e"),
     )
     for ax, kind in zip(axes[0], kinds, strict=True):
-        rows = [r for r in result["results"] if r["transport"] == kind]
+        rows = [r for r in result["results"] if _label(r) == kind]
         xs = range(len(rows))
         width = 0.8 / len(series)
         for i, (key, label, color) in enumerate(series):

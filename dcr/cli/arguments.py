@@ -44,6 +44,16 @@ def _transports(text: str) -> list[str]:
     return names
 
 
+def _backends(text: str) -> list[str]:
+    from dcr.bench.refit import BACKENDS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"backends are {', '.join(BACKENDS)}, got {text!r}")
+    return names
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from dcr.cli.arguments import _err, _floats, _loaders, _modes, _positive, _transports
+from dcr.cli.arguments import (
+    _backends,
+    _err,
+    _floats,
+    _loaders,
+    _modes,
+    _positive,
+    _transports,
+)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -218,6 +226,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="give the fleets keys: CURVE on every socket, sealed payloads (docs/security.md)",
     )
+    refit.add_argument(
+        "--backend", type=_backends, default=["process"],
+        help="process (default): the fleet as processes (dcr fleet's launcher); ray: the same "
+        "fleet as actors on a local Ray cluster started here (head, a trainer node, one node "
+        "per rollout node; needs Ray; on a shared machine run it under `unshare -n python -m "
+        "dcr.ray.netns`); process,ray: both, one after the other, in one table",
+    )  # fmt: skip
     refit.add_argument("--dir", default="out/bench-refit", help="fleet files, logs, events")
     refit.add_argument("--plot", default=None, help="write a PNG of the results here")
     refit.add_argument("--json", action="store_true", help="print one JSON object")
@@ -392,6 +407,7 @@ def _bench_refit(args: argparse.Namespace) -> int:
         directory=Path(args.dir),
         log=_err,
         keys=args.keys,
+        backends=args.backend,
     )
     if args.plot:
         plot_refit(result, Path(args.plot))

@@ -189,6 +189,11 @@ def test_cli_options() -> None:
     assert args.link_gbps == 5.0 and args.size_gb == 2.0 and args.tp == 4
     with pytest.raises(SystemExit):
         _parser().parse_args(["bench", "refit", "--transports", "nfs"])
+    assert args.backend == ["process"]
+    both = _parser().parse_args(["bench", "refit", "--backend", "process,ray"])
+    assert both.backend == ["process", "ray"]
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "refit", "--backend", "k8s"])
 
 
 def test_a_small_run_over_the_relay_tree(tmp_path: Path) -> None:
