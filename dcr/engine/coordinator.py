@@ -110,6 +110,7 @@ class CoordinatorService:
     _deadlines: dict[int, float] = field(default_factory=dict)
     _events: MemoryObjectSendStream[ev.CoordinatorEvent] | None = None
     _abort: str | None = None
+    _departed: set[str] = field(default_factory=set)
 
     async def run(self, *, take_over: bool = False) -> cmd.TransitionEnded:
         """Drive the transition to its end and return this coordinator's outcome.
@@ -161,6 +162,9 @@ class CoordinatorService:
             if self._abort is not None:
                 # An abort asked for before the run claimed its epoch is not lost.
                 send.send_nowait(ev.OperatorAbort(reason=self._abort))
+            for name in sorted(self._departed):
+                # Nor is a departure.
+                send.send_nowait(ev.Departed(endpoint=name))
             async with anyio.create_task_group() as tg:
                 if self.reads_replies:
                     tg.start_soon(self._forward, link.replies(), send)
@@ -176,6 +180,13 @@ class CoordinatorService:
         self._abort = reason
         if self._events is not None:
             await self._post(ev.OperatorAbort(reason=reason))
+
+    async def depart(self, endpoint: str) -> None:
+        """Receiver ``endpoint`` left the fleet (:class:`~dcr.protocol.events.Departed`): the
+        transition goes on without it (delivered also when the run has not started yet)."""
+        self._departed.add(endpoint)
+        if self._events is not None:
+            await self._post(ev.Departed(endpoint=endpoint))
 
     async def report(self, reply: msg.Reply) -> None:
         """A reply for this coordinator from outside its own link reader: a supervisor's

@@ -14,6 +14,10 @@ takes over the transition in flight (paper App. B.2, failover).  The active proc
   the required ones, and takes over a transition a replaced coordinator left unfinished;
 * is the supervisor of its runs: an endpoint that reappears with a new incarnation was
   restarted, so its old process is confirmed gone (``Retired``);
+* lets a receiver depart (:class:`~dcr.protocol.events.Departed`) once its control
+  connection has been gone for ``[coordinator] depart_after_s`` (or when :meth:`depart` is
+  told that it was lost with its node): it is no longer required nor waited for, and the
+  transition in flight goes on without it; it rejoins when it reports again;
 * binds, at each mixed-mode prepare, what the owners may encode relative to the old bits:
   the union of the required receivers' refused sets (``xor_refused`` of their status
   reports, the names their loader does not preserve bit for bit), so that no owner needs to
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -54,9 +58,11 @@ from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol import commands as cmd
 from dcr.protocol import messages as msg
 from dcr.protocol.coordinator import bound_refused
+from dcr.protocol.events import Departed
 from dcr.protocol.membership import (
     CheckArrival,
     DenseAsked,
+    Depart,
     MembershipCommand,
     MembershipConfig,
     MembershipCore,
@@ -109,6 +115,8 @@ class FleetCoordinator:
     _catalog_names: tuple[frozenset[str] | None] | None = None
     _early: list[msg.Reply] = field(default_factory=list)
     """Reports that arrived before the lease was won (fed to the core once it exists)."""
+    _connected: dict[str, float] = field(default_factory=dict)
+    """Receiver -> when the control link last showed it connected (known receivers only)."""
 
     @property
     def statuses(self) -> dict[str, msg.EndpointStatus]:
@@ -170,12 +178,45 @@ class FleetCoordinator:
             if state.info:
                 with contextlib.suppress(ConfigError):
                     info = attempt_from_json(state.info)
-            await self._execute(
-                core.handle(Tick(now=anyio.current_time(), record=state.record, attempt=info))
-            )
+            now = anyio.current_time()
+            await self._execute(core.handle(Tick(now=now, record=state.record, attempt=info)))
+            for name in self._unreachable(now):
+                await self._execute(core.handle(Departed(endpoint=name)))
             with anyio.move_on_after(0.1):
                 await self._wake.wait()
             self._wake = anyio.Event()
+
+    def _unreachable(self, now: float) -> list[str]:
+        """Known receivers whose control connection has been gone for longer than
+        ``[coordinator] depart_after_s``: they depart.  Only a link that says who is
+        connected (``endpoints()``, as the ZeroMQ channel's does) lets receivers depart so."""
+        core = self.membership
+        bound = self.config.coordinator.depart_after_s
+        endpoints = getattr(self._link, "endpoints", None)
+        if core is None or bound <= 0 or not callable(endpoints):
+            return []
+        connected = endpoints()
+        known = core.departable()
+        gone = []
+        for r in self.receivers:
+            if r not in known:
+                self._connected.pop(r, None)  # never heard from, or departed already
+            elif r in connected:
+                self._connected[r] = now
+            elif now - self._connected.setdefault(r, now) > bound:
+                del self._connected[r]
+                gone.append(r)
+        return gone
+
+    async def depart(self, receivers: Iterable[str]) -> None:
+        """A supervisor reports these receivers lost for good (their node is gone): they
+        depart now, without waiting for ``depart_after_s``."""
+        core = self.membership
+        if core is None:
+            return  # a standby: the active coordinator is told, or sees them gone itself
+        for name in receivers:
+            await self._execute(core.handle(Departed(endpoint=name)))
+        self._wake.set()
 
     async def _execute(self, commands: list[MembershipCommand]) -> None:
         for c in commands:
@@ -204,6 +245,10 @@ class FleetCoordinator:
                     info = service.core.attempt if service is not None and service.core else None
                     if service is not None and info is not None:
                         await service.report(msg.Retired(attempt=info.attempt, endpoint=endpoint))
+                case Depart(endpoint=endpoint):
+                    # Also before the run's first attempt: the run goes on without it.
+                    if self._service is not None:
+                        await self._service.depart(endpoint)
                 case Say(kind="waiting", fields=fields):
                     self._say_silent(fields)
                 case Say(kind=kind, fields=fields):
@@ -275,7 +320,9 @@ class FleetCoordinator:
     async def _transition(self, run: RunTransition) -> None:
         assert self._link is not None and self.membership is not None
         c = self.config.coordinator
-        base, members, old = run.base, run.members, run.take_over
+        base, old = run.base, run.take_over
+        # Members that departed since the core started the run are not required.
+        members = tuple(r for r in run.members if r not in self.membership.gone())
         reports = self.refused_reports()
         service = CoordinatorService(
             owners=self.owners,
@@ -296,6 +343,8 @@ class FleetCoordinator:
             lease_s=c.lease_s,
         )
         self._service = service
+        for r in self.membership.gone():
+            await service.depart(r)  # (a receiver of an attempt taken over, say)
         self.transitions += 1
         self.log.emit("transition", base=base.version, take_over=old is not None,
                       required=list(service.receivers),
@@ -357,7 +406,8 @@ class FleetCoordinator:
     # -- the supervisor of a run (dcr.engine.coordinator.Supervisor) ------------------------
 
     def retired(self) -> tuple[str, ...]:
-        """Endpoints restarted since the transition began: their old process is gone."""
+        """Endpoints restarted or departed since the transition began: their old process is
+        gone, or out of reach (no stop waits for it)."""
         return self.membership.restarted() if self.membership is not None else ()
 
     async def dense_refit(self, record: CommitRecord, receivers: frozenset[str]) -> None:

@@ -80,6 +80,9 @@ class Attempt:
     acks: set[str] = field(default_factory=set)
     stopped: set[str] = field(default_factory=set)
     retired: set[str] = field(default_factory=set)
+    departed: set[str] = field(default_factory=set)
+    """Retired receivers that departed (:class:`~dcr.protocol.events.Departed`): not waited
+    for, but still addressed by the stop path, cleanup and the gate's reopening."""
     commit_deadline_passed: bool = False
     arrival_checked: bool = False
     joined: frozenset[str] = frozenset()
@@ -103,6 +106,13 @@ class Attempt:
     def everyone(self) -> tuple[str, ...]:
         """Owners in their order, then receivers sorted: the order calls go out in."""
         return (*self.info.owners, *sorted(self.info.receivers))
+
+    @property
+    def addressed(self) -> list[str]:
+        """Receivers the stop path, cleanup and reopening call, sorted: every receiver but a
+        retired one (whose process is gone); a departed receiver may only be out of reach,
+        and finds the calls waiting when it comes back."""
+        return sorted(self.info.receivers - (self.retired - self.departed))
 
     def expected(self) -> tuple[tuple[str, int], ...]:
         return tuple((o, self.sends[o]) for o in self.info.owners)
@@ -278,7 +288,7 @@ class Attempt:
 
     def stop_and_wait_commands(self) -> list[cmd.CoordinatorCommand]:
         """Ask the endpoints that have not stopped yet; the supervisor retires dead ones."""
-        receivers = sorted(self.info.receivers - self.stopped - self.retired)
+        receivers = [r for r in self.addressed if r not in self.stopped]
         to = (*self.info.owners, *receivers)
         return [
             cmd.Call(to=to, message=msg.StopAndWait(attempt=self.info.attempt, epoch=self.epoch)),
@@ -304,7 +314,7 @@ class Attempt:
         return [
             cmd.ReleaseDelivery(attempt=self.info.attempt),
             cmd.Call(
-                to=(*self.info.owners, *sorted(self.info.receivers - self.retired)),
+                to=(*self.info.owners, *self.addressed),
                 message=msg.Cleanup(attempt=self.info.attempt),
             ),
         ]

@@ -150,6 +150,8 @@ class CoordinatorCore:
                 self._on_baseline_updated(owner, record, out)
             case msg.ReceiverReady(receiver=receiver, record=record):
                 self._on_receiver_ready(receiver, record, out)
+            case ev.Departed(endpoint=endpoint):
+                self._on_departed(endpoint, out)
             case _:
                 if isinstance(event, ATTEMPT_EVENTS) and self._is_current(event.attempt):
                     self._on_attempt_event(event, out)
@@ -364,7 +366,7 @@ class CoordinatorCore:
         self._transition.fire(_X.CLEANUP)
         out.extend(a.cleanup_commands())
         self._transition.fire(_X.REOPEN_GATE)
-        out.append(a.reopen_gate_call(sorted(a.info.receivers - a.retired), committed))
+        out.append(a.reopen_gate_call(a.addressed, committed))
         outcome = (
             TransitionOutcome.CONFLICT if self._baseline.took_over else TransitionOutcome.COMMITTED
         )
@@ -424,6 +426,23 @@ class CoordinatorCore:
             self._fail(out, f"{endpoint} was retired")
         else:
             self._after_stopped(out)
+
+    def _on_departed(self, endpoint: str, out: list[cmd.CoordinatorCommand]) -> None:
+        """A receiver left the fleet: no later attempt requires it, the current one is retired
+        from it (it fails if it still runs), and nothing waits for it to be restored."""
+        if endpoint in self.config.owners:
+            return  # every transition needs every owner: that is the operator's to resolve
+        self._members.discard(endpoint)
+        self._joiners.pop(endpoint, None)
+        a = self._attempt
+        if a is not None and endpoint in a.info.receivers:
+            a.departed.add(endpoint)
+            if endpoint not in a.retired:
+                self._on_retired(endpoint, out)
+        if self._policy.gone(endpoint):
+            self._retry_now(out)  # the join wait waited for it alone
+        if self.phase is _T.REFITTING and self._refits.gone(endpoint):
+            self._reopen_after_refit(out)
 
     def _after_stopped(self, out: list[cmd.CoordinatorCommand]) -> None:
         a = self._attempt

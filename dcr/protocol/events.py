@@ -26,6 +26,7 @@ __all__ = [
     "DeadlineExpired",
     "DenseRefitDone",
     "DenseSent",
+    "Departed",
     "ObsoleteMarked",
     "OperatorAbort",
     "OwnerEvent",
@@ -115,9 +116,29 @@ class OperatorAbort:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Departed:
+    """Receiver ``endpoint`` left the fleet: the coordinator has not heard from it over the
+    control channel for longer than its bound, or its node was reported lost.
+
+    It is no longer required: the membership core forgets its status (it is no longer a
+    member, nor waited for as a joiner), and a transition core takes it out of the receivers
+    the next attempt requires and retires it from the current attempt, which does not wait
+    for it any more (as for :class:`~dcr.protocol.messages.Retired`; an attempt that still
+    runs fails and is retried without it).  The stop-path and gate calls of that attempt
+    still address it, so a receiver that was only out of reach finds its attempt cleaned up
+    when it comes back.  A receiver that reports again (``EndpointStatus``) rejoins as one
+    seen for the first time: fingerprinted before it takes part, restored by dense refit
+    unless it holds the committed record.  The departure of an owner, or of a name that is
+    not a member, changes nothing.
+    """
+
+    endpoint: str
+
+
 CoordinatorEvent = (
     StartTransition | TakeOver | Registered | CommitReplied | CommitRead | ObsoleteMarked
-    | DeadlineExpired | Conflict | OperatorAbort | msg.Reply
+    | DeadlineExpired | Conflict | OperatorAbort | Departed | msg.Reply
 )  # fmt: skip
 
 # --- endpoints: a prepare after the engine's own checks -----------------------------------

@@ -16,6 +16,10 @@ One transition's rules live in :mod:`dcr.protocol.coordinator`; this core decide
   receiver's gate reopens;
 * that an endpoint reappearing with a new incarnation was restarted: its old process is gone
   (``Retire``), and it is fingerprinted again before it takes part;
+* that a receiver which departed (:class:`~dcr.protocol.events.Departed`: gone past the
+  coordinator's bound, or its node lost) is no longer required nor waited for: its status is
+  forgotten and the running transition goes on without it (``Depart``); when it reports
+  again it rejoins as a receiver seen for the first time;
 * that after a transition the next one waits (bounded by ``settle_s``) until the receivers
   that took part report the committed record.
 
@@ -32,10 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dcr.protocol import messages as msg
+from dcr.protocol.events import Departed
 from dcr.protocol.types import AttemptInfo, CommitRecord, EpochIds
 
 __all__ = [
     "CheckArrival",
+    "Depart",
     "DenseAsked",
     "MembershipCommand",
     "MembershipConfig",
@@ -112,8 +118,8 @@ class DenseAsked:
 
 
 MembershipEvent = (
-    Tick | TransitionDone | DenseAsked | msg.EndpointStatus | msg.ReceiverReady | msg.SendsDone
-    | msg.AttemptFailed
+    Tick | TransitionDone | DenseAsked | Departed | msg.EndpointStatus | msg.ReceiverReady
+    | msg.SendsDone | msg.AttemptFailed
 )  # fmt: skip
 
 
@@ -176,6 +182,14 @@ class Retire:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Depart:
+    """``endpoint`` departed: tell the running transition (its core takes the receiver out
+    and retires it from the current attempt: :class:`~dcr.protocol.events.Departed`)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Say:
     """Something the operator should see (an event of the fleet's log)."""
 
@@ -184,7 +198,7 @@ class Say:
 
 
 MembershipCommand = (
-    RunTransition | StartDense | CheckArrival | ReleaseJob | ReopenGate | Retire | Say
+    RunTransition | StartDense | CheckArrival | ReleaseJob | ReopenGate | Retire | Depart | Say
 )  # fmt: skip
 
 
@@ -222,6 +236,9 @@ class MembershipCore:
         self.unverified: set[str] = set()
         """Receivers seen, restarted or restored since a complete fingerprint checked them."""
         self._restarted: set[str] = set()
+        """Receivers restarted or departed since the running transition began."""
+        self._gone: set[str] = set()
+        """Receivers that departed and have not reported since: neither members nor joiners."""
         self._jobs: dict[str, _Job] = {}
         self._running: RunTransition | None = None
         self._engaged: frozenset[str] = frozenset()
@@ -257,11 +274,12 @@ class MembershipCore:
         )
 
     def joining(self, record: CommitRecord) -> set[str]:
-        """Receivers not (yet) holding ``record``: starting, restoring or behind."""
+        """Receivers not (yet) holding ``record``: starting, restoring or behind (not those
+        that departed)."""
         return {
             r
             for r in self.config.receivers
-            if (s := self.statuses.get(r)) is None or s.record != record
+            if ((s := self.statuses.get(r)) is None or s.record != record) and r not in self._gone
         }
 
     def job_of(self, job: int) -> str | None:
@@ -273,14 +291,31 @@ class MembershipCore:
         return {r: j.job for r, j in self._jobs.items()}
 
     def restarted(self) -> tuple[str, ...]:
-        """Endpoints restarted since the running transition began: their old process is gone."""
+        """Endpoints restarted or departed since the running transition began: their old
+        process is gone (or out of reach: nothing waits for it)."""
         return tuple(sorted(self._restarted))
 
+    def gone(self) -> tuple[str, ...]:
+        """Receivers that departed and have not reported since."""
+        return tuple(sorted(self._gone))
+
+    def departable(self) -> set[str]:
+        """Receivers whose departure would change something: those that reported, and those
+        of a replaced coordinator's attempt the running transition takes over (whether or not
+        they reported to this coordinator)."""
+        names = {r for r in self.config.receivers if r in self.statuses}
+        run = self._running
+        if run is not None and run.take_over is not None:
+            names |= set(run.take_over.receivers) - self._gone
+        return names & set(self.config.receivers)
+
     def silent(self) -> tuple[list[str], list[str]]:
-        """Owners and receivers of the fleet that never reported."""
+        """Owners and receivers of the fleet that never reported (departed ones aside)."""
         return (
             sorted(o for o in self.config.owners if o not in self.statuses),
-            sorted(r for r in self.config.receivers if r not in self.statuses),
+            sorted(
+                r for r in self.config.receivers if r not in self.statuses and r not in self._gone
+            ),
         )
 
     # -- events ----------------------------------------------------------------------------
@@ -304,6 +339,8 @@ class MembershipCore:
             case DenseAsked(record=record, receivers=receivers):
                 for r in sorted(receivers):
                     self._start_job(r, record, out, asked=True)
+            case Departed(endpoint=endpoint):
+                self._on_departed(endpoint, out)
         return out
 
     def _on_tick(self, tick: Tick, out: list[MembershipCommand]) -> None:
@@ -341,6 +378,12 @@ class MembershipCore:
         self._engaged = frozenset(members)
         self._restarted.clear()
         out.append(run)
+        if old is not None:
+            # The attempt taken over may bind receivers that departed since: the run goes on
+            # without them, and no stop of it waits for them.
+            for r in sorted(self._gone & old.receivers):
+                self._restarted.add(r)
+                out.append(Depart(endpoint=r))
 
     def _say_silent(self, now: float, out: list[MembershipCommand]) -> None:
         assert self._active_since is not None
@@ -427,6 +470,10 @@ class MembershipCore:
         name = status.endpoint
         before = self.statuses.get(name)
         self.statuses[name] = status
+        if name in self._gone:
+            # A departed receiver reports again: it rejoins as one seen for the first time.
+            self._gone.discard(name)
+            out.append(Say(kind="returned", fields={"receiver": name}))
         if before is None and name in self.config.receivers:
             # Seen for the first time: whatever version it claims (an engine started from a
             # checkpoint, a preloaded rank, a receiver of a replaced coordinator's fleet), its
@@ -442,6 +489,25 @@ class MembershipCore:
             out.append(Say(kind="restarted", fields={"endpoint": name}))
             if self._running is not None:
                 out.append(Retire(endpoint=name))
+
+    def _on_departed(self, name: str, out: list[MembershipCommand]) -> None:
+        """A receiver left the fleet: forget its status and job; the running transition goes
+        on without it, and no later one requires it or waits for it until it reports again."""
+        if name not in self.departable():
+            return  # an owner, or a receiver not heard from (or departed already)
+        self.statuses.pop(name, None)
+        self._gone.add(name)
+        self.unverified.add(name)
+        self._engaged = self._engaged - {name}
+        job = self._jobs.pop(name, None)
+        if job is not None:
+            out.append(ReleaseJob(job=job.job))
+        out.append(Say(kind="departed", fields={"receiver": name}))
+        if self._running is not None:
+            # Like a restart: the run's fingerprint of it no longer verifies it, and the
+            # supervisor answers for it (CheckRetired) so that no stop waits for it.
+            self._restarted.add(name)
+            out.append(Depart(endpoint=name))
 
     def _on_ready(
         self, receiver: str, record: CommitRecord, job_id: int | None, out: list[MembershipCommand]

@@ -88,6 +88,13 @@ class AbortRefits:
         self.refitted.add(receiver)
         return True
 
+    def gone(self, receiver: str) -> bool:
+        """``receiver`` departed: its dense refit is not waited for; whether it was."""
+        if receiver not in self.needed - self.refitted:
+            return False
+        self.needed = self.needed - {receiver}
+        return True
+
     def pending(self) -> str | None:
         """Guard: every receiver where writes landed was restored, or which were not."""
         missing = self.needed - self.refitted

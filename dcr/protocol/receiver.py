@@ -64,6 +64,8 @@ class ReceiverCore:
         self._gate_open = held is not None
         self._epoch = 0
         self._latest = 0
+        self._draining: int | None = None
+        """The dense job that closed the gate while the requests in flight still drain."""
         """Highest attempt id seen; a prepare that arrives after its attempt was stopped is
         refused (attempt ids increase, see :class:`~dcr.protocol.types.IdSource`)."""
         self._m = StateMachine(
@@ -160,6 +162,13 @@ class ReceiverCore:
                     self._m.fire(_X.WAIT_FOR_REQUESTS)
                     self._gate_open = False
                     out.append(cmd.CloseGate(attempt=tau))
+            case ev.RequestsDrained(attempt=tau) if tau == self._draining:
+                # The requests served before a dense job closed the gate finished: it writes.
+                self._draining = None
+                d = self._intake.dense
+                if d is not None and not d.apply_open:
+                    d.apply_open = True
+                    self._intake.pump(d, out)
             case ev.RequestsDrained(attempt=tau):
                 if self._current(tau, self._epoch) and self.phase in (_R.GATED, _R.APPLYING):
                     out.append(cmd.Notify(message=msg.GateClosed(attempt=tau, receiver=self.name)))
@@ -449,7 +458,14 @@ class ReceiverCore:
             owners=call.owners,
             receivers=frozenset({self.name}),
         )
-        d = self._intake.dense = Ingest(info=info, dense=True, apply_open=True)
+        # A dense job never writes under an open gate (a receiver cleaned up after an attempt
+        # that failed before admission still serves its record): it closes the gate and
+        # applies once the requests in flight drained.
+        if self._gate_open:
+            self._gate_open = False
+            self._draining = call.job
+            out.append(cmd.CloseGate(attempt=call.job))
+        d = self._intake.dense = Ingest(info=info, dense=True, apply_open=self._draining is None)
         self._intake.parked.discard(
             lambda key: key.attempt != call.job and not self._is_active(key.attempt),
             "obsolete",

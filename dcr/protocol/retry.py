@@ -89,3 +89,10 @@ class RetryPolicy:
         """``receiver`` was restored; whether the join wait may end now."""
         self.restoring.discard(receiver)
         return self.join_wait and not self.restoring
+
+    def gone(self, receiver: str) -> bool:
+        """``receiver`` departed: it is not waited for; whether the join wait may end now
+        (only when it was waited for)."""
+        if receiver not in self.restoring:
+            return False
+        return self.ready(receiver)

@@ -275,6 +275,13 @@ class World:
         for tau in self.required:
             self._post_reply(msg.Retired(attempt=tau, endpoint=name))
 
+    def depart(self, name: str) -> None:
+        """Receiver ``name`` departs (out of reach past the coordinators' bound): every live
+        coordinator is told at once.  Its process stays as it is; messages to it stay in
+        flight for a test to hold or deliver later (it came back)."""
+        for epoch in sorted(self.alive_coordinators):
+            self._handle_coordinator(epoch, ev.Departed(endpoint=name))
+
     def dense_refit(self, name: str) -> None:
         """The engine restores the committed record by a dense load and prewarm."""
         rx = self.receivers[name]

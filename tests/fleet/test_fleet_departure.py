@@ -1,0 +1,118 @@
+"""The fleet coordinator lets a receiver depart once its control connection has been gone for
+``[coordinator] depart_after_s`` (or at once when a supervisor reports it lost)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+from dcr.adapters.commit.memory import MemoryCommitStore
+from dcr.errors import ConfigError
+from dcr.fleet.config import load_fleet
+from dcr.fleet.coordinator import FleetCoordinator
+from dcr.fleet.eventlog import EventLog
+from dcr.protocol import messages as msg
+from dcr.protocol.types import CommitRecord
+
+FLEET = """
+[model]
+size_mb = 0
+refits = 1
+
+[coordinator]
+depart_after_s = {depart}
+
+[[rollout]]
+name = "a"
+receivers = [{{ name = "r0", tp = 1, rank = 0 }}, {{ name = "r1", tp = 1, rank = 0 }}]
+"""
+
+K0 = CommitRecord(version=0, candidate="g0")
+
+
+def _coordinator(tmp_path: Path, depart: float, connected: set[str] | None) -> FleetCoordinator:
+    (tmp_path / "fleet.toml").write_text(FLEET.format(depart=depart))
+    cfg = load_fleet(tmp_path / "fleet.toml")
+    c = FleetCoordinator(
+        owners=cfg.owners,
+        receivers=("r0", "r1"),
+        store=MemoryCommitStore(),
+        control=None,  # type: ignore[arg-type]
+        transport=None,  # type: ignore[arg-type]
+        config=cfg,
+        log=EventLog(tmp_path / "events", "coordinator"),
+    )
+    c.membership = c._core(1)
+    if connected is not None:
+        c._link = SimpleNamespace(endpoints=lambda: dict.fromkeys(connected))  # type: ignore[assignment]
+    for r in ("r0", "r1"):
+        c.membership.handle(
+            msg.EndpointStatus(endpoint=r, role="receiver", incarnation="i0", record=K0)
+        )
+    return c
+
+
+def test_a_receiver_unreachable_past_the_bound_departs(tmp_path: Path) -> None:
+    connected = {"r0", "r1"}
+    c = _coordinator(tmp_path, 30.0, connected)
+    assert c._unreachable(0.0) == []
+    connected.discard("r1")
+    assert c._unreachable(1.0) == []
+    assert c._unreachable(29.5) == []  # last seen connected at 0 s
+    assert c._unreachable(30.5) == ["r1"]
+    assert c._unreachable(31.5) == []  # (it departs once)
+
+
+def test_a_receiver_that_reconnects_in_time_stays(tmp_path: Path) -> None:
+    connected = {"r0", "r1"}
+    c = _coordinator(tmp_path, 30.0, connected)
+    connected.discard("r1")
+    assert c._unreachable(0.0) == []
+    connected.add("r1")
+    assert c._unreachable(20.0) == []
+    connected.discard("r1")
+    assert c._unreachable(45.0) == []  # gone since 20 s only
+    assert c._unreachable(50.5) == ["r1"]
+
+
+def test_no_departure_without_a_bound_or_a_link_that_says_who_is_connected(
+    tmp_path: Path,
+) -> None:
+    assert _coordinator(tmp_path, 0.0, set())._unreachable(1e6) == []
+    c = _coordinator(tmp_path, 30.0, None)
+    c._link = SimpleNamespace()  # type: ignore[assignment]
+    assert c._unreachable(0.0) == [] and c._unreachable(1e6) == []
+
+
+def test_a_departed_receiver_leaves_the_membership_and_a_report_departs_at_once(
+    tmp_path: Path,
+) -> None:
+    connected = {"r0"}
+    c = _coordinator(tmp_path, 30.0, connected)
+    assert c._unreachable(0.0) == []
+
+    async def scenario() -> None:
+        async with anyio.create_task_group() as tg:
+            c._tg = tg
+            await c.depart(["r1"])
+            assert c.members(K0) == ("r0",)
+            assert c.membership is not None and c.membership.gone() == ("r1",)
+            # Gone already: the watch does not depart it again.
+            assert c._unreachable(100.0) == []
+            tg.cancel_scope.cancel()
+
+    anyio.run(scenario)
+    events = (tmp_path / "events").glob("*")
+    text = "".join(p.read_text() for p in events if p.is_file())
+    assert '"departed"' in text
+
+
+def test_the_bound_is_a_coordinator_setting(tmp_path: Path) -> None:
+    (tmp_path / "fleet.toml").write_text(FLEET.format(depart=-1))
+    with pytest.raises(ConfigError, match="depart_after_s"):
+        load_fleet(tmp_path / "fleet.toml")
+    (tmp_path / "fleet.toml").write_text(FLEET.format(depart=12.5))
+    assert load_fleet(tmp_path / "fleet.toml").coordinator.depart_after_s == 12.5
