@@ -18,6 +18,7 @@ from typing import Any
 from dcr.adapters.transport.relay import balanced_tree
 from dcr.errors import ConfigError, DcrError
 from dcr.fleet.config import FleetConfig
+from dcr.fleet.runtime import relayed
 from dcr.ray.actors import BIND_WAIT_S, CoordinatorActor, Directory, RelayActor
 from dcr.ray.placement import Placement, plan
 
@@ -82,7 +83,7 @@ class RayFleet:
             .options(name=self.name("directory"), namespace=ns, max_restarts=-1, num_cpus=0)
             .remote()
         )
-        for node in _tree_order(cfg):
+        for node in _tree_order(cfg) if relayed(cfg) else ():  # object storage: no tree
             node_id = placement.rollout[node]
             actor = (
                 ray.remote(RelayActor)
