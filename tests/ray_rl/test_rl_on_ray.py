@@ -22,7 +22,7 @@ from dcr.ray.netns import only_loopback
 
 pytestmark = pytest.mark.vllm
 
-STEPS = 5
+STEPS = 4
 COMPARED = ("reward", "kl", "loss", "tokens_sha256")
 
 
