@@ -177,7 +177,7 @@ imports its own package and the layers below it, never its neighbours in the sam
 anything above.  ``""`` is the package itself (its lazy exports name every layer)."""
 ALLOWED = {("catalog", "apply"), ("integrations", "fleet"), ("rl", "fleet"), ("bench", "fleet"),
            ("demo", "fleet"), ("integrations", "local"), ("ray", "fleet"),
-           ("ray", "integrations"), ("rl", "ray")}  # fmt: skip
+           ("ray", "integrations"), ("rl", "ray"), ("bench", "ray")}  # fmt: skip
 """Imports between neighbours that the order allows (an upper part of a layer on a lower)."""
 
 

@@ -87,11 +87,11 @@ def test_the_rl_loop_on_ray_with_actors_killed_equals_dense_refits(
 def test_the_embedding_example_trains_and_syncs_through_dcr(
     tmp_path: Path, dense: dict[str, Any]
 ) -> None:
-    """``examples/ray_rl_stack.py`` (docs/ray.md): a trainer worker group and a rollout actor
+    """``examples/ray/rl_stack.py`` (docs/ray.md): a trainer worker group and a rollout actor
     of the user's own, weight sync through dcr; the same policy, task and seeds as ``dcr rl``,
     so its rewards are the dense run's, and the engine ends on the last version."""
     steps = 3
-    example = Path(__file__).parents[2] / "examples" / "ray_rl_stack.py"
+    example = Path(__file__).parents[2] / "examples" / "ray" / "rl_stack.py"
     done = subprocess.run(
         [sys.executable, str(example), "--local", "--steps", str(steps), "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=900,

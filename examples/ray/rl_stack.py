@@ -12,7 +12,7 @@ dcr the weight sync is one call on each side:
 
 Run it on a cluster whose nodes carry the ``trainer`` and ``rollout`` resources (``ray start
 --resources '{"trainer": 4}'`` on trainer nodes, ``'{"rollout": 1}'`` on rollout nodes) with
-``python examples/ray_rl_stack.py --address auto``, or on a local cluster of four nodes that
+``python examples/ray/rl_stack.py --address auto``, or on a local cluster of four nodes that
 it starts itself (``--local``; on a shared machine inside ``unshare -n python -m
 dcr.ray.netns``).  It prints one line per step and, at the end, the version the engine
 holds (committed only once every worker proved it holds the trainer's bits).  Needs vLLM
