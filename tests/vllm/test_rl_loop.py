@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-STEPS = 5
+STEPS = 4
 COMPARED = ("reward", "kl", "loss", "tokens_sha256")
 
 
@@ -98,5 +98,5 @@ def test_asynchronous_tp2_over_s3_equals_dense_refits(tmp_path: Path) -> None:
     delta = _rl(tmp_path / "delta", "--mode", "async", "--tp", "2", "--transport", "s3")
     _same_run(delta, dense)
     # Step k trains on rollouts of version k - 2 (the first two on version 0).
-    assert [r["staleness"] for r in delta["steps"]] == [0, 1, 1, 1, 1]
+    assert [r["staleness"] for r in delta["steps"]] == [0, 1, 1, 1]
     assert delta["transport"] == "s3" and delta["tp"] == 2
