@@ -1,12 +1,10 @@
 """The coordinator core: Algorithm B.2 (and the coordinator's part of B.1) as events -> commands.
 
-One :class:`CoordinatorCore` drives one transition ``K^v -> v+1``.  It holds two machines built
-from the edge table: the transition lifecycle and the lifecycle of the current attempt.  It
-never waits: every control call is a command, and its replies, timeouts and failures come
-back as events.
-
-The core decides what the transition does next (admission, commit, failure, stop, cleanup,
-retry, takeover, operator abort); its parts live beside it:
+One :class:`CoordinatorCore` drives one transition ``K^v -> v+1``: two machines built from the
+edge table (the transition lifecycle, the current attempt's).  It never waits: every control
+call is a command; replies, timeouts and failures come back as events.  It decides what the
+transition does next (admission, commit, failure, stop, cleanup, retry, takeover, departure,
+operator abort); its parts live beside it:
 
 * :mod:`dcr.protocol.transition`: :class:`CoordinatorConfig` and the transition lifecycle's
   machine with its guards;

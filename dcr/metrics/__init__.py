@@ -17,23 +17,35 @@ imported before it is used.  :data:`METRICS` lists every metric, its type, label
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
-from dcr.errors import ConfigError
+from dcr.metrics.backends import (
+    Backend,
+    NullBackend,
+    PrometheusBackend,
+    RayBackend,
+    in_ray_actor,
+    prometheus_client_module,
+)
+from dcr.metrics.names import ATTEMPTS, LABELS, METRICS, PHASES, PREFIX, SECONDS, Metric
 
 __all__ = [
+    "ATTEMPTS",
+    "LABELS",
     "METRICS",
+    "PHASES",
+    "SECONDS",
     "PREFIX",
     "Backend",
     "Metric",
     "Metrics",
     "NullBackend",
+    "prometheus_client_module",
     "PrometheusBackend",
     "RayBackend",
     "RoleMetrics",
@@ -42,296 +54,6 @@ __all__ = [
     "installed",
     "union_seconds",
 ]
-
-PREFIX = "dcr_"
-"""Every metric's name starts with it."""
-
-LABELS = ("fleet", "role", "name")
-"""The labels of every series: the fleet (``[fleet] name``), the process's role
-(``coordinator``, ``owner``, ``receiver``, ``relay``) and its name (``coordinator``, ``o0``,
-``r1``, ``relay-node0``, ...)."""
-
-SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0,
-           300.0, 600.0)  # fmt: skip
-"""Histogram buckets of durations (seconds)."""
-ATTEMPTS = (1.0, 2.0, 3.0, 4.0, 5.0, 8.0, 16.0)
-"""Histogram buckets of attempts per refit."""
-
-INSTALL_HINT = "pip install 'dcr[metrics]'"
-
-Kind = Literal["counter", "gauge", "histogram"]
-
-
-@dataclass(frozen=True, slots=True)
-class Metric:
-    """One metric of the scheme: its full name, type, help text, labels beyond
-    :data:`LABELS`, the roles that report it and, for a histogram, its buckets."""
-
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-    roles: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()
-
-    @property
-    def label_names(self) -> tuple[str, ...]:
-        return (*LABELS, *self.labels)
-
-
-def _m(name: str, kind: Kind, roles: str, help_: str, *labels: str, buckets: Sequence[float] = ())\
-        -> Metric:  # fmt: skip
-    return Metric(f"{PREFIX}{name}", kind, help_, tuple(labels), tuple(roles.split()),
-                  tuple(buckets))  # fmt: skip
-
-
-METRICS: dict[str, Metric] = {
-    m.name: m
-    for m in (
-        # -- refits, as the coordinator runs them ---------------------------------------------
-        _m("refits_total", "counter", "coordinator",
-           "Transitions this coordinator ended, by outcome (committed, conflict, rejected, "
-           "aborted, ...).", "outcome"),
-        _m("refit_failures_total", "counter", "coordinator",
-           "Transitions that ended without moving the commit record."),
-        _m("attempts_total", "counter", "coordinator",
-           "Attempts registered, by mode (mixed, overwrite).", "mode"),
-        _m("attempt_failures_total", "counter", "coordinator",
-           "Attempts that did not commit (a retry followed, or the transition failed)."),
-        _m("refit_attempts", "histogram", "coordinator",
-           "Attempts of each committed transition (1: no retry).", buckets=ATTEMPTS),
-        _m("dense_refits_total", "counter", "coordinator",
-           "Dense refits of joining or restarted receivers, by outcome (started, restored, "
-           "failed).", "outcome"),
-        _m("disproved_total", "counter", "coordinator",
-           "Receivers whose proof of the base version failed at a prepare."),
-        _m("endpoint_restarts_total", "counter", "coordinator",
-           "Owners and receivers the coordinator saw come back as a new process."),
-        _m("coordinator_active", "gauge", "coordinator",
-           "1 while this coordinator holds the lease, 0 while it is a standby."),
-        _m("staleness_versions", "gauge", "coordinator",
-           "Versions the receiver is behind the commit record, as far as this coordinator "
-           "knows (0: it holds the committed version).", "receiver"),
-        # -- every role ----------------------------------------------------------------------
-        _m("committed_version", "gauge", "coordinator owner receiver",
-           "The committed version this process knows: the coordinator's commit record, the "
-           "owner's baseline, the version the receiver holds."),
-        _m("refit_phase_seconds", "histogram", "coordinator owner receiver",
-           "Seconds of one phase of a committed refit (see docs/operations.md for each "
-           "phase).", "phase", buckets=SECONDS),
-        # -- owners --------------------------------------------------------------------------
-        _m("payloads_total", "counter", "owner",
-           "Attempt payloads the transport accepted from this owner."),
-        _m("payload_bytes_total", "counter", "owner",
-           "Bytes of the attempt payloads the transport accepted from this owner (V_payload)."),
-        _m("refit_payload_bytes", "gauge", "owner",
-           "Payload bytes this owner sent for its last committed refit, every attempt."),
-        _m("refit_changed_elements", "gauge", "owner",
-           "Canonical elements whose stored bits changed in the last committed refit, among "
-           "those this owner compares."),
-        _m("refit_change_ratio", "gauge", "owner",
-           "This owner's changed elements over all the model's canonical elements, last "
-           "committed refit; summed over owners it is the fleet's change rate."),
-        _m("rollout_staleness_versions", "gauge", "owner",
-           "Versions between the policy a training step's rollouts came from and the one it "
-           "trained (the RL loop's rl-step events)."),
-        # -- the rollout side ----------------------------------------------------------------
-        _m("cross_bytes_total", "counter", "relay receiver",
-           "Bytes that crossed from the trainer side into the rollout side (V_cross): the relay "
-           "root's receive path, or a receiver process's GETs on object storage."),
-        _m("payloads_applied_total", "counter", "receiver",
-           "Payloads applied in place (refits and dense restores)."),
-        _m("gate_closed_seconds", "histogram", "receiver",
-           "Seconds the request gate stayed closed, from the close call to the reopen.",
-           buckets=SECONDS),
-        _m("relay_held_bytes", "gauge", "relay",
-           "Payload bytes the relay node holds now (granted room included at the root)."),
-    )
-}  # fmt: skip
-
-PHASES = {
-    "refit": "coordinator: from the transition's start to its commit, retries included",
-    "publish": "owner: from publish() to the commit and this owner's baseline update",
-    "stage": "owner: the residual exchange of staging in the trainer's process group",
-    "construct": "owner: wall seconds while at least one bucket of the refit was built and "
-    "encoded (the union of its `built` intervals; synthetic trainer)",
-    "transport": "owner: wall seconds while at least one of its payloads was in the "
-    "transport's hands (the union of its `sent` intervals; synthetic trainer)",
-    "baseline": "owner: the baseline update after the commit",
-    "apply": "receiver: from the gate closed (requests drained) to the last payload applied",
-    "commit": "receiver: from the last payload applied to the gate reopened (flush, "
-    "acknowledgement, the commit record's compare-and-set, the holds report)",
-}
-"""The ``phase`` label's values of ``dcr_refit_phase_seconds`` and what each measures."""
-
-
-# -- backends ---------------------------------------------------------------------------------
-
-
-class Backend(Protocol):
-    """Where metric updates go: three calls, each with a metric of :data:`METRICS` and the
-    values of all its labels."""
-
-    address: str | None
-    """Where the metrics can be read (a URL), when the backend serves them itself."""
-
-    def inc(self, metric: Metric, labels: Mapping[str, str], value: float) -> None: ...
-
-    def set(self, metric: Metric, labels: Mapping[str, str], value: float) -> None: ...
-
-    def observe(self, metric: Metric, labels: Mapping[str, str], value: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullBackend:
-    """Metrics off: every update is dropped."""
-
-    address: str | None = None
-
-    def inc(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        pass
-
-    def set(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        pass
-
-    def observe(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def prometheus_client_module() -> Any:
-    """``prometheus_client``, or a :class:`ConfigError` saying how to install it."""
-    try:
-        return importlib.import_module("prometheus_client")
-    except ImportError as exc:
-        raise ConfigError(
-            f"[metrics] port is set, but prometheus_client is not installed: {INSTALL_HINT}",
-            check="metrics",
-        ) from exc
-
-
-class PrometheusBackend:
-    """``prometheus_client`` metrics in a registry of their own (never the library's global
-    one, which a serving runtime such as vLLM may use itself), served by
-    ``prometheus_client.start_http_server`` on ``host:port`` when :meth:`serve` is called."""
-
-    def __init__(self) -> None:
-        self._pc = prometheus_client_module()
-        self.registry = self._pc.CollectorRegistry(auto_describe=True)
-        self._made: dict[str, Any] = {}
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-        self.address: str | None = None
-        self.port: int | None = None
-
-    def serve(self, host: str, port: int) -> str:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port); returns its URL."""
-        server, thread = self._pc.start_http_server(port, addr=host, registry=self.registry)
-        self._server, self._thread = server, thread
-        self.port = int(server.server_address[1])
-        shown = f"[{host}]" if ":" in host else host
-        self.address = f"http://{shown}:{self.port}/metrics"
-        return self.address
-
-    def _metric(self, metric: Metric) -> Any:
-        made = self._made.get(metric.name)
-        if made is None:
-            names = list(metric.label_names)
-            if metric.kind == "counter":
-                made = self._pc.Counter(metric.name, metric.help, names, registry=self.registry)
-            elif metric.kind == "gauge":
-                made = self._pc.Gauge(metric.name, metric.help, names, registry=self.registry)
-            else:
-                made = self._pc.Histogram(
-                    metric.name, metric.help, names, registry=self.registry, buckets=metric.buckets
-                )
-            self._made[metric.name] = made
-        return made
-
-    def inc(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        self._metric(metric).labels(**labels).inc(value)
-
-    def set(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        self._metric(metric).labels(**labels).set(value)
-
-    def observe(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        self._metric(metric).labels(**labels).observe(value)
-
-    def exposition(self) -> str:
-        """The registry in the Prometheus text format (what ``/metrics`` answers)."""
-        return str(self._pc.generate_latest(self.registry).decode())
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
-
-
-class RayBackend:
-    """``ray.util.metrics`` inside a Ray actor: each node's metrics agent exports them in the
-    Prometheus format on the node's metrics export port (Ray prefixes every name with
-    ``ray_``).  Counters are made under the name without ``_total``: the export adds it."""
-
-    address: str | None = None
-
-    def __init__(self) -> None:
-        self._metrics = importlib.import_module("ray.util.metrics")
-        self._made: dict[str, Any] = {}
-
-    @staticmethod
-    def exported_name(metric: Metric) -> str:
-        """The name Ray registers ``metric`` under (see the class)."""
-        if metric.kind == "counter" and metric.name.endswith("_total"):
-            return metric.name[: -len("_total")]
-        return metric.name
-
-    def _metric(self, metric: Metric) -> Any:
-        made = self._made.get(metric.name)
-        if made is None:
-            name, keys = self.exported_name(metric), metric.label_names
-            if metric.kind == "counter":
-                made = self._metrics.Counter(name, description=metric.help, tag_keys=keys)
-            elif metric.kind == "gauge":
-                made = self._metrics.Gauge(name, description=metric.help, tag_keys=keys)
-            else:
-                made = self._metrics.Histogram(
-                    name, description=metric.help, boundaries=list(metric.buckets), tag_keys=keys
-                )
-            self._made[metric.name] = made
-        return made
-
-    def inc(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        if value > 0:  # Ray refuses increments of 0
-            self._metric(metric).inc(value, tags=dict(labels))
-
-    def set(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        self._metric(metric).set(value, tags=dict(labels))
-
-    def observe(self, metric: Metric, labels: Mapping[str, str], value: float) -> None:
-        self._metric(metric).observe(value, tags=dict(labels))
-
-    def close(self) -> None:
-        pass
-
-
-def in_ray_actor() -> bool:
-    """Whether this process runs a Ray actor (``ray`` already imported and initialized, and
-    the runtime context names an actor).  Never imports Ray itself."""
-    ray = sys.modules.get("ray")
-    if ray is None:
-        return False
-    try:
-        return bool(ray.is_initialized()) and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # a Ray half torn down: not an actor we can report from
-        return False
-
 
 # -- from events to metric updates ------------------------------------------------------------
 
