@@ -281,3 +281,29 @@ def test_the_reset_command_names_what_it_deletes(
     ]
     state = json.loads(run("show", "--json")[1])
     assert (state["version"], state["epoch"]) == (0, 0)
+
+
+def test_a_sqlite_store_opened_while_another_process_holds_it_locked_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite does not always wait for a lock itself (recovering the WAL index after a killed
+    process): opening the store tries again until ``timeout_s`` instead of failing at once,
+    and a lock past ``timeout_s`` is still an error that names the database."""
+    import sqlite3
+
+    SqliteCommitStore(tmp_path / "commit.db")  # the fleet's database exists
+    real = SqliteCommitStore._connect
+    failures = [2]
+
+    def connect(self: SqliteCommitStore, *, shared: bool = False) -> sqlite3.Connection:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise sqlite3.OperationalError("database is locked")
+        return real(self, shared=shared)
+
+    monkeypatch.setattr(SqliteCommitStore, "_connect", connect)
+    store = SqliteCommitStore(tmp_path / "commit.db")
+    assert failures == [0] and store.path == tmp_path / "commit.db"
+    failures[0] = 10**6
+    with pytest.raises(CommitStoreError, match="database is locked"):
+        SqliteCommitStore(tmp_path / "commit.db", timeout_s=0.2)

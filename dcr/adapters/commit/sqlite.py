@@ -127,9 +127,27 @@ class SqliteCommitStore(CommitStore):
     def _present(self, *, opening: bool = False) -> None:
         """Check that the database is there (``opening``: that it holds the table too),
         creating the table and this policy's row where the store was never written; raise
-        :func:`record_missing` where it was written and is gone."""
+        :func:`record_missing` where it was written and is gone.  A database another process
+        holds locked (SQLite does not always wait for it: recovering the WAL index after a
+        process was killed, say) is tried again until ``timeout_s``."""
         if not opening and not self._lost and self.path.exists():
             return
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self._open()
+                return
+            except CommitStoreError as exc:
+                cause = exc.__cause__
+                locked = isinstance(cause, sqlite3.OperationalError) and any(
+                    word in str(cause).lower() for word in ("locked", "busy")
+                )
+                if not locked or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
+    def _open(self) -> None:
+        """One try of :meth:`_present`."""
         try:
             lost = self._lost_error()
         except sqlite3.Error as exc:
