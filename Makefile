@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-dev
 # Tests run on JOBS pytest-xdist workers (most wait on processes or run single-threaded Python,
 # so two workers halve the wall time on a 2-core machine); JOBS=0 runs them in one process.
 JOBS    ?= 2
-PYTEST  ?= -q --durations=15 -n $(JOBS) --dist loadgroup
+PYTEST  ?= -q --durations=15 -n $(JOBS)
 
 .PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-ray test-vllm test-ray-rl test-megatron lint bench soak docs clean
 

@@ -69,7 +69,6 @@ def dense_sync(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.xdist_group("dense-sync")  # one worker computes the reference
 def test_delta_refits_over_the_relay_tree_equal_dense_refits(
     tmp_path: Path, dense_sync: dict[str, Any]
 ) -> None:
@@ -85,7 +84,6 @@ def test_delta_refits_over_the_relay_tree_equal_dense_refits(
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0.0
 
 
-@pytest.mark.xdist_group("dense-sync")  # one worker computes the reference
 def test_engine_and_trainer_killed_mid_refit_still_equal_dense_refits(
     tmp_path: Path, dense_sync: dict[str, Any]
 ) -> None:
