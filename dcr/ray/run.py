@@ -218,7 +218,9 @@ class RayRun(FleetProgress):
             import ray
         except ImportError:
             return
-        for actor in [*self.ranks, *self.receivers.values(), *self.engines.values()]:
+        # An engine's actor hosts several receivers: each actor once.
+        hosted = [a for n, a in self.receivers.items() if self.cfg.engine_of(n) is None]
+        for actor in [*self.ranks, *hosted, *self.engines.values()]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
