@@ -495,8 +495,15 @@ class FleetCoordinator:
                 await anyio.sleep(0.2)
 
 
-async def run_coordinator(cfg: FleetConfig, name: str = "coordinator") -> None:
-    """Serve as the fleet's coordinator (or its standby) until cancelled."""
+async def run_coordinator(
+    cfg: FleetConfig,
+    name: str = "coordinator",
+    *,
+    started: Callable[[FleetCoordinator], None] | None = None,
+) -> None:
+    """Serve as the fleet's coordinator (or its standby) until cancelled.  ``started`` is
+    given the coordinator before it serves (a supervisor that reports lost receivers to it
+    through :meth:`FleetCoordinator.depart`)."""
     log = EventLog(cfg.events_dir, name)
     install_metrics(cfg, "coordinator", name)  # [metrics]: its events as metrics
     store = make_store(cfg)
@@ -513,6 +520,8 @@ async def run_coordinator(cfg: FleetConfig, name: str = "coordinator") -> None:
         name=name,
         faults=FaultPoints(cfg.run_dir / "faults.json", name, log),
     )
+    if started is not None:
+        started(coordinator)
     try:
         await coordinator.serve()
     finally:

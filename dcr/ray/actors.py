@@ -14,6 +14,7 @@ These classes are plain Python; :mod:`dcr.ray.fleet` makes them actors with ``ra
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
@@ -187,14 +188,28 @@ class CoordinatorActor:
         from dcr.fleet.coordinator import run_coordinator
 
         self.name = name
+        self._serving: tuple[Any, asyncio.AbstractEventLoop] | None = None
+
+        def started(coordinator: Any) -> None:
+            self._serving = (coordinator, asyncio.get_running_loop())
 
         async def main() -> None:
-            await run_coordinator(cfg, name)
+            await run_coordinator(cfg, name, started=started)
 
         self._role = _Role(main, f"dcr-{name}")
 
     def alive(self) -> bool:
         return self._role.alive()
+
+    def depart(self, receivers: list[str], timeout_s: float = 30.0) -> bool:
+        """Report ``receivers`` lost for good (their Ray node died): the active coordinator
+        lets them depart at once instead of after ``[coordinator] depart_after_s``; a standby
+        ignores it.  ``False`` when this coordinator is not serving yet."""
+        if self._serving is None:
+            return False
+        coordinator, loop = self._serving
+        asyncio.run_coroutine_threadsafe(coordinator.depart(receivers), loop).result(timeout_s)
+        return True
 
 
 class ReceiverActor:

@@ -174,6 +174,10 @@ class RayRun(FleetProgress):
             if gone:
                 self.say(f"rollout node {node.name} lost (its Ray node died): the fleet goes "
                          f"on without {', '.join(gone)}")  # fmt: skip
+                # The coordinator lets them depart now, not ``depart_after_s`` later; a
+                # coordinator that was lost too learns it from its control link instead.
+                for actor in self.fleet.coordinators.values():
+                    actor.depart.remote(gone)
 
     def _supervise(self) -> None:
         ray = require_ray()
