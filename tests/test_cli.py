@@ -103,17 +103,29 @@ def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
 
 def test_bench_apply_json(capsys):
     out = run_json(
-        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,0.05", "--repeats", "1",
-        "--loaders", "torch,sharded-tp2",
+        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,0.5", "--repeats", "1",
+        "--loaders", "torch,sharded-tp2", "--dense-above", "0.2",
     )  # fmt: skip
     rows = out["results"]
     assert [(r["loader"], r["rate"]) for r in rows] == [
-        ("torch", 0.01), ("torch", 0.05), ("sharded-tp2", 0.01), ("sharded-tp2", 0.05),
+        ("torch", 0.01), ("torch", 0.5), ("sharded-tp2", 0.01), ("sharded-tp2", 0.5),
     ]  # fmt: skip
     for r in rows:
         assert {"rate", "loader", "apply_seconds", "dense_load_seconds", "entries"} <= set(r)
         assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0 and r["read_seconds"] > 0
         assert r["bit_exact"] is True
+        assert r["dense_above"] == 0.2 and r["adaptive_apply_seconds"] > 0
+    # At 1% no tensor goes dense; at 50% the large ones do (each applied bit-exactly, on the
+    # sharded loader through fused and padded parameters too), and their bytes are the dense
+    # build's bytes of those tensors.
+    for r in rows:
+        if r["rate"] == 0.01:
+            assert r["dense_payload_bytes"] > r["payload_bytes"]  # every element vs 1%
+            assert r["adaptive_dense_items"] == 0
+            assert r["adaptive_payload_bytes"] == r["payload_bytes"]
+        else:
+            assert r["adaptive_dense_items"] > 0
+            assert r["adaptive_payload_bytes"] != r["payload_bytes"]
     # Every entry lands once on the single torch rank; the sharded ranks write no fewer.
     assert rows[0]["written"] == rows[0]["entries"] > 0
     assert rows[1]["entries"] > rows[0]["entries"]

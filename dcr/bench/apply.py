@@ -29,6 +29,7 @@ with a note).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -184,9 +185,15 @@ def _payloads(
     catalog: Mapping[str, TensorSpec],
     xor_allowed: frozenset[str],
     attempt: int,
+    *,
+    dense: bool = False,
 ) -> tuple[list[Payload], int]:
-    """One refit's payloads in mixed mode, encoded and decoded as a receiver decodes them."""
-    streams = group.build(mode=Mode.MIXED, xor_allowed=xor_allowed)
+    """One refit's payloads in mixed mode (``dense``: the committed version's dense build),
+    encoded and decoded as a receiver decodes them."""
+    if dense:
+        streams = group.build_dense()
+    else:
+        streams = group.build(mode=Mode.MIXED, xor_allowed=xor_allowed)
     data = [
         encode_bucket(
             items=bucket.items,
@@ -204,6 +211,35 @@ def _payloads(
     return decoded, sum(len(d) for d in data)
 
 
+def _timed_applies(
+    receivers: Sequence[Applier],
+    payloads: Sequence[Payload],
+    base: Mapping[str, torch.Tensor],
+    repeats: int,
+    attempt: int,
+) -> tuple[list[float], list[float], list[float], list[float], int, int]:
+    """``repeats`` applies of ``payloads``, each from ``base`` restored by a dense load:
+    apply, dense-load, read and planning seconds, positions written and loader calls."""
+    applies, denses, plans, reads = [], [], [], []
+    written = calls = 0
+    for repeat in range(repeats):
+        denses.append(_dense(receivers, base))
+        reads.append(_read(receivers))
+        gc.collect()
+        seconds, written, calls, plan_s = _apply(receivers, payloads, attempt + repeat)
+        applies.append(seconds)
+        plans.append(plan_s)
+    return applies, denses, reads, plans, written, calls
+
+
+def _with_dense_above(group: LocalTrainingGroup, above: float | None) -> None:
+    """Build the group's next payloads with ``dense_above = above``."""
+    config = dataclasses.replace(group.config, dense_above=above)
+    group.config = config
+    for owner in group.owners.values():
+        owner.config = config
+
+
 def run_apply_bench(
     *,
     size_bytes: int = 1_100_000_000,
@@ -211,10 +247,17 @@ def run_apply_bench(
     loaders: Sequence[str] = LOADERS,
     repeats: int = 3,
     threads: int | None = None,
+    dense_above: float | None = None,
     seed: int = 0,
     log: Say | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"results": [...], "model": {...}, "notes": [...]}``."""
+    """Run the benchmark; returns ``{"results": [...], "model": {...}, "notes": [...]}``.
+
+    ``dense_above``: the same refit is also built with that
+    :attr:`~dcr.delta.build.BuildConfig.dense_above` (tensors changed at least that much go
+    dense) and applied, beside the sparse one (``adaptive_*`` fields).  The dense build of
+    the model (every element, as a joining receiver gets it) gives ``dense_payload_bytes``.
+    """
     say = log or (lambda _msg: None)
     cfg = synthetic_config(size_bytes)
     say(f"building a {cfg['num_hidden_layers']}-layer synthetic llama model")
@@ -223,6 +266,8 @@ def run_apply_bench(
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
     plan = build_plan(catalog, TrainLayout(tp=2), family=FAMILY, config=cfg)
     group = LocalTrainingGroup(plan, plan.slice(base), config=BuildConfig())
+    _, dense_payload_bytes = _payloads(group, catalog, frozenset(), attempt=0, dense=True)
+    say(f"dense payloads of the model: {dense_payload_bytes:,} bytes")
     notes: list[str] = []
     results: list[dict[str, Any]] = []
     for kind in loaders:
@@ -237,23 +282,40 @@ def run_apply_bench(
                 new = perturb(base, rate=rate, seed=seed + 1 + i)
                 group.stage(plan.slice(new))
                 payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
+                adaptive: list[Payload] = []
+                adaptive_bytes = 0
+                if dense_above is not None:
+                    _with_dense_above(group, dense_above)
+                    adaptive, adaptive_bytes = _payloads(group, catalog, xor_allowed, i + 1)
+                    _with_dense_above(group, None)
                 group.discard()
                 entries = sum(item.count for p in payloads for item in p.items)
-                applies, denses, plans, reads = [], [], [], []
-                written = calls = 0
-                for repeat in range(repeats):
-                    denses.append(_dense(receivers, base))
-                    reads.append(_read(receivers))
-                    gc.collect()
-                    attempt = (i + 1) * 1000 + repeat
-                    seconds, written, calls, plan_s = _apply(receivers, payloads, attempt)
-                    applies.append(seconds)
-                    plans.append(plan_s)
+                applies, denses, reads, plans, written, calls = _timed_applies(
+                    receivers, payloads, base, repeats, (i + 1) * 1000
+                )
                 applied = _stored_bits(receivers)
+                extra: dict[str, Any] = {}
+                if adaptive:
+                    a_applies, a_denses, *_ = _timed_applies(
+                        receivers, adaptive, base, repeats, (i + 1) * 1000 + 500
+                    )
+                    denses += a_denses
+                    _check_bit_exact(receivers, applied, f"{kind} at rate {rate}, dense_above")
+                    dense_items = sum(
+                        1 for p in adaptive for it in p.items if it.span is not None
+                    )
+                    extra = {
+                        "dense_above": dense_above,
+                        "adaptive_apply_seconds": statistics.median(a_applies),
+                        "adaptive_payload_bytes": adaptive_bytes,
+                        "adaptive_dense_items": dense_items,
+                    }
                 denses.append(_dense(receivers, new))
                 _check_bit_exact(receivers, applied, f"{kind} at rate {rate}")
-                del applied, new, payloads
+                del applied, new, payloads, adaptive
                 apply_s, dense_s = statistics.median(applies), statistics.median(denses)
+                if extra:
+                    extra["adaptive_ratio"] = extra["adaptive_apply_seconds"] / dense_s
                 row = {
                     "rate": rate,
                     "loader": kind,
@@ -267,8 +329,10 @@ def run_apply_bench(
                     "loader_calls": calls,
                     "plan_seconds": statistics.median(plans),
                     "payload_bytes": payload_bytes,
+                    "dense_payload_bytes": dense_payload_bytes,
                     "ranks": len(receivers),
                     "bit_exact": True,
+                    **extra,
                 }
                 results.append(row)
                 say(
@@ -291,19 +355,40 @@ def run_apply_bench(
 
 
 def format_apply_table(result: dict[str, Any]) -> str:
-    """A fixed-width table of :func:`run_apply_bench` results."""
+    """A fixed-width table of :func:`run_apply_bench` results: the sparse refit beside a
+    dense load (time) and the dense payloads (bytes), and the ``dense_above`` build when
+    measured."""
     model = result["model"]
+    adaptive = any("adaptive_apply_seconds" in r for r in result["results"])
+    head = (
+        f"{'rate':>6} {'loader':>12} {'entries':>12} {'apply s':>8} {'dense s':>8} "
+        f"{'ratio':>6} {'sparse MB':>10} {'dense MB':>9} {'read s':>7} {'ns/entry':>8}"
+    )
+    if adaptive:
+        head += f" {'adapt s':>8} {'ratio':>6} {'adapt MB':>9} {'dense items':>11}"
     lines = [
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, median of "
         f"{model['repeats']} runs, {model['threads']} apply threads",
-        f"{'rate':>5} {'loader':>14} {'entries':>12} {'apply s':>9} {'dense s':>9} "
-        f"{'ratio':>6} {'read s':>8} {'ns/entry':>9} {'plan s':>8}",
+        head,
     ]
     for r in result["results"]:
+        line = (
+            f"{r['rate'] * 100:>5.3g}% {r['loader']:>12} {r['entries']:>12,} "
+            f"{r['apply_seconds']:>8.4f} {r['dense_load_seconds']:>8.4f} {r['ratio']:>6.2f} "
+            f"{r['payload_bytes'] / 1e6:>10.1f} {r['dense_payload_bytes'] / 1e6:>9.1f} "
+            f"{r['read_seconds']:>7.4f} {r['ns_per_entry']:>8.1f}"
+        )
+        if "adaptive_apply_seconds" in r:
+            line += (
+                f" {r['adaptive_apply_seconds']:>8.4f} {r['adaptive_ratio']:>6.2f} "
+                f"{r['adaptive_payload_bytes'] / 1e6:>9.1f} {r['adaptive_dense_items']:>11}"
+            )
+        lines.append(line)
+    if adaptive:
         lines.append(
-            f"{r['rate']:>5.0%} {r['loader']:>14} {r['entries']:>12,} {r['apply_seconds']:>9.4f} "
-            f"{r['dense_load_seconds']:>9.4f} {r['ratio']:>6.2f} {r['read_seconds']:>8.4f} "
-            f"{r['ns_per_entry']:>9.1f} {r['plan_seconds']:>8.4f}"
+            f"adapt: the same refit built with dense_above = "
+            f"{result['results'][0].get('dense_above')} (tensors changed at least that much "
+            "sent dense)"
         )
     lines.extend(result.get("notes", []))
     return "\n".join(lines)

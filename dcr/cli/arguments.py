@@ -16,6 +16,16 @@ def _floats(text: str) -> list[float]:
         ) from None
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _modes(text: str) -> list[str]:
     modes = [m.strip().upper() for m in text.split(",") if m.strip()]
     bad = [m for m in modes if m not in ("X", "P", "F")]

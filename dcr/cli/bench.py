@@ -10,6 +10,7 @@ from dcr.cli.arguments import (
     _backends,
     _err,
     _floats,
+    _fraction,
     _loaders,
     _modes,
     _positive,
@@ -115,6 +116,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     app.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     app.add_argument("--threads", type=_positive, default=None, help="apply threads")
+    app.add_argument(
+        "--dense-above",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="also build each refit with BuildConfig.dense_above = FRACTION (tensors changed "
+        "at least that much are sent dense) and apply it beside the sparse refit",
+    )
     app.add_argument("--json", action="store_true", help="print one JSON object")
 
     dense = bsub.add_parser(
@@ -300,6 +309,7 @@ def _bench_apply(args: argparse.Namespace) -> int:
         loaders=args.loaders,
         repeats=args.repeats,
         threads=args.threads,
+        dense_above=args.dense_above,
         log=_err,
     )
     print(json.dumps(result) if args.json else format_apply_table(result))

@@ -33,16 +33,28 @@ class BuildConfig:
     :attr:`Encoding.ULP` deltas for float dtypes (:data:`~dcr.tensors.ordered.ULP_DTYPES`; other
     dtypes keep XOR), the default, or :attr:`Encoding.XOR` masks everywhere (the paper's
     representation; payload format version 1 carries only these).
+    ``dense_above``: the choice between sparse and dense per tensor.  A shard (or a residual
+    tensor) of at least 65,536 elements with at least this fraction of them changed is sent as
+    one dense overwrite of everything it projects -- span items, no index per element, applied
+    by the receiver as block copies -- instead of sparse entries.  ``None`` (the default)
+    always sends sparse entries: relative entries (ULP deltas) stay smaller than a compressed
+    dense tensor even at 100% change, so going dense trades payload bytes for apply time.
+    ``dcr bench apply --dense-above`` measures both sides of that trade on a machine.
     """
 
     chunk_bytes: int = 64 * MiB
     bucket_bytes: int = 512 * MiB
     threads: int | None = None
     relative_encoding: Encoding = Encoding.ULP
+    dense_above: float | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.bucket_bytes <= 0:
             raise ConfigError("chunk_bytes and bucket_bytes must be positive")
+        if self.dense_above is not None and not 0.0 < self.dense_above <= 1.0:
+            raise ConfigError(
+                f"dense_above must be in (0, 1] or None (never dense), got {self.dense_above}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.relative_encoding not in (Encoding.XOR, Encoding.ULP):
@@ -78,6 +90,10 @@ class BuildStats:
     xor_entries: int = 0
     overwrite_entries: int = 0
     ulp_entries: int = 0
+    dense_tensors: int = 0
+    """Shards and residual tensors sent as a dense overwrite (``dense_above``)."""
+    dense_elements: int = 0
+    """Elements of those, sent whole."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, stage: str, dt: float) -> None:
@@ -94,6 +110,8 @@ class BuildStats:
             "xor_entries",
             "overwrite_entries",
             "ulp_entries",
+            "dense_tensors",
+            "dense_elements",
         ):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.seconds.items():

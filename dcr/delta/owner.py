@@ -30,8 +30,8 @@ import torch
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
-from dcr.delta.packing import Index, Packer, dense_spans
-from dcr.delta.scan import Block, cover_segments, scan_block
+from dcr.delta.packing import DenseRun, Index, Packer, UInt, dense_spans
+from dcr.delta.scan import Block, Hits, cover_segments, scan_block
 from dcr.errors import DcrError, LayoutError
 from dcr.tensors.bits import bits, changed_indices, copy_at
 from dcr.tensors.ordered import ULP_DTYPES
@@ -51,6 +51,10 @@ _SPARSE_COPY_BELOW = 128
 this many elements, and copies it whole otherwise: scattered writes cost a cache miss each
 (about 24 ns per element measured on x86-64), a whole copy about 0.12 ns per element, so
 the two meet near 1% of elements changed."""
+
+DENSE_MIN_ELEMENTS = 1 << 16
+"""Tensors smaller than this are always sent sparse (``BuildConfig.dense_above`` leaves
+them alone): sending one whole saves at most a few hundred kilobytes of apply work."""
 
 
 class Owner:
@@ -320,20 +324,36 @@ class Owner:
         left = [0] * len(chunks)
         for number, _ in tasks:
             left[number] += 1
+        # The last block of each shard: its shard's hits are complete there, and the shard
+        # goes sparse or dense (``dense_above``).
+        last = {block.key: i for i, (_, block) in enumerate(tasks)}
+        shards = {s.key: s for c in chunks for s in c}
+        held: list[tuple[Block, Hits]] = []
         emitted = [False] * len(chunks)
         finished = 0
         results = ordered_map(scan_block, [b for _, b in tasks], threads=self.config.worker_threads)
-        for (number, block), hits in zip(tasks, results, strict=True):
+        for i, ((number, block), hits) in enumerate(zip(tasks, results, strict=True)):
             stats.add_time("detect", hits.detect_seconds)
             stats.add_time("project", hits.project_seconds)
             if hits.count:
                 changed[block.key].append((hits.positions, hits.shift))
                 if hits.canonical is not None:
-                    names = block.segment.names
-                    for name, enc in zip(names, block.encodings, strict=True):
-                        packer.add(name, enc, hits.canonical, hits.values[enc])
-                    stats.changed_elements += hits.count * len(names)
-                    emitted[number] = True
+                    held.append((block, hits))
+            if last[block.key] == i and held:
+                shard = shards[block.key]
+                count = sum(p.shape[0] for p, _ in changed[block.key])
+                if self._goes_dense(count, math.prod(shard.shape)):
+                    t0 = time.thread_time()
+                    self._add_dense(packer, stats, shard, bits(cand[shard.key]).reshape(-1))
+                    stats.add_time("project", time.thread_time() - t0)
+                else:
+                    for b, h in held:
+                        for name, enc in zip(b.segment.names, b.encodings, strict=True):
+                            packer.add(name, enc, h.canonical, h.values[enc])  # type: ignore[arg-type]
+                for b, h in held:
+                    stats.changed_elements += h.count * len(b.segment.names)
+                held = []
+                emitted[number] = True
             left[number] -= 1
             while finished < len(chunks) and left[finished] == 0:
                 nbytes = sum(s.nbytes for s in chunks[finished])
@@ -360,10 +380,41 @@ class Owner:
             self._residual_candidate[job.spec.name] = converted
             if idx.size:
                 stats.residual_changed += int(idx.size)
-                packer.add(job.spec.name, Encoding.OVERWRITE, idx, new[idx])
+                if self._goes_dense(int(idx.size), new.shape[0]):
+                    packer.add(job.spec.name, Encoding.OVERWRITE, Span(0), new.copy())
+                    stats.dense_tensors += 1
+                    stats.dense_elements += new.shape[0]
+                else:
+                    packer.add(job.spec.name, Encoding.OVERWRITE, idx, new[idx])
                 yield job.spec.nbytes, False
         if project:
             self._changed = changed
+
+    def _goes_dense(self, changed: int, numel: int) -> bool:
+        """Whether a tensor with ``changed`` of ``numel`` elements changed is sent dense."""
+        above = self.config.dense_above
+        return above is not None and numel >= DENSE_MIN_ELEMENTS and changed >= above * numel
+
+    def _add_dense(
+        self, packer: Packer, stats: BuildStats, shard: ShardSpec, flat: UInt
+    ) -> None:
+        """Add every element shard ``shard`` projects, from its words ``flat``, as span
+        overwrites (what a dense build sends of it)."""
+        assert shard.mapping is not None
+        for run in self._dense_runs(shard):
+            values = np.empty(run.count, dtype=flat.dtype)
+            at = 0
+            for lo, hi in run.pieces:
+                values[at : at + hi - lo] = flat[lo:hi]
+                at += hi - lo
+            for name in run.names:
+                packer.add(name, Encoding.OVERWRITE, run.span, values)
+            stats.dense_elements += run.count * len(run.names)
+        stats.dense_tensors += 1
+
+    def _dense_runs(self, shard: ShardSpec) -> list[DenseRun]:
+        assert shard.mapping is not None
+        return dense_spans(shard.mapping.segments())
 
     def _dense_records(self, packer: Packer, stats: BuildStats) -> Iterator[tuple[int, bool]]:
         """Add every committed element to ``packer``; yield the input bytes of each chunk and
@@ -382,26 +433,15 @@ class Owner:
                     check="dense-stale",
                 )
 
-        chunks = [
-            [(s, dense_spans(s.mapping.segments())) for s in chunk if s.mapping is not None]
-            for chunk in self.chunks()
-        ]
+        chunks = [[s for s in chunk if s.mapping is not None] for chunk in self.chunks()]
         residual = [t for t in self.plan.residual if t.name in self.residual_baseline]
-        emits = [any(spans for _, spans in chunk) for chunk in chunks]
+        emits = [any(self._dense_runs(s) for s in chunk) for chunk in chunks]
         for number, chunk in enumerate(chunks):
             chunk_bytes = 0
             t0 = time.thread_time()
-            for s, spans in chunk:
+            for s in chunk:
                 chunk_bytes += s.nbytes
-                flat = bits(self.trackers[s.key]).reshape(-1)
-                for run in spans:
-                    values = np.empty(run.count, dtype=flat.dtype)
-                    at = 0
-                    for lo, hi in run.pieces:
-                        values[at : at + hi - lo] = flat[lo:hi]
-                        at += hi - lo
-                    for name in run.names:
-                        packer.add(name, Encoding.OVERWRITE, run.span, values)
+                self._add_dense(packer, stats, s, bits(self.trackers[s.key]).reshape(-1))
             check_epoch()
             stats.add_time("project", time.thread_time() - t0)
             stats.source_bytes += chunk_bytes

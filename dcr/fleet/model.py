@@ -170,10 +170,7 @@ class FleetModel:
 
     @property
     def build(self) -> BuildConfig:
-        t = self.fleet.trainer
-        return BuildConfig(chunk_bytes=int(t.chunk_mb * (1 << 20)),
-                           bucket_bytes=int(t.bucket_mb * (1 << 20)),
-                           threads=t.build_threads or None)  # fmt: skip
+        return self.fleet.trainer.build_config()
 
     @property
     def checkpoint_bytes(self) -> int:

@@ -6,9 +6,12 @@ defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcr.protocol.types import Timeouts
+
+if TYPE_CHECKING:
+    from dcr.delta.build import BuildConfig
 
 __all__ = [
     "SYNTHETIC",
@@ -87,6 +90,10 @@ class TrainerSection:
     """Worker threads each owner process compares blocks on; 0: the CPUs the process may
     run on (its affinity mask).  With 1, an owner scans in its own thread and does not
     overlap the scan of one bucket with the encoding of the one before."""
+    dense_above: float = 0.0
+    """Owners send a tensor with at least this fraction of its elements changed as one dense
+    overwrite instead of sparse entries (:attr:`dcr.BuildConfig.dense_above`); 0: always
+    sparse."""
     sends_in_flight: int = 4
     timeout_s: float = 120.0
     """torch.distributed collective timeout of the trainer's process group."""
@@ -100,6 +107,9 @@ class TrainerSection:
         threads = self.build_threads
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
             raise ValueError(f"build_threads must be an integer >= 0, got {self.build_threads!r}")
+        above = self.dense_above
+        if isinstance(above, bool) or not isinstance(above, int | float) or not 0 <= above <= 1:
+            raise ValueError(f"dense_above must be a number in [0, 1], got {above!r}")
         if not isinstance(self.kind, str) or not self.kind:
             raise ValueError(f"kind must name a trainer, got {self.kind!r}")
         if not isinstance(self.options, dict):
@@ -143,6 +153,17 @@ class TrainerSection:
             tp, ep, dp = self.layout
             return tp * ep * dp
         return self.ranks or 1
+
+    def build_config(self) -> BuildConfig:
+        """The owners' construction settings these fields give."""
+        from dcr.delta.build import BuildConfig
+
+        return BuildConfig(
+            chunk_bytes=int(self.chunk_mb * (1 << 20)),
+            bucket_bytes=int(self.bucket_mb * (1 << 20)),
+            threads=self.build_threads or None,
+            dense_above=self.dense_above or None,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

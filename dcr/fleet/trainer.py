@@ -239,13 +239,6 @@ def _group(
     return group
 
 
-def _build_config(cfg: FleetConfig) -> BuildConfig:
-    t = cfg.trainer
-    return BuildConfig(chunk_bytes=int(t.chunk_mb * (1 << 20)),
-                       bucket_bytes=int(t.bucket_mb * (1 << 20)),
-                       threads=t.build_threads or None)  # fmt: skip
-
-
 @asynccontextmanager
 async def join_trainer(
     source: Source | TrainingGroup,
@@ -276,7 +269,7 @@ async def join_trainer(
     benchmark timing); ``on_sent`` is called with each payload the transport accepted.
     """
     cfg = fleet if isinstance(fleet, FleetConfig) else load_fleet(Path(fleet))
-    config = build or _build_config(cfg)
+    config = build or cfg.trainer.build_config()
     async with AsyncExitStack() as stack:
         store: CommitStore = make_store(cfg)
         stack.push_async_callback(_shielded(store.close))
