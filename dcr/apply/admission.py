@@ -155,6 +155,18 @@ class Admission:
                 entries=entries_of(start, values, spec.dtype),
                 merged=len(items),
             )
+        span = items[0].span if len(items) == 1 else None
+        if span is not None and span.gap and items[0].count:
+            # Strided rows (a row-parallel rank's columns, sent whole): implied, not listed.
+            values = items[0].values
+            if span.index(values.shape[0] - 1) >= spec.numel:
+                raise reject("index out of range", "bounds")
+            rows = Entries(
+                values=values, dtype=spec.dtype, start=span.start, period=span.period, gap=span.gap
+            )
+            return Group(
+                spec=spec, path=self.paths[name], encoding=encoding, entries=rows, merged=1
+            )
         if len(items) == 1:
             indices, values = items[0].indices, items[0].values
         else:
@@ -206,10 +218,13 @@ def _sorted(
 
 def _run_of(items: list[Item]) -> tuple[int, npt.NDArray[Any]] | None:
     """``(start, values)`` when the items are runs that together form one run (a dense
-    refit's items), else ``None``."""
+    refit's items), or row spans that interleave into one (each training rank's columns of a
+    row-parallel tensor), else ``None``."""
     runs = [i for i in items if i.count]
-    if not runs or any(i.span is None or not i.span.is_run for i in runs):
+    if not runs or any(i.span is None for i in runs):
         return None
+    if any(not i.span.is_run for i in runs):  # type: ignore[union-attr]
+        return _interleaved(runs)
     runs.sort(key=lambda i: i.span.start if i.span is not None else 0)
     first = runs[0].span
     assert first is not None
@@ -221,6 +236,30 @@ def _run_of(items: list[Item]) -> tuple[int, npt.NDArray[Any]] | None:
         at += i.count
     values = runs[0].values if len(runs) == 1 else np.concatenate([i.values for i in runs])
     return first.start, values
+
+
+def _interleaved(spans: list[Item]) -> tuple[int, npt.NDArray[Any]] | None:
+    """``(start, values)`` of ``m`` row spans of equal shape whose rows sit side by side
+    (span ``i`` starts ``i * period`` after the first, ``gap == (m - 1) * period``): together
+    they are every element of their rows, one run.  Anything else is ``None``."""
+    first = spans[0].span
+    assert first is not None
+    m, period, count = len(spans), first.period, spans[0].count
+    if m < 2 or not period or count % period or first.gap != (m - 1) * period:
+        return None
+    ordered = sorted(spans, key=lambda i: i.span.start if i.span is not None else 0)
+    lo = ordered[0].span.start  # type: ignore[union-attr]
+    for k, item in enumerate(ordered):
+        span = item.span
+        assert span is not None
+        if (item.count, span.period, span.gap, span.start) != (count, period, first.gap,
+                                                               lo + k * period):  # fmt: skip
+            return None
+    rows = count // period
+    out = np.empty((rows, m * period), dtype=spans[0].values.dtype)
+    for k, item in enumerate(ordered):
+        out[:, k * period : (k + 1) * period] = item.values.reshape(rows, period)
+    return lo, out.reshape(-1)
 
 
 def _refuse_shared(name: str, groups: list[npt.NDArray[np.int64]], attempt: int | None) -> None:

@@ -39,6 +39,7 @@ from dcr.apply.writes import (
     FlatViews,
     WritePlan,
     active_mask,
+    block_mappable,
     irregular,
     plan_block,
     plan_enumerated,
@@ -233,12 +234,13 @@ class Planner:
                 plans.append(plan_in_layout(copy, self._flats, imap, entries))
             elif (
                 imap is not None
-                and entries.run
+                and block_mappable(imap, entries)
                 and (relative or copy.dst_geometry.dtype == entries.dtype)
             ):
                 plans.append(plan_block(copy, self._flats, imap, entries))
             elif imap is not None:
-                plans.append(plan_sparse(copy, self._flats, imap, entries, relative=relative))
+                listed = entries.as_listed()
+                plans.append(plan_sparse(copy, self._flats, imap, listed, relative=relative))
             else:
                 plans.append(plan_enumerated(copy, self._flats, entries, relative=relative))
         return plans

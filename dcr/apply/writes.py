@@ -28,6 +28,7 @@ from dcr.apply.geometry import Box, IndexMap, byte_intervals, enumerate_map, ove
 from dcr.apply.hook import InterceptedCopy
 from dcr.apply.scratch import torch_bits, torch_index
 from dcr.tensors.bits import bits_dtype
+from dcr.tensors.records import Span
 
 __all__ = [
     "CHUNK",
@@ -63,14 +64,18 @@ Words = npt.NDArray[np.unsignedinteger[Any]]
 class Entries:
     """A group's sorted flat canonical indices and their value bits (the item dtype's width).
 
-    The indices are ``listed``, or, when ``listed`` is ``None``, the run ``start ..
-    start+count-1`` (a dense refit's form: block writes, no index per entry).
+    The indices are ``listed``, or, when ``listed`` is ``None``, implied: the run ``start ..
+    start+count-1`` (a dense refit's form: block writes, no index per entry), or with
+    ``period`` rows of ``period`` elements ``period + gap`` apart (a
+    :class:`~dcr.tensors.records.Span`: a row-parallel training rank's columns sent whole).
     """
 
     values: Words
     dtype: torch.dtype
     listed: npt.NDArray[np.int64] | None = None
     start: int = 0
+    period: int = 0
+    gap: int = 0
 
     @property
     def count(self) -> int:
@@ -78,7 +83,13 @@ class Entries:
 
     @property
     def run(self) -> bool:
-        return self.listed is None
+        """Whether the entries are one run of consecutive elements, not listed."""
+        return self.listed is None and not self.gap
+
+    @property
+    def strided(self) -> bool:
+        """Whether the entries are implied rows spread ``period + gap`` apart."""
+        return self.listed is None and bool(self.gap)
 
     @property
     def indices(self) -> npt.NDArray[np.int64]:
@@ -89,14 +100,23 @@ class Entries:
         """Indices of entries ``lo .. hi-1``."""
         if self.listed is not None:
             return self.listed[lo:hi]
+        if self.gap:
+            return Span(self.start, self.period, self.gap).locate(lo, hi)
         return np.arange(self.start + lo, self.start + hi, dtype=np.int64)
 
     @property
     def where(self) -> npt.NDArray[np.int64] | slice:
         """The entries' positions in a flat canonical tensor: the listed indices, or a slice."""
-        if self.listed is not None:
-            return self.listed
+        if self.listed is not None or self.gap:
+            return self.locate(0, self.count)
         return slice(self.start, self.start + self.count)
+
+    def as_listed(self) -> Entries:
+        """The same entries with their indices listed (strided rows for paths that need an
+        index per entry)."""
+        if not self.strided:
+            return self
+        return Entries(values=self.values, dtype=self.dtype, listed=self.indices)
 
 
 def _flat_bits(dst: torch.Tensor) -> torch.Tensor:
@@ -317,13 +337,47 @@ def plan_block(
     are block copies (overwrite) or block read-modify-writes (XOR, ULP) straight from the
     run's values: no index per entry, near memory-copy speed.
     """
-    boxes = imap.boxes(entries.start, entries.count)
+    boxes = _strided_boxes(imap, entries) if entries.strided else imap.boxes(
+        entries.start, entries.count
+    )
     return _plan(
         copy,
         flats,
         values=entries.values,
         blocks=tuple(p for box in boxes for p in _pieces(box, BLOCK)),
     )
+
+
+def block_mappable(imap: IndexMap, entries: Entries) -> bool:
+    """Whether ``entries`` go through ``imap`` as blocks: a run always; strided rows when
+    the view is one run of consecutive source elements holding every row (an unsharded
+    destination), so that each row lands as one block."""
+    if entries.run:
+        return True
+    if not entries.strided or len(imap.dims) != 1 or imap.dims[0][0] != 1:
+        return False
+    last = int(entries.locate(entries.count - 1, entries.count)[0])
+    return imap.src_offset <= entries.start and last <= imap.src_offset + imap.src_span
+
+
+def _strided_boxes(imap: IndexMap, entries: Entries) -> list[Box]:
+    """Blocks of strided rows through a one-run view (:func:`block_mappable`): the whole
+    rows as one two-dimensional block, a last partial row as another."""
+    step = imap.dims[0][2]
+    period, pitch = entries.period, entries.period + entries.gap
+    rows, rest = divmod(entries.count, period)
+
+    def dst(c: int) -> int:
+        return imap.dst_offset + (c - imap.src_offset) * step
+
+    out: list[Box] = []
+    if rows:
+        dims = ((rows, pitch * step, period), (period, step, 1))
+        out.append((dst(entries.start), 0, tuple(d for d in dims if d[0] > 1)))
+    if rest:
+        at = entries.start + rows * pitch
+        out.append((dst(at), rows * period, ((rest, step, 1),) if rest > 1 else ()))
+    return out
 
 
 def plan_enumerated(

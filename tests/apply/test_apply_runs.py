@@ -298,3 +298,113 @@ def test_index_map_boxes_cover_exactly_the_run(view: object) -> None:
                 assert d not in got
                 got[d] = s
         assert got == want
+
+
+def _row_spans(
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    relative: frozenset[str],
+    parts: int,
+    rows_cut: int = 0,
+) -> list[Item]:
+    """Each 2-D tensor as ``parts`` column blocks of every row (what row-parallel training
+    ranks send when they send their shard whole): span items of rows ``period`` long,
+    ``(parts - 1) * period`` apart; ``rows_cut`` drops that many trailing elements from the
+    last block (a partial last row).  Other tensors are one run."""
+    items = []
+    for name, t in new.items():
+        b_new, b_old = bits(t).reshape(-1), bits(old[name]).reshape(-1)
+        cols = t.shape[-1] if t.dim() == 2 else 0
+        if cols < parts or cols % parts:
+            pieces = [(Span(0), np.arange(b_new.size))]
+        else:
+            period = cols // parts
+            pieces = []
+            for k in range(parts):
+                span = Span(k * period, period, (parts - 1) * period)
+                idx = span.locate(0, t.numel() // parts)
+                if k == parts - 1 and rows_cut:
+                    idx = idx[:-rows_cut]
+                pieces.append((span, idx))
+        for span, idx in pieces:
+            enc = Encoding.OVERWRITE
+            values = b_new[idx]
+            if name in relative:
+                enc = Encoding.ULP if t.dtype in ULP_DTYPES else Encoding.XOR
+                values = ulp_delta(b_new[idx], b_old[idx]) if enc is Encoding.ULP else (
+                    b_new[idx] ^ b_old[idx])  # fmt: skip
+            items.append(
+                Item(
+                    name=name,
+                    shape=tuple(t.shape),
+                    dtype=t.dtype,
+                    encoding=enc,
+                    span=span,
+                    values=np.ascontiguousarray(values),
+                )
+            )
+    return items
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [1, 3])
+@pytest.mark.parametrize("relative", [False, True], ids=["overwrite", "relative"])
+@pytest.mark.parametrize("rows_cut", [0, 3], ids=["whole-rows", "partial-row"])
+def test_row_spans_give_the_bits_of_listed_items_and_of_a_dense_load(
+    family: str, tp: int, relative: bool, rows_cut: int
+) -> None:
+    """Column blocks of every row, one item per block and apply call (as each training rank's
+    payload brings its own), land on reference ranks -- fused, sliced, padded, cast and
+    transformed parameters -- exactly as the same entries listed."""
+    config = tp_config(family, tp)
+    w0 = base_state_dict(config, family)
+    w1 = update(w0, rate=0.5, seed=tp + 7)
+    for rank in range(tp):
+        by_rows = Applier(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_list = Applier(dense_reference(config, family, w0, tp, rank), catalog_of(w0))
+        by_rows.prewarm()
+        by_list.prewarm()
+        allowed = by_rows.xor_allowed() if relative else frozenset()
+        items = _row_spans(w0, w1, allowed, parts=2, rows_cut=rows_cut)
+        assert any(i.span is not None and i.span.gap for i in items)
+        for attempt, item in enumerate(items, start=1):
+            by_rows.apply_items([item], attempt=attempt)
+            by_list.apply_items([_as_listed(item)], attempt=attempt)
+        assert bit_diff(snapshot(by_rows.loader.module), snapshot(by_list.loader.module)) == []
+        if not rows_cut:
+            want = dense_reference(config, family, w1, tp, rank).module
+            assert bit_diff(snapshot(by_rows.loader.module), snapshot(want)) == []
+
+
+@pytest.mark.parametrize("encoding", [Encoding.OVERWRITE, Encoding.ULP])
+def test_row_spans_through_a_plain_module_write_blocks_and_list_no_index(
+    monkeypatch: pytest.MonkeyPatch, encoding: Encoding
+) -> None:
+    """Half the columns of every row of a 2048 x 2048 matrix: one two-dimensional block
+    plan, no index per entry, the other half untouched."""
+    rows = cols = 2048
+    w0 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
+    w1 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver.prewarm()
+    relative = frozenset({"w"}) if encoding is Encoding.ULP else frozenset()
+    (first, second) = _row_spans(w0, w1, relative, parts=2)
+    assert second.span == Span(cols // 2, cols // 2, cols // 2)
+    blocks: list[int] = []
+    real = planning.plan_block
+    monkeypatch.setattr(planning, "plan_block", lambda *a: blocks.append(1) or real(*a))
+    tracemalloc.start()
+    try:
+        report = receiver.apply_items([second], attempt=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    entries = rows * cols // 2
+    assert blocks and report.written == entries
+    # Listed indices alone would take 8 bytes per entry; a relative block on numpy holds
+    # temporaries of a piece's words.
+    assert peak < (entries if encoding is Encoding.OVERWRITE else 8 * entries)
+    got = bits(dict(receiver.loader.module.named_parameters())["w"].detach())
+    want = bits(w0["w"]).copy()
+    want[:, cols // 2 :] = bits(w1["w"])[:, cols // 2 :]
+    np.testing.assert_array_equal(got, want)
