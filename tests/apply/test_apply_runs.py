@@ -388,7 +388,7 @@ def test_row_spans_through_a_plain_module_write_blocks_and_list_no_index(
     receiver = Applier(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
     receiver.prewarm()
     relative = frozenset({"w"}) if encoding is Encoding.ULP else frozenset()
-    (first, second) = _row_spans(w0, w1, relative, parts=2)
+    _, second = _row_spans(w0, w1, relative, parts=2)
     assert second.span == Span(cols // 2, cols // 2, cols // 2)
     blocks: list[int] = []
     real = planning.plan_block
