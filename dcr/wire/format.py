@@ -7,10 +7,12 @@ lengths and a 128-bit digest (BLAKE3, or BLAKE2b in payloads of earlier releases
 the header to the compressed body; in a fleet with a secret the digest is a keyed BLAKE3 MAC
 (:data:`FLAG_KEYED`, keys from :mod:`dcr.wire.seal`), so that only the secret's holders seal.
 In version 1 the body holds a per-item metadata table, one shared location buffer and one
-shared value buffer; version 2 (the default) holds a tensor list, fixed-size item records and
-entropy-friendly streams (Rice-split gaps, zigzagged ULP deltas).  ``docs/wire-format.md``
-specifies every byte.  :mod:`dcr.wire.encode` writes payloads, :mod:`dcr.wire.decode` reads and
-checks them.
+shared value buffer; version 2 holds a tensor list, fixed-size item records and
+entropy-friendly streams (Rice-split gaps, zigzagged ULP deltas); version 3 (the default) is
+version 2 with longer records that carry each item's last index and, for strided rows (a
+row-parallel shard sent whole), the rows' period and gap instead of a gap per entry.
+``docs/wire-format.md`` specifies every byte.  :mod:`dcr.wire.encode` writes payloads,
+:mod:`dcr.wire.decode` reads and checks them.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ __all__ = [
     "HEADER_SIZE",
     "ITEM_ENTRY",
     "ITEM_RECORD",
+    "ITEM_RECORD_V3",
     "MAGIC",
     "PREAMBLE_V2",
     "SUPPORTED_VERSIONS",
     "TENSOR_ENTRY",
     "V1",
     "V2",
+    "V3",
     "WINDOW_LOG_MAX",
     "WINDOW_LOG_MAX_V1",
     "U32",
@@ -69,12 +73,13 @@ __all__ = [
 MAGIC = b"DCRP"
 V1 = 1
 V2 = 2
-FORMAT_VERSION = V2
+V3 = 3
+FORMAT_VERSION = V3
 """The version :func:`~dcr.wire.encode.encode_payload` writes by default."""
-SUPPORTED_VERSIONS = (V1, V2)
+SUPPORTED_VERSIONS = (V1, V2, V3)
 """Versions the decoder reads (and the encoder can write)."""
 WINDOW_LOG_MAX = 23
-"""Version 2 frames use a zstd window of at most ``2**23`` bytes (8 MiB), so a decoder's
+"""Version 2 and 3 frames use a zstd window of at most ``2**23`` bytes (8 MiB), so a decoder's
 streaming buffer stays small whatever the frame asks for.  A single-segment frame has no
 window descriptor: its window is its content size."""
 WINDOW_LOG_MAX_V1 = 27
@@ -111,10 +116,10 @@ ITEM_ENTRY = struct.Struct("<HBBBBQQQ")
 entry count, location field (run start or gap offset), value offset.  Shape and name follow."""
 
 PREAMBLE_V2 = struct.Struct("<IIQQQ")
-"""Version 2 body preamble: tensor count, reserved u32, byte length of the tensor list, location
-escapes, value escapes."""
+"""Version 2 and 3 body preamble: tensor count, reserved u32, byte length of the tensor list,
+location escapes, value escapes."""
 TENSOR_ENTRY = struct.Struct("<HBB")
-"""Fixed part of one version 2 tensor list entry: name length, dtype code, ndim.  Shape and
+"""Fixed part of one version 2 and 3 tensor list entry: name length, dtype code, ndim.  Shape and
 name follow."""
 ITEM_RECORD = np.dtype(
     [
@@ -129,6 +134,23 @@ ITEM_RECORD = np.dtype(
 )
 """One version 2 item record (24 bytes): tensor index, encoding, location kind, Rice parameter
 of the gaps, Rice parameter of ULP values, entry count, first index."""
+ITEM_RECORD_V3 = np.dtype(
+    [
+        ("tensor", "<u4"),
+        ("encoding", "u1"),
+        ("kind", "u1"),
+        ("location_k", "u1"),
+        ("value_k", "u1"),
+        ("count", "<u8"),
+        ("start", "<u8"),
+        ("last", "<u8"),
+        ("period", "<u8"),
+        ("gap", "<u8"),
+    ]
+)
+"""One version 3 item record (48 bytes): :data:`ITEM_RECORD`'s fields, then the item's last
+flat index (0 for an empty item), and the period and gap of ROWS locations (rows of
+``period`` consecutive elements, ``period + gap`` apart; both 0 for other kinds)."""
 
 WORD_WIDTHS = (1, 2, 4, 8)
 """Word widths of the location and value buffers' width classes, in buffer order."""
@@ -203,18 +225,21 @@ _ENCODINGS = tuple(Encoding(i) for i in range(len(Encoding)))
 
 class Items(Sequence[Item]):
     """The decoded items of one payload, stored compactly: the listed indices of every item
-    that is not a run, concatenated, and one concatenated value array per word width, with
+    that is not a span, concatenated, and one concatenated value array per word width, with
     per-item offsets.
 
     Indexing or iterating yields :class:`~dcr.tensors.records.Item` objects whose ``indices`` and
-    ``values`` are views of those arrays, or, for a run, a :class:`~dcr.tensors.records.Span`
-    (made on demand, so decoding costs no Python object per item and no index per run entry).
+    ``values`` are views of those arrays, or, for a run or strided rows, a
+    :class:`~dcr.tensors.records.Span` (made on demand, so decoding costs no Python object per
+    item and no index per span entry).
     The arrays are the decoder's own (never views of the received bytes).
     """
 
     __slots__ = (
         "_count",
         "_encoding",
+        "_gap",
+        "_period",
         "_run",
         "_start",
         "_tensor",
@@ -237,12 +262,14 @@ class Items(Sequence[Item]):
         indices: npt.NDArray[np.int64],
         values: dict[int, npt.NDArray[np.unsignedinteger[Any]]],
         run: npt.NDArray[np.int64] | None = None,
+        period: npt.NDArray[np.int64] | None = None,
+        gap: npt.NDArray[np.int64] | None = None,
         verified: bool = False,
     ) -> None:
         self.tensors = tuple(tensors)
         """``(name, shape, dtype)`` of each distinct tensor the items refer to."""
         self.indices = indices
-        """The flat indices of every item that is not a run, concatenated in item order."""
+        """The flat indices of every item that is not a span, concatenated in item order."""
         self.values = values
         """Word width -> every value of that width, concatenated in item order."""
         self._tensor = tensor.tolist()
@@ -252,7 +279,11 @@ class Items(Sequence[Item]):
         self._count = count.tolist()
         self._value_start = value_start.tolist()
         self._run = [-1] * len(self._tensor) if run is None else run.tolist()
-        """Per item: the first index of a run item, ``-1`` for an item of listed indices."""
+        """Per item: the first index of a span item, ``-1`` for an item of listed indices."""
+        self._period = None if period is None else period.tolist()
+        """Per item: the period of a span item's rows (0 for a run); ``None``: all runs."""
+        self._gap = None if gap is None else gap.tolist()
+        """Per item: the gap between a span item's rows (0 for a run); ``None``: all runs."""
         self._verified = verified
         """The decoder checked every item's indices (strictly increasing, in bounds)."""
 
@@ -305,13 +336,17 @@ class Items(Sequence[Item]):
         values = self.values[_WIDTHS[dtype]] if count else _EMPTY[_WIDTHS[dtype]]
         vs = self._value_start[i]
         run = self._run[i]
+        span = None
+        if run >= 0:
+            gap = 0 if self._gap is None else self._gap[i]
+            span = Span(run, self._period[i], gap) if gap and self._period else Span(run)
         return Item(
             name=name,
             shape=shape,
             dtype=dtype,
             encoding=_ENCODINGS[self._encoding[i]],
             indices=None if run >= 0 else self.indices[start : start + count],
-            span=Span(run) if run >= 0 else None,
+            span=span,
             values=values[vs : vs + count],
             verified=self._verified,
         )

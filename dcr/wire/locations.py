@@ -22,6 +22,7 @@ __all__ = [
     "GAP_WIDTHS",
     "V1_KINDS",
     "V2_KINDS",
+    "V3_KINDS",
     "LocationKind",
     "Locations",
     "check_run",
@@ -43,14 +44,28 @@ class LocationKind(enum.IntEnum):
     GAPS_U32 = 3
     GAPS_U64 = 4
     RICE = 5
-    """Format version 2: the first index in the record, then ``count - 1`` gaps Rice-split
-    into byte symbols and remainders (:mod:`dcr.wire.split`)."""
+    """Format versions 2 and 3: the first index in the record, then ``count - 1`` gaps
+    Rice-split into byte symbols and remainders (:mod:`dcr.wire.split`)."""
+    ROWS = 6
+    """Format version 3: rows of ``period`` consecutive elements, ``period + gap`` apart (a
+    :class:`~dcr.tensors.records.Span` with a gap); entry ``j`` lies at ``start + j + (j //
+    period) * gap``.  Only the record's fields: nothing in the location streams."""
 
 
-V1_KINDS = frozenset(int(k) for k in LocationKind if k is not LocationKind.RICE)
+V1_KINDS = frozenset(
+    {
+        int(LocationKind.RUN),
+        int(LocationKind.GAPS_U8),
+        int(LocationKind.GAPS_U16),
+        int(LocationKind.GAPS_U32),
+        int(LocationKind.GAPS_U64),
+    }
+)
 """Location kinds of format version 1 (RUN and the four gap widths)."""
 V2_KINDS = frozenset({int(LocationKind.RUN), int(LocationKind.RICE)})
 """Location kinds of format version 2."""
+V3_KINDS = frozenset({int(LocationKind.RUN), int(LocationKind.RICE), int(LocationKind.ROWS)})
+"""Location kinds of format version 3."""
 
 
 GAP_WIDTHS: dict[LocationKind, int] = {

@@ -1,4 +1,5 @@
-"""Rice-split coding: non-negative integers as entropy-friendly byte streams (format version 2).
+"""Rice-split coding: non-negative integers as entropy-friendly byte streams (format versions 2
+and 3).
 
 A word ``x`` with parameter ``k`` is split into its quotient ``q = x >> k`` and its remainder
 ``r = x & (2**k - 1)``.  The quotient goes into a *symbol* stream, capped at ``cap`` (255 for

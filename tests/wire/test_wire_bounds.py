@@ -47,6 +47,7 @@ _V1_ENTRY = struct.Struct("<HBBBBQQQ")
 _V2_PRE = struct.Struct("<IIQQQ")
 _V2_TENSOR = struct.Struct("<HBB")
 _V2_RECORD = struct.Struct("<IBBBBQQ")
+_V3_RECORD = struct.Struct("<IBBBBQQQQQ")  # the version 2 record, then last, period, gap
 
 
 def seal(compressed: bytes, *, version: int, body_bytes: int, n_items: int) -> bytes:
@@ -148,7 +149,7 @@ def _adversarial_payloads() -> dict[str, bytes]:
     for single in (True, False):
         bomb = rle_frame(3 << 29, single_segment=single)
         kind = "one segment" if single else "1 MiB window"
-        for version in (1, 2):
+        for version in (1, 2, 3):
             for n_items in (0, 1):
                 cases[f"v{version} 1.5 GiB zstd bomb, {kind}, {n_items} items"] = seal(
                     bomb, version=version, body_bytes=3 << 29, n_items=n_items
@@ -189,6 +190,17 @@ def _adversarial_payloads() -> dict[str, bytes]:
         version=2,
         n_items=1,
     )
+    # Version 3: strided rows over half of a huge shape, every other row of 2**24 elements.
+    count = 1 << 47
+    last = count - 1 + (count - 1 >> 24 << 24)
+    cases["v3 huge rows"] = sealed(
+        v2_body(
+            [v2_tensor(b"emb", 1, huge)],
+            _V3_RECORD.pack(0, 1, 6, 0, 0, count, 0, last, 1 << 24, 1 << 24),
+        ),
+        version=3,
+        n_items=1,
+    )
     cases["v1 huge shape"] = sealed(
         struct.pack("<QQQ", len(v1_entry(b"emb", dtype=1, shape=huge, count=1 << 40)), 0, 0)
         + v1_entry(b"emb", dtype=1, shape=huge, count=1 << 40),
@@ -222,7 +234,7 @@ def _adversarial_payloads() -> dict[str, bytes]:
         for name, spec in CATALOG.items()
     ]
     header = PayloadHeader(attempt=ATTEMPT, owner=0, payload_id=0)
-    for version in (1, 2):
+    for version in (1, 2, 3):
         cases[f"v{version} whole catalog"] = encode_payload(header, full, level=19, version=version)
     # Garbage behind a valid digest.
     cases["v2 random body"] = seal(rng.randbytes(60_000), version=2, body_bytes=1 << 30, n_items=9)
@@ -268,7 +280,7 @@ def test_the_issue_reproduction_is_rejected_early(version: int) -> None:
 
 
 def test_a_full_catalog_payload_decodes_within_the_bound() -> None:
-    for version in (1, 2):
+    for version in (1, 2, 3):
         data = _CASES[f"v{version} whole catalog"]
         peak, cpu, outcome = _cost(lambda data=data: decode_payload(data, catalog=CATALOG))
         assert outcome == "decoded" and cpu <= CPU

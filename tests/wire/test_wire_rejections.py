@@ -260,7 +260,7 @@ def test_wrong_magic_and_version() -> None:
     data = VALID[ValueLayout.PLAIN]
     assert reject(b"XCRP" + data[4:]).check == "magic"
     assert reject(b"PK\x03\x04").check == "magic"
-    assert reject(data[:4] + struct.pack("<H", 3) + data[6:]).check == "version"
+    assert reject(data[:4] + struct.pack("<H", 4) + data[6:]).check == "version"
     assert reject(data[:4] + struct.pack("<H", 0) + data[6:]).check == "version"
 
 

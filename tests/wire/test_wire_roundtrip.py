@@ -305,7 +305,7 @@ def test_one_name_with_two_specs_is_refused() -> None:
     assert err.value.check == "name"
 
 
-@pytest.mark.parametrize("kw", [{"level": 23}, {"layout": 7}, {"version": 3}, {"version": 0}])
+@pytest.mark.parametrize("kw", [{"level": 23}, {"layout": 7}, {"version": 4}, {"version": 0}])
 def test_encode_rejects_bad_options(kw: dict[str, int]) -> None:
     with pytest.raises(ConfigError):
         encode_payload(PayloadHeader(attempt=0, owner=0, payload_id=0), [_item()], **kw)  # type: ignore[arg-type]

@@ -139,7 +139,10 @@ def test_worked_example_matches_the_encoder() -> None:
     )
     for layout in ValueLayout:
         data = encode_payload(
-            PayloadHeader(attempt=7, owner=1, payload_id=0, final=True), _example(), layout=layout
+            PayloadHeader(attempt=7, owner=1, payload_id=0, final=True),
+            _example(),
+            layout=layout,
+            version=2,
         )
         raw = zstandard.ZstdDecompressor().decompress(data[72:])
         if layout is ValueLayout.PLAIN:

@@ -13,14 +13,15 @@ bounded by the input; with a catalog, the item count and the body length against
 catalog allows), then the body is decompressed as a stream,
 part by part -- the preamble, the table (bounded by the item count), and only then the buffers,
 whose sizes the checked table implies.  Decoded entries are compact (one indices array, one
-value array per width, :class:`~dcr.wire.format.Items`); version 2 checks its item records with
-array operations, never a Python object per item.  Items of one tensor never share a position
-(:mod:`~dcr.wire.decode.overlap`).  Received bytes are never unpickled.
+value array per width, :class:`~dcr.wire.format.Items`); versions 2 and 3 check their item
+records with array operations, never a Python object per item, and version 3's strided rows
+decode to a :class:`~dcr.tensors.records.Span`, no index per entry.  Items of one tensor never
+share a position (:mod:`~dcr.wire.decode.overlap`).  Received bytes are never unpickled.
 
 The header is :mod:`~dcr.wire.decode.header`, the decompressed body and what both versions read
 from it :mod:`~dcr.wire.decode.body`, the version 1 body :mod:`~dcr.wire.decode.v1` (its
 per-item checks as arrays in :mod:`~dcr.wire.decode.gaps`), the
-version 2 body :mod:`~dcr.wire.decode.v2` (its tables in :mod:`~dcr.wire.decode.records`, its
+version 2 and 3 body :mod:`~dcr.wire.decode.v2` (its tables in :mod:`~dcr.wire.decode.records`, its
 positions in :mod:`~dcr.wire.decode.positions`, its Rice-split streams joined in
 :mod:`~dcr.wire.decode.rice`).
 """

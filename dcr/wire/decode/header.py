@@ -29,11 +29,13 @@ from dcr.wire.format import (
     HEADER_SIZE,
     ITEM_ENTRY,
     ITEM_RECORD,
+    ITEM_RECORD_V3,
     MAGIC,
     PREAMBLE_V2,
     SUPPORTED_VERSIONS,
     TENSOR_ENTRY,
     V1,
+    V3,
     DecodeLimits,
     PayloadHeader,
     ValueLayout,
@@ -216,11 +218,8 @@ def catalog_body_bound(
     if version == V1:
         return BODY_PREAMBLE.size + n_items * (ITEM_ENTRY.size + meta) + 16 * entries
     # symbols, remainders and escapes of a gap and of a value, or a value word
-    return (
-        PREAMBLE_V2.size
-        + n_items * (ITEM_RECORD.itemsize + TENSOR_ENTRY.size + meta)
-        + 34 * entries
-    )
+    record = ITEM_RECORD_V3 if version == V3 else ITEM_RECORD
+    return PREAMBLE_V2.size + n_items * (record.itemsize + TENSOR_ENTRY.size + meta) + 34 * entries
 
 
 def check_expansion(

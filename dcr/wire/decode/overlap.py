@@ -6,7 +6,8 @@ order, so the decoder refuses them (``check="overlap"``), whatever their encodin
 receiver's admission does.  The check is vectorized and costs nothing for the usual payload
 (one non-empty item per tensor); for a tensor with several items it first compares the items'
 spans (first to last position), and lists positions only for the items whose spans meet.  A
-run is one interval and is never expanded.
+run is one interval and is never expanded; strided rows (version 3's ROWS items) are one
+interval per row.
 """
 
 from __future__ import annotations
@@ -22,16 +23,27 @@ Int64s = npt.NDArray[np.int64]
 
 
 def check_disjoint(
-    tid: Int64s, count: Int64s, run: Int64s, offs: Int64s, indices: Int64s, reject: Reject
+    tid: Int64s,
+    count: Int64s,
+    run: Int64s,
+    offs: Int64s,
+    indices: Int64s,
+    reject: Reject,
+    *,
+    period: Int64s | None = None,
+    gap: Int64s | None = None,
 ) -> None:
     """Refuse two items of one tensor that share a position.
 
     Per item: ``tid`` its tensor, ``count`` its entries, ``run`` its first index when it is a
-    run (``-1`` when its positions are listed), ``offs`` where its listed positions start in
-    ``indices``.  Every item's positions are strictly increasing and inside its tensor (checked
+    run or strided rows (``-1`` when its positions are listed), ``offs`` where its listed
+    positions start in ``indices``, ``period`` and ``gap`` its rows' (``gap`` 0, or not given:
+    one run).  Every item's positions are strictly increasing and inside its tensor (checked
     before).  Raises ``reject(message, "overlap", item)`` naming the later of two such items in
     position order.
     """
+    if period is None or gap is None:
+        period = gap = np.zeros(count.shape[0], dtype=np.int64)
     nonempty = count > 0
     if int(np.count_nonzero(nonempty)) < 2:
         return
@@ -40,12 +52,12 @@ def check_disjoint(
     if not shared.shape[0]:
         return
     # Each item's span [first, last]: positions of items whose spans do not meet are disjoint.
-    first, last = _spans(shared, count, run, offs, indices)
+    first, last = _spans(shared, count, run, offs, indices, period, gap)
     meets = _meeting(tid[shared], first, last + 1)
     if not meets.any():
         return
     suspects = shared[meets]
-    lo, hi, item = _intervals(suspects, count, run, offs, indices)
+    lo, hi, item = _intervals(suspects, count, run, offs, indices, period, gap)
     bad = _first_overlap(tid[item], lo, hi)
     if bad is not None:
         raise reject(
@@ -56,11 +68,21 @@ def check_disjoint(
 
 
 def _spans(
-    items: Int64s, count: Int64s, run: Int64s, offs: Int64s, indices: Int64s
+    items: Int64s,
+    count: Int64s,
+    run: Int64s,
+    offs: Int64s,
+    indices: Int64s,
+    period: Int64s,
+    gap: Int64s,
 ) -> tuple[Int64s, Int64s]:
     """First and last position of each of ``items`` (non-empty)."""
     first = run[items].copy()
     last = first + count[items] - 1
+    rows = gap[items] > 0
+    if rows.any():
+        which = items[rows]
+        last[rows] += (count[which] - 1) // period[which] * gap[which]
     listed = first < 0
     if listed.any():
         which = items[listed]
@@ -80,13 +102,20 @@ def _meeting(tid: Int64s, lo: Int64s, hi: Int64s) -> npt.NDArray[np.bool_]:
 
 
 def _intervals(
-    items: Int64s, count: Int64s, run: Int64s, offs: Int64s, indices: Int64s
+    items: Int64s,
+    count: Int64s,
+    run: Int64s,
+    offs: Int64s,
+    indices: Int64s,
+    period: Int64s,
+    gap: Int64s,
 ) -> tuple[Int64s, Int64s, Int64s]:
-    """Every position of ``items`` as half-open intervals: one per run item, one per listed
-    position; with the item each comes from."""
-    is_run = run[items] >= 0
-    runs = items[is_run]
-    listed = items[~is_run]
+    """Every position of ``items`` as half-open intervals: one per run item, one per row of a
+    strided item, one per listed position; with the item each comes from."""
+    is_span = run[items] >= 0
+    is_rows = is_span & (gap[items] > 0)
+    runs = items[is_span & ~is_rows]
+    listed = items[~is_span]
     sizes = count[listed]
     n = int(sizes.sum())
     within = np.arange(n, dtype=np.int64)
@@ -95,9 +124,28 @@ def _intervals(
         np.cumsum(sizes[:-1], out=starts[1:])
     within -= np.repeat(starts, sizes)
     pos = indices[np.repeat(offs[listed], sizes) + within]
-    lo = np.concatenate([run[runs], pos])
-    hi = np.concatenate([run[runs] + count[runs], pos + 1])
-    item = np.concatenate([runs, np.repeat(listed, sizes)])
+    row_lo, row_hi, row_item = _rows(items[is_rows], count, run, period, gap)
+    lo = np.concatenate([run[runs], row_lo, pos])
+    hi = np.concatenate([run[runs] + count[runs], row_hi, pos + 1])
+    item = np.concatenate([runs, row_item, np.repeat(listed, sizes)])
+    return lo, hi, item
+
+
+def _rows(
+    items: Int64s, count: Int64s, run: Int64s, period: Int64s, gap: Int64s
+) -> tuple[Int64s, Int64s, Int64s]:
+    """The rows of strided ``items`` as half-open intervals (a last row may be partial), with
+    the item each comes from."""
+    p, n = period[items], count[items]
+    n_rows = (n + p - 1) // p
+    item = np.repeat(items, n_rows)
+    firsts = np.zeros(items.shape[0], dtype=np.int64)
+    if items.shape[0]:
+        np.cumsum(n_rows[:-1], out=firsts[1:])
+    row = np.arange(int(n_rows.sum()), dtype=np.int64) - np.repeat(firsts, n_rows)
+    p_rep = np.repeat(p, n_rows)
+    lo = np.repeat(run[items], n_rows) + row * (p_rep + np.repeat(gap[items], n_rows))
+    hi = lo + np.minimum(p_rep, np.repeat(n, n_rows) - row * p_rep)
     return lo, hi, item
 
 

@@ -1,6 +1,6 @@
-"""The positions of a version 2 body's items (paper App. D, Fig. D.3): a run stays its start,
-a Rice item's positions are its first index and its gaps, joined back from the location
-streams and summed.
+"""The positions of a version 2 or 3 body's items (paper App. D, Fig. D.3): a run (or, in
+version 3, strided rows) stays its start, a Rice item's positions are its first index and its
+gaps, joined back from the location streams and summed.
 
 Two paths give the same positions: one C pass of the kernels' join when they are built
 (:func:`locations_native`), vectorized NumPy otherwise (:func:`locations_numpy`).  The
@@ -57,10 +57,11 @@ class RiceItems:
 def read_locations(
     buffers: Buffers, records: Records, kernels: Any
 ) -> tuple[Int64s, Int64s, Int64s]:
-    """Every item's locations: only Rice items list their indices; a run stays its start.
+    """Every item's locations: only Rice items list their indices; a run or ROWS item stays
+    its start (its rows' period and gap are in ``records``).
 
-    Returns the listed positions, each item's offset into them and each item's run start
-    (``-1`` for a Rice item)."""
+    Returns the listed positions, each item's offset into them and each item's run or rows
+    start (``-1`` for a Rice item)."""
     rice, count, start_u = records.rice, records.count, records.start_u
     n_items = count.shape[0]
     listed = np.flatnonzero(rice)

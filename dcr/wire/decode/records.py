@@ -1,5 +1,6 @@
-"""The tables of a format version 2 body (paper App. D): its preamble, the tensor list, the
-fixed-size item records, and the buffer sizes the records imply.
+"""The tables of a format version 2 or 3 body (paper App. D): its preamble, the tensor list,
+the fixed-size item records (version 3's also carry each item's last index, and the period and
+gap of ROWS locations), and the buffer sizes the records imply.
 
 The tensor list takes one Python step per distinct tensor; the item records are checked as
 arrays, never a Python object per item.  Every buffer size follows from the checked records and
@@ -11,6 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -24,13 +26,15 @@ from dcr.wire.decode.body import NATIVE_WORDS, Body, check_tensor, reject
 from dcr.wire.decode.rice import U64, Reject, per_k
 from dcr.wire.format import (
     ITEM_RECORD,
+    ITEM_RECORD_V3,
     PREAMBLE_V2,
     TENSOR_ENTRY,
+    V3,
     WORD_WIDTHS,
     DecodeLimits,
     ValueLayout,
 )
-from dcr.wire.locations import V2_KINDS, LocationKind
+from dcr.wire.locations import V2_KINDS, V3_KINDS, LocationKind
 from dcr.wire.split import remainder_bytes
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "read_preamble",
     "read_records",
     "read_tensor_list",
+    "record_dtype",
 ]
 
 _V2_ENCODINGS = frozenset(int(e) for e in Encoding)
@@ -53,9 +58,14 @@ Int64s = npt.NDArray[np.int64]
 Bools = npt.NDArray[np.bool_]
 
 
+def record_dtype(version: int) -> np.dtype[np.void]:
+    """The item record of format ``version`` (2 or 3)."""
+    return ITEM_RECORD_V3 if version == V3 else ITEM_RECORD
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Preamble:
-    """The checked version 2 preamble, with the item count of the header."""
+    """The checked version 2 or 3 preamble, with the item count of the header."""
 
     n_items: int
     n_tensors: int
@@ -93,7 +103,14 @@ class Records:
     enc: npt.NDArray[np.uint8]
     count: Int64s
     start_u: npt.NDArray[np.uint64]
-    """First index: a run's start, or a Rice item's first position."""
+    """First index: a run's or rows' start, or a Rice item's first position."""
+    last_u: npt.NDArray[np.uint64] | None
+    """The last index each record states (version 3; ``None`` in version 2): checked against
+    a run's or rows' own last index here, a Rice item's once its gaps are joined."""
+    period: Int64s
+    """Elements per row of a ROWS item (0 for other kinds)."""
+    gap: Int64s
+    """Elements between the rows of a ROWS item (0 for other kinds)."""
     lk: Int64s
     """Rice parameter of the gaps."""
     vk: Int64s
@@ -104,6 +121,8 @@ class Records:
     """Bytes of each item's value word."""
     ulp: Bools
     rice: Bools
+    rows: Bools
+    """Items whose locations are ROWS (version 3): implied by the record, no gaps."""
     reject: Reject
     """The rejection of a check that names an item."""
 
@@ -139,8 +158,11 @@ class Buffers:
     sizes: list[int]
 
 
-def read_preamble(body: Body, n_items: int, attempt: int, limits: DecodeLimits) -> Preamble:
-    """The preamble of a version 2 body, checked against the item count and the limits."""
+def read_preamble(
+    body: Body, n_items: int, attempt: int, limits: DecodeLimits, version: int
+) -> Preamble:
+    """The preamble of a version 2 or 3 body, checked against the item count and the
+    limits."""
     if body.remaining < PREAMBLE_V2.size:
         raise reject(attempt, f"body of {body.remaining} bytes cannot hold its preamble", "schema")
     n_tensors, reserved, tensor_bytes, n_loc_esc, n_val_esc = PREAMBLE_V2.unpack(
@@ -159,7 +181,7 @@ def read_preamble(body: Body, n_items: int, attempt: int, limits: DecodeLimits) 
     most = n_tensors * (TENSOR_ENTRY.size + 8 * limits.max_ndim + limits.max_name_bytes)
     if tensor_bytes > most:
         raise reject(attempt, f"tensor list of {tensor_bytes} bytes exceeds {most}", "schema")
-    record_bytes = n_items * ITEM_RECORD.itemsize
+    record_bytes = n_items * record_dtype(version).itemsize
     if tensor_bytes + record_bytes > body.remaining:
         raise reject(attempt, "the body ends inside the item records", "schema")
     return Preamble(
@@ -259,13 +281,21 @@ def _item_reject(
 
 
 def read_records(
-    body: Body, preamble: Preamble, table: TensorList, *, attempt: int, limits: DecodeLimits
+    body: Body,
+    preamble: Preamble,
+    table: TensorList,
+    *,
+    attempt: int,
+    limits: DecodeLimits,
+    version: int,
 ) -> Records:
-    """The item records, checked as arrays against the tensor list and the limits."""
+    """The item records of format ``version`` (2 or 3), checked as arrays against the tensor
+    list and the limits."""
     n_items = preamble.n_items
     n_tensors = preamble.n_tensors
     tensors = table.tensors
-    records = np.frombuffer(body.read(preamble.record_bytes), dtype=ITEM_RECORD)
+    v3 = version == V3
+    records = np.frombuffer(body.read(preamble.record_bytes), dtype=record_dtype(version))
     tid = records["tensor"].astype(np.int64)
     reject_item = _item_reject(attempt, tensors, tid)
     if n_items and int(tid.max()) >= n_tensors:
@@ -294,7 +324,8 @@ def read_records(
             raise reject_item(f"item {bad}: {message}", check, bad)
 
     require(np.isin(enc, list(_V2_ENCODINGS)), "unknown encoding", "encoding")
-    require(np.isin(kind, list(V2_KINDS)), "unknown location kind", "encoding")
+    kinds = V3_KINDS if v3 else V2_KINDS
+    require(np.isin(kind, list(kinds)), "unknown location kind", "encoding")
     ulp = enc == int(Encoding.ULP)
     require(~ulp | table.float_ok[tid], "ULP entries for a tensor that is not a float", "encoding")
     relative = enc != int(Encoding.OVERWRITE)
@@ -322,6 +353,7 @@ def read_records(
             tensors[int(over[0])][0],
         )
     rice = kind == int(LocationKind.RICE)
+    rows = kind == int(LocationKind.ROWS)
     start_u = records["start"]
     item_width = table.widths[tid]
     require(rice | (lk == 0), "a run has a Rice parameter", "schema")
@@ -331,22 +363,77 @@ def read_records(
     require(vk < 8 * item_width, "value parameter exceeds the word", "schema")
     # A run lies in the tensor; an empty run starts at 0; Rice locations start inside it.
     run_end_ok = start_u <= (numel - count).astype(U64)
-    require(rice | run_end_ok, "run exceeds the tensor", "bounds")
+    require(rice | rows | run_end_ok, "run exceeds the tensor", "bounds")
     require((count > 0) | (start_u == 0), "an empty run must start at 0", "bounds")
     require(~rice | (start_u < numel.astype(U64)), "first index outside the tensor", "bounds")
+    last_u = None
+    period = gap = np.zeros(n_items, dtype=np.int64)
+    if v3:
+        last_u = records["last"]
+        period, gap = _check_v3(records, rows, count, numel, require)
     return Records(
         tid=tid,
         enc=enc,
         count=count,
         start_u=start_u,
+        last_u=last_u,
+        period=period,
+        gap=gap,
         lk=lk,
         vk=vk,
         numel=numel,
         item_width=item_width,
         ulp=ulp,
         rice=rice,
+        rows=rows,
         reject=reject_item,
     )
+
+
+class _Require(Protocol):
+    def __call__(self, mask: npt.NDArray[np.bool_], message: str, check: str) -> None: ...
+
+
+def _check_v3(
+    records: npt.NDArray[np.void],
+    rows: Bools,
+    count: Int64s,
+    numel: Int64s,
+    require: _Require,
+) -> tuple[Int64s, Int64s]:
+    """Version 3's record fields: every item's last index (a Rice item's is checked once its
+    gaps are joined), and the period and gap of ROWS items; their periods and gaps as int64.
+
+    Every sum below is exact in u64: the starts, counts, periods and gaps are first bounded by
+    the tensor's elements (below ``2**63``)."""
+    start_u, last_u = records["start"], records["last"]
+    period_u, gap_u = records["period"], records["gap"]
+    numel_u = numel.astype(U64)
+    nonempty = count > 0
+    require(rows | (period_u == 0), "a period without ROWS locations", "schema")
+    require(rows | (gap_u == 0), "a gap without ROWS locations", "schema")
+    require(nonempty | (last_u == 0), "an empty item's last index is not 0", "schema")
+    # A run's last index is start + count - 1 (start + count <= numel was checked).
+    run = (records["kind"] == int(LocationKind.RUN)) & nonempty
+    run_last = start_u + np.maximum(count - 1, 0).astype(U64)
+    require(~run | (last_u == run_last), "the last index disagrees with the run", "schema")
+    require(~rows | nonempty, "ROWS locations without entries", "schema")
+    require(~rows | (period_u >= 1), "ROWS locations with period 0", "schema")
+    require(~rows | (gap_u >= 1), "ROWS locations with gap 0", "schema")
+    require(~rows | (start_u < numel_u), "first index outside the tensor", "bounds")
+    require(~rows | (period_u <= numel_u), "ROWS period exceeds the tensor", "bounds")
+    require(~rows | (gap_u < numel_u), "ROWS gap exceeds the tensor", "bounds")
+    # last == start + (count - 1) + ((count - 1) // period) * gap, exactly: the difference
+    # last - start - (count - 1) is a whole number of gaps, one per row boundary passed.
+    n_less = np.maximum(count - 1, 0).astype(U64)
+    first_row_end = start_u + n_less  # < 2**64: start < numel, count <= numel
+    reach = np.where(rows & (last_u >= first_row_end), last_u - first_row_end, U64(0))
+    one = np.maximum(gap_u, U64(1))
+    boundaries = n_less // np.maximum(period_u, U64(1))
+    exact = (last_u >= first_row_end) & (reach % one == 0) & (reach // one == boundaries)
+    require(~rows | exact, "the last index disagrees with the rows", "schema")
+    require(~rows | (last_u < numel_u), "rows reach past the tensor", "bounds")
+    return period_u.astype(np.int64), gap_u.astype(np.int64)
 
 
 def plan_buffers(

@@ -1,8 +1,8 @@
-"""Rice-split streams of a version 2 body joined back into words (paper App. D): a byte symbol
+"""Rice-split streams of a version 2 or 3 body joined back into words (paper App. D): a byte symbol
 per word (the quotient, or a cap that defers to an escape word), and per Rice parameter a
 stream of raw remainder bits.
 
-Version 2 splits both the gaps between an item's positions and its zigzagged ULP values this
+Versions 2 and 3 split both the gaps between an item's positions and its zigzagged ULP values this
 way; the joins check that each escape word is at least the cap and every word within its bound,
 and the C kernels' join reports its failures as a status that :func:`join_failure` turns into
 the rejection.

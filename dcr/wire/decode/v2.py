@@ -1,7 +1,10 @@
-"""The body of a format version 2 payload (paper App. D), decoded in named steps: the preamble,
-the tensor list and the item records (:mod:`dcr.wire.decode.records`), the buffer sizes they
-imply, the positions (:mod:`dcr.wire.decode.positions`), which no two items of one tensor may
-share (:mod:`dcr.wire.decode.overlap`), then the values.
+"""The body of a format version 2 or 3 payload (paper App. D), decoded in named steps: the
+preamble, the tensor list and the item records (:mod:`dcr.wire.decode.records`), the buffer
+sizes they imply, the positions (:mod:`dcr.wire.decode.positions`), which no two items of one
+tensor may share (:mod:`dcr.wire.decode.overlap`), then the values.  Version 3 bodies differ
+only in their records: each states its item's last index (checked against the decoded
+positions), and ROWS items (strided rows) decode to a :class:`~dcr.tensors.records.Span`
+without listing their indices.
 
 Values are XOR and overwrite words in width classes, and ULP deltas zigzagged into nibble
 symbols Rice-split with their remainders; a receiver gets one value array per width, in item
@@ -37,6 +40,7 @@ from dcr.wire.split import VALUE_CAP, unpack_nibbles, unzigzag
 __all__ = ["decode_v2"]
 
 Words = npt.NDArray[np.unsignedinteger[Any]]
+Int64s = npt.NDArray[np.int64]
 
 
 def decode_v2(
@@ -47,17 +51,28 @@ def decode_v2(
     catalog: Mapping[str, TensorSpec] | None,
     xor_allowed: Container[str] | None,
 ) -> Items:
-    """The checked items of a version 2 body (the rest of ``body``); raises
-    :class:`~dcr.errors.PayloadRejected`."""
-    preamble = read_preamble(body, framing.n_items, attempt, limits)
+    """The checked items of a version 2 or 3 body (the rest of ``body``, ``framing.version``
+    says which); raises :class:`~dcr.errors.PayloadRejected`."""
+    version = framing.version
+    preamble = read_preamble(body, framing.n_items, attempt, limits, version)
     table = read_tensor_list(
         body, preamble, attempt=attempt, limits=limits, catalog=catalog, xor_allowed=xor_allowed
     )
-    records = read_records(body, preamble, table, attempt=attempt, limits=limits)
+    records = read_records(body, preamble, table, attempt=attempt, limits=limits, version=version)
     buffers = plan_buffers(body, preamble, records, framing.layout, attempt)
     kernels = native.kernels
     indices, offs, run = read_locations(buffers, records, kernels)
-    check_disjoint(records.tid, records.count, run, offs, indices, records.reject)
+    _check_rice_last(records, indices, offs)
+    check_disjoint(
+        records.tid,
+        records.count,
+        run,
+        offs,
+        indices,
+        records.reject,
+        period=records.period,
+        gap=records.gap,
+    )
     values, value_start = _read_values(buffers, records, kernels)
     count, tid, item_width = records.count, records.tid, records.item_width
     bools = table.is_bool[tid] & (count > 0)
@@ -77,7 +92,25 @@ def decode_v2(
         indices=indices,
         values=values,
         run=run,
+        period=records.period if records.rows.any() else None,
+        gap=records.gap if records.rows.any() else None,
     )
+
+
+def _check_rice_last(records: Records, indices: npt.NDArray[np.int64], offs: Int64s) -> None:
+    """Version 3: the last index each Rice item's record states is its last decoded
+    position."""
+    last_u = records.last_u
+    if last_u is None or not records.rice.any():
+        return
+    rice = np.flatnonzero(records.rice)
+    decoded = indices[offs[rice] + records.count[rice] - 1].view(U64)
+    bad = np.flatnonzero(decoded != last_u[rice])
+    if bad.shape[0]:
+        item = int(rice[int(bad[0])])
+        raise records.reject(
+            f"item {item}: the last index disagrees with the decoded positions", "schema", item
+        )
 
 
 def _read_values(

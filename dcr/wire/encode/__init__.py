@@ -1,15 +1,17 @@
 """The payload encoder: one owner's records for one bucket into payload bytes (paper App. D).
 
-Items are validated before anything is produced.  Version 2 (the default) writes a tensor list,
-fixed-size item records, gaps Rice-split into byte symbols and remainders, ULP deltas zigzagged
-and split into nibble symbols, and XOR / overwrite values as width classes; version 1 run- or
-gap-codes locations and groups location and value words into width classes.  Word classes are
+Items are validated before anything is produced.  Version 2 writes a tensor list, fixed-size
+item records, gaps Rice-split into byte symbols and remainders, ULP deltas zigzagged and split
+into nibble symbols, and XOR / overwrite values as width classes; version 3 (the default) is
+version 2 whose records also carry each item's last index and whose strided row spans travel as
+ROWS locations (period and gap, no gap per entry); version 1 run- or gap-codes locations and
+groups location and value words into width classes.  Word classes are
 byte planes by default; the body is compressed with zstd and sealed with a 128-bit BLAKE3 digest
 (:mod:`dcr.wire.format`), or, given the payload key of a fleet secret, a keyed BLAKE3 MAC
 (:mod:`dcr.wire.seal`).
 
 The item checks and width classes both versions use are :mod:`~dcr.wire.encode.items`, the
-version 1 body :mod:`~dcr.wire.encode.v1`, the version 2 body and its compression
+version 1 body :mod:`~dcr.wire.encode.v1`, the version 2 and 3 body and its compression
 :mod:`~dcr.wire.encode.v2` (its Rice-split streams in :mod:`~dcr.wire.encode.streams`).
 """
 
@@ -69,8 +71,9 @@ def encode_payload(
     Each item is checked with ``Item.validate``; a bad item raises :class:`ConfigError` and
     nothing is produced.  The fields of ``header`` after ``final`` are ignored.  ``version``
     selects the format (:data:`~dcr.wire.format.FORMAT_VERSION` by default; version 1 cannot
-    carry ULP items).  ``digest`` is ``"blake3"`` (the default, :data:`FLAG_BLAKE3`) or
-    ``"blake2b"`` (what decoders of earlier releases verify).  ``seal_key`` (the payload key
+    carry ULP items; versions 1 and 2 send strided row spans as gaps, one per entry).
+    ``digest`` is ``"blake3"`` (the default, :data:`FLAG_BLAKE3`) or ``"blake2b"`` (what
+    decoders of earlier releases verify).  ``seal_key`` (the payload key
     of :func:`dcr.wire.seal.seal_keys`) seals the payload with a keyed BLAKE3 MAC instead
     (:data:`FLAG_KEYED`; ``digest`` must be ``"blake3"``).
     """
@@ -97,7 +100,7 @@ def encode_payload(
         body_size = int(body.shape[0])
         del body
     else:
-        sections = body_v2(items, layout, attempt)
+        sections = body_v2(items, layout, attempt, version)
         body_size = sum(sec.size for sec in sections)
         compressed = compress_sections(sections, body_size, level)
         del sections

@@ -50,7 +50,7 @@ def _check_arrays(item: Item) -> None:
 
 def entry_metadata(item: Item, attempt: int, version: int) -> tuple[bytes, bytes]:
     """Validated name bytes and packed shape of ``item``; raises :class:`ConfigError`.
-    Version 2 leaves the check that indices increase to its caller."""
+    Versions 2 and 3 leave the check that indices increase to its caller."""
     if version == V1:
         item.validate()
     else:

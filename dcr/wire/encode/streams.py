@@ -1,4 +1,4 @@
-"""Rice splitting of a version 2 payload's words into streams (paper App. D): the gaps between
+"""Rice splitting of a version 2 or 3 payload's words into streams (paper App. D): the gaps between
 each Rice item's sorted indices and the zigzagged ULP values, each split into a byte symbol
 (or a nibble, for values) per word, a remainder stream per Rice parameter and escape words.
 

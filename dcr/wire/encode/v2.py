@@ -1,7 +1,9 @@
-"""The body of a format version 2 payload (paper App. D) and its compression: a tensor list,
-fixed-size item records, gaps Rice-split into byte symbols and remainders
+"""The body of a format version 2 or 3 payload (paper App. D) and its compression: a tensor
+list, fixed-size item records, gaps Rice-split into byte symbols and remainders
 (:mod:`dcr.wire.encode.streams`), ULP deltas zigzagged and split into nibble symbols, and XOR /
-overwrite values as width classes.
+overwrite values as width classes.  Version 3's records also carry each item's last index and
+send strided rows (a :class:`~dcr.tensors.records.Span` with a gap) as ROWS locations: the
+rows' period and gap, no gap per entry.
 
 The body is produced as sections (byte planes, symbol streams) fed to zstd piece by piece, so it
 is never held whole; each long enough section ends a zstd block.
@@ -25,8 +27,11 @@ from dcr.wire.encode.items import Classes, empty_classes, entry_metadata
 from dcr.wire.encode.streams import Job, split_streams
 from dcr.wire.format import (
     ITEM_RECORD,
+    ITEM_RECORD_V3,
     PREAMBLE_V2,
     TENSOR_ENTRY,
+    V2,
+    V3,
     WINDOW_LOG_MAX,
     WORD_WIDTHS,
     ValueLayout,
@@ -88,7 +93,7 @@ _GATHER = 1 << 22
 
 @dataclass(frozen=True, slots=True)
 class Section:
-    """One section of a version 2 body, produced piece by piece: the bytes of ``raw``, or
+    """One section of a version 2 or 3 body, produced piece by piece: the bytes of ``raw``, or
     one width class of ``words`` (byte plane ``byte``, or every byte row-major when
     ``byte`` is ``None``)."""
 
@@ -137,10 +142,14 @@ def _class_sections(classes: Classes, layout: ValueLayout) -> list[Section]:
     return out
 
 
-def body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[Section]:
-    """The uncompressed version 2 body of ``items`` as its sections, in order (each section
-    ends a zstd block if it is long enough: byte planes and streams get Huffman tables of
-    their own); the word classes are gathered only while they are compressed."""
+def body_v2(
+    items: Sequence[Item], layout: ValueLayout, attempt: int, version: int = V2
+) -> list[Section]:
+    """The uncompressed version 2 (or, with ``version=3``, version 3) body of ``items`` as its
+    sections, in order (each section ends a zstd block if it is long enough: byte planes and
+    streams get Huffman tables of their own); the word classes are gathered only while they
+    are compressed."""
+    v3 = version == V3
     tensors: dict[str, tuple[int, tuple[int, ...], Any]] = {}
     tensor_list: list[bytes] = []
     n_items = len(items)
@@ -151,14 +160,18 @@ def body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[Se
     value_ks = [0] * n_items
     counts = [0] * n_items
     starts = [0] * n_items
+    lasts = [0] * n_items
+    periods = [0] * n_items
+    gaps = [0] * n_items
     location_jobs: list[Job] = []
     value_jobs: list[Job] = []
     value_words = empty_classes()
     rice = int(LocationKind.RICE)
+    rows = int(LocationKind.ROWS)
     ulp = Encoding.ULP
     kernels = native.kernels
     for i, item in enumerate(items):
-        name, shape = entry_metadata(item, attempt, 2)
+        name, shape = entry_metadata(item, attempt, version)
         known = tensors.get(item.name)
         if known is None:
             known = (len(tensors), tuple(item.shape), item.dtype)
@@ -183,7 +196,13 @@ def body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[Se
         if count:
             first, last = item.bounds
             starts[i] = first
-            if count > 1:
+            lasts[i] = last
+            span = item.span
+            if v3 and span is not None and span.gap and count > span.period:
+                kinds[i] = rows
+                periods[i] = span.period
+                gaps[i] = span.gap
+            elif count > 1:
                 if last - first != count - 1:
                     kinds[i] = rice
                     k = gap_k(count, first, last)
@@ -200,8 +219,7 @@ def body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[Se
             else:
                 value_words[item.values.dtype.itemsize].append(item.values)
 
-    records = np.zeros(n_items, dtype=ITEM_RECORD)
-    for field, column in (
+    columns = [
         ("tensor", tensor_ids),
         ("encoding", encodings),
         ("kind", kinds),
@@ -209,7 +227,11 @@ def body_v2(items: Sequence[Item], layout: ValueLayout, attempt: int) -> list[Se
         ("value_k", value_ks),
         ("count", counts),
         ("start", starts),
-    ):
+    ]
+    if v3:
+        columns += [("last", lasts), ("period", periods), ("gap", gaps)]
+    records = np.zeros(n_items, dtype=ITEM_RECORD_V3 if v3 else ITEM_RECORD)
+    for field, column in columns:
         records[field] = column
     loc = split_streams(location_jobs, gaps=True, attempt=attempt)
     val = split_streams(value_jobs, gaps=False, attempt=attempt)

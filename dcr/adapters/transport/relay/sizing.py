@@ -10,11 +10,11 @@ the training plan: the three largest tensors together, a fused QKV shard).  One 
 yields at most ``fan`` records (2 where embeddings are tied; 2 without the plan), and no payload
 carries more records than the catalog has elements.
 
-What one record costs in a version 2 body (``docs/wire-format.md``), at most: its value (``w``
+What one record costs in a version 3 body (``docs/wire-format.md``), at most: its value (``w``
 bytes for XOR and overwrite; for ULP a nibble, ``k < 8w`` remainder bits and escape words, which
 the parameter keeps rare: counted as ``w + 2``) and, unless its item is a run, its location: a
 gap symbol byte, ``k <= bit_length(numel) - 3`` remainder bits, and escape words, which the
-Rice parameter keeps below ``8/255`` per gap (one byte more).  An item adds a 24-byte record
+Rice parameter keeps below ``8/255`` per gap (one byte more).  An item adds a 48-byte record
 (at most three items per tensor, one per encoding), a tensor its list entry, a body its preamble
 and the padding of its streams.  zstd's output is at most ``zstd_bound(body)`` plus a block
 header per section, and the payload header is :data:`~dcr.wire.format.HEADER_SIZE` bytes.  A
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dcr.errors import ConfigError
 from dcr.tensors.ordered import ULP_DTYPES
 from dcr.tensors.records import TensorSpec
-from dcr.wire.format import HEADER_SIZE, ITEM_RECORD, PREAMBLE_V2, TENSOR_ENTRY, DecodeLimits
+from dcr.wire.format import HEADER_SIZE, ITEM_RECORD_V3, PREAMBLE_V2, TENSOR_ENTRY, DecodeLimits
 
 __all__ = ["entry_bytes", "largest_payload", "zstd_bound"]
 
@@ -88,7 +88,7 @@ def largest_payload(
     inputs = bucket_bytes + max(chunk_bytes, largest_shard_bytes)
     records = min(sum(s.numel * entry_bytes(s) for s in specs), math.ceil(inputs * per_byte * fan))
     tensors = sum(TENSOR_ENTRY.size + 8 * len(s.shape) + len(s.name.encode()) for s in specs)
-    items = _ENCODINGS * len(specs) * ITEM_RECORD.itemsize
+    items = _ENCODINGS * len(specs) * ITEM_RECORD_V3.itemsize
     body = PREAMBLE_V2.size + tensors + items + records + _SECTIONS
     payload = HEADER_SIZE + zstd_bound(body) + 3 * _SECTIONS + _FRAME
     return min(payload, (limits or DecodeLimits()).max_payload_bytes)
