@@ -43,7 +43,11 @@ def test_bench_construct_json(capsys):
             "vs_memcpy",
         ):
             assert key in r
-        assert r["rate"] == 0.03
+        assert r["rate"] == 0.03 and r["workload"] == "3%"
+        # some chosen elements keep their bits: fewer change than were chosen
+        assert r["changed_elements"] == round(r["changed_fraction"] * r["checkpoint_bytes"] / 2)
+        assert 0.02 < r["changed_fraction"] < 0.03
+        assert not any(k.startswith(("adaptive_", "dense_")) for k in r)  # no --dense-above
         assert r["vs_memcpy"] > 0
         # one run: its reference is the faster of the buffer copy and the copy of what
         # construction reads
@@ -56,11 +60,63 @@ def test_bench_construct_json(capsys):
     assert rows["X"]["bytes_per_changed_element"] < 1.6
 
 
+def test_bench_construct_workloads_beside_dense_and_adaptive_builds(capsys):
+    from dcr.bench.construct import format_construct_table
+
+    out = run_json(
+        capsys, "bench", "construct", "--size-gb", "0.02", "--rates", "0.01,adamw:1e-5",
+        "--modes", "X", "--dense-above", "0.1", "--repeats", "1",
+    )  # fmt: skip
+    one, adamw = out["results"]
+    assert out["model"]["dense_above"] == 0.1
+    assert (one["workload"], adamw["workload"]) == ("1%", "adamw lr=1e-05")
+    assert one["rate"] == 0.01 and "adamw_lr" not in one
+    # An AdamW row's rate is its measured fraction: one step at 1e-5 changes the words of
+    # the weights whose bf16 spacing is finer than the step (about 15% of N(0, 0.02)).
+    assert adamw["adamw_lr"] == 1e-5 and adamw["rate"] == adamw["changed_fraction"]
+    assert 0.08 < adamw["changed_fraction"] < 0.3
+    for r in (one, adamw):
+        words = r["checkpoint_bytes"] / 2
+        assert r["changed_elements"] == round(r["changed_fraction"] * words) > 0
+        assert r["dense_above"] == 0.1 and r["adaptive_construct_seconds"] > 0
+        # the dense build of the model: every element, more bytes than either refit
+        assert r["dense_payload_bytes"] > r["adaptive_payload_bytes"]
+        assert r["dense_payload_bytes"] > r["payload_bytes"] and r["dense_construct_seconds"] > 0
+    assert one["dense_payload_bytes"] == adamw["dense_payload_bytes"]
+    # 1% stays sparse; at 15% every weight matrix goes dense (the norms, unchanged, do not)
+    assert one["adaptive_dense_tensors"] == 0
+    assert one["adaptive_payload_bytes"] == one["payload_bytes"]
+    assert adamw["adaptive_dense_tensors"] > 0
+    assert adamw["adaptive_dense_elements"] > 0.9 * adamw["checkpoint_bytes"] / 2
+    assert adamw["adaptive_payload_bytes"] > adamw["payload_bytes"]  # ULP deltas beat dense
+    table = format_construct_table(out)
+    assert "adamw lr=1e-05" in table and "adapt MB" in table and "dense MB" in table
+
+
 def test_bad_arguments_exit_with_usage(capsys):
     with pytest.raises(SystemExit) as err:
         cli.main(["bench", "construct", "--modes", "X,Q"])
     assert err.value.code == 2
     assert "modes are X, P and F" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["construct", "apply"])
+@pytest.mark.parametrize("rates", ["0.01,1.5", "0", "adamw:-1e-5", "adamw:x", "sgd:1e-3"])
+def test_bench_rates_outside_the_notation_exit_with_usage(capsys, bench, rates):
+    with pytest.raises(SystemExit) as err:
+        cli.main(["bench", bench, "--rates", rates])
+    assert err.value.code == 2
+    assert "expected a change rate in (0, 1] or adamw:LR" in capsys.readouterr().err
+
+
+def test_bench_rates_parse_to_workloads():
+    from dcr.bench.workloads import Workload
+
+    for bench in ("construct", "apply"):
+        args = cli._parser().parse_args(["bench", bench, "--rates", "0.001,1.0,adamw:1e-6"])
+        assert args.rates == [
+            Workload("perturb", 0.001), Workload("perturb", 1.0), Workload("adamw", 1e-6),
+        ]  # fmt: skip
 
 
 def test_every_help_text_renders_its_percent_signs_once():
@@ -102,22 +158,31 @@ def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
 
 
 def test_bench_apply_json(capsys):
+    from dcr.bench.apply import format_apply_table
+
     out = run_json(
-        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,0.5", "--repeats", "1",
-        "--loaders", "torch,sharded-tp2", "--dense-above", "0.2",
+        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,adamw:1e-5",
+        "--repeats", "1", "--loaders", "torch,sharded-tp2", "--dense-above", "0.1",
     )  # fmt: skip
     rows = out["results"]
-    assert [(r["loader"], r["rate"]) for r in rows] == [
-        ("torch", 0.01), ("torch", 0.5), ("sharded-tp2", 0.01), ("sharded-tp2", 0.5),
+    assert [(r["loader"], r["workload"]) for r in rows] == [
+        ("torch", "1%"), ("torch", "adamw lr=1e-05"),
+        ("sharded-tp2", "1%"), ("sharded-tp2", "adamw lr=1e-05"),
     ]  # fmt: skip
     for r in rows:
         assert {"rate", "loader", "apply_seconds", "dense_load_seconds", "entries"} <= set(r)
         assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0 and r["read_seconds"] > 0
         assert r["bit_exact"] is True
-        assert r["dense_above"] == 0.2 and r["adaptive_apply_seconds"] > 0
-    # At 1% no tensor goes dense; at 50% the large ones do (each applied bit-exactly, on the
-    # sharded loader through fused and padded parameters too), and their bytes are the dense
-    # build's bytes of those tensors.
+        assert r["dense_above"] == 0.1 and r["adaptive_apply_seconds"] > 0
+    # The same seeded versions for every loader; an AdamW row's rate is its measured fraction.
+    assert rows[0]["rate"] == 0.01 and 0.005 < rows[0]["changed_fraction"] < 0.01
+    assert rows[1]["rate"] == rows[1]["changed_fraction"] == rows[3]["changed_fraction"]
+    assert 0.08 < rows[1]["changed_fraction"] < 0.3 and rows[1]["adamw_lr"] == 1e-5
+    assert "adamw lr=1e-05" in format_apply_table(out)
+    # At 1% no tensor goes dense; after the AdamW step (about 15% of each weight matrix's words
+    # changed) the large ones do (each applied bit-exactly, on the sharded loader through
+    # fused and padded parameters too), and their bytes are the dense build's bytes of those
+    # tensors.
     for r in rows:
         if r["rate"] == 0.01:
             assert r["dense_payload_bytes"] > r["payload_bytes"]  # every element vs 1%

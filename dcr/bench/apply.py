@@ -1,9 +1,11 @@
 """Apply benchmark: in-place apply of one refit against a dense native load.
 
 The model is the ``dcr bench construct`` one (a synthetic llama-family bf16 checkpoint in a
-TP=2 training layout, chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``).  For each
-receiver kind and each element change rate, one refit's payloads are constructed in mixed mode
-(XOR where the receivers allow it), encoded and decoded as a receiver decodes them; then
+TP=2 training layout).  Each workload (:mod:`dcr.bench.workloads`: chosen elements updated as
+``bf16(w * (1 + 0.01 * eps))`` at an element change rate, or a real AdamW step at a learning
+rate) makes the next version.  For each receiver kind and each workload, one refit's payloads
+are constructed in mixed mode (XOR where the receivers allow it), encoded and decoded as a
+receiver decodes them; then
 
 - **apply**: ``Applier.apply_payloads`` of every payload, in declared order, on every rank
   of the receiver, as the receiver engine applies a group of payloads (each all or nothing;
@@ -29,7 +31,6 @@ with a note).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import importlib.util
 import os
@@ -45,17 +46,24 @@ import torch
 from dcr.adapters.loaders.sharded import ShardedServingModel
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply import Applier, ApplyConfig, Loader, xor_allowed_across
+from dcr.bench.builds import adaptive_build, build_streams, encode_payload
 from dcr.bench.construct import synthetic_config
+from dcr.bench.workloads import (
+    Workload,
+    changed_fraction,
+    changed_text,
+    label_of,
+    new_version,
+    workloads,
+)
 from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.models.families import random_state_dict
 from dcr.models.modules import module_from_state_dict
-from dcr.models.updates import perturb
 from dcr.tensors.records import Mode, TensorSpec
 from dcr.wire.decode import decode_payload
-from dcr.wire.encode import encode_bucket
-from dcr.wire.format import Payload, ValueLayout
+from dcr.wire.format import Payload
 
 __all__ = ["LOADERS", "NotBitExact", "format_apply_table", "run_apply_bench"]
 
@@ -190,19 +198,9 @@ def _payloads(
 ) -> tuple[list[Payload], int]:
     """One refit's payloads in mixed mode (``dense``: the committed version's dense build),
     encoded and decoded as a receiver decodes them."""
-    if dense:
-        streams = group.build_dense()
-    else:
-        streams = group.build(mode=Mode.MIXED, xor_allowed=xor_allowed)
+    streams = build_streams(group, mode=Mode.MIXED, xor_allowed=xor_allowed, dense=dense)
     data = [
-        encode_bucket(
-            items=bucket.items,
-            attempt=attempt,
-            owner=owner,
-            payload_id=seq,
-            final=bucket.final,
-            layout=ValueLayout.BYTEPLANE,
-        )
+        encode_payload(bucket, owner=owner, payload_id=seq, attempt=attempt)
         for owner, (it, _) in streams.items()
         for seq, bucket in enumerate(it)
     ]
@@ -232,18 +230,10 @@ def _timed_applies(
     return applies, denses, reads, plans, written, calls
 
 
-def _with_dense_above(group: LocalTrainingGroup, above: float | None) -> None:
-    """Build the group's next payloads with ``dense_above = above``."""
-    config = dataclasses.replace(group.config, dense_above=above)
-    group.config = config
-    for owner in group.owners.values():
-        owner.config = config
-
-
 def run_apply_bench(
     *,
     size_bytes: int = 1_100_000_000,
-    rates: Sequence[float] = (0.01, 0.03, 0.05),
+    rates: Sequence[float | Workload] = (0.01, 0.03, 0.05),
     loaders: Sequence[str] = LOADERS,
     repeats: int = 3,
     threads: int | None = None,
@@ -253,12 +243,18 @@ def run_apply_bench(
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "model": {...}, "notes": [...]}``.
 
+    ``rates``: the workloads (:class:`~dcr.bench.workloads.Workload`; a number is an element
+    change rate).  Each row carries its ``workload`` label and the measured
+    ``changed_fraction`` (elements whose stored bits changed); ``rate`` is the change rate,
+    or that measured fraction for an AdamW workload.
+
     ``dense_above``: the same refit is also built with that
     :attr:`~dcr.delta.build.BuildConfig.dense_above` (tensors changed at least that much go
     dense) and applied, beside the sparse one (``adaptive_*`` fields).  The dense build of
     the model (every element, as a joining receiver gets it) gives ``dense_payload_bytes``.
     """
     say = log or (lambda _msg: None)
+    runs = workloads(rates)
     cfg = synthetic_config(size_bytes)
     say(f"building a {cfg['num_hidden_layers']}-layer synthetic llama model")
     base = random_state_dict(cfg, FAMILY, seed=seed)
@@ -278,16 +274,18 @@ def run_apply_bench(
         with _receivers(kind, cfg, base, threads) as receivers:
             xor_allowed = xor_allowed_across(receivers)
             _dense(receivers, base)  # warm the pages and the loader
-            for i, rate in enumerate(rates):
-                new = perturb(base, rate=rate, seed=seed + 1 + i)
+            for i, workload in enumerate(runs):
+                label = workload.label
+                new = new_version(base, workload, seed + 1 + i)
+                changed = changed_fraction(base, new)
+                rate = workload.rate if workload.rate is not None else changed
                 group.stage(plan.slice(new))
                 payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
                 adaptive: list[Payload] = []
                 adaptive_bytes = 0
                 if dense_above is not None:
-                    _with_dense_above(group, dense_above)
-                    adaptive, adaptive_bytes = _payloads(group, catalog, xor_allowed, i + 1)
-                    _with_dense_above(group, None)
+                    with adaptive_build(group, dense_above):
+                        adaptive, adaptive_bytes = _payloads(group, catalog, xor_allowed, i + 1)
                 group.discard()
                 entries = sum(item.count for p in payloads for item in p.items)
                 applies, denses, reads, plans, written, calls = _timed_applies(
@@ -300,10 +298,8 @@ def run_apply_bench(
                         receivers, adaptive, base, repeats, (i + 1) * 1000 + 500
                     )
                     denses += a_denses
-                    _check_bit_exact(receivers, applied, f"{kind} at rate {rate}, dense_above")
-                    dense_items = sum(
-                        1 for p in adaptive for it in p.items if it.span is not None
-                    )
+                    _check_bit_exact(receivers, applied, f"{kind} at {label}, dense_above")
+                    dense_items = sum(1 for p in adaptive for it in p.items if it.span is not None)
                     extra = {
                         "dense_above": dense_above,
                         "adaptive_apply_seconds": statistics.median(a_applies),
@@ -311,13 +307,15 @@ def run_apply_bench(
                         "adaptive_dense_items": dense_items,
                     }
                 denses.append(_dense(receivers, new))
-                _check_bit_exact(receivers, applied, f"{kind} at rate {rate}")
+                _check_bit_exact(receivers, applied, f"{kind} at {label}")
                 del applied, new, payloads, adaptive
                 apply_s, dense_s = statistics.median(applies), statistics.median(denses)
                 if extra:
                     extra["adaptive_ratio"] = extra["adaptive_apply_seconds"] / dense_s
                 row = {
                     "rate": rate,
+                    "workload": label,
+                    "changed_fraction": changed,
                     "loader": kind,
                     "apply_seconds": apply_s,
                     "dense_load_seconds": dense_s,
@@ -332,12 +330,13 @@ def run_apply_bench(
                     "dense_payload_bytes": dense_payload_bytes,
                     "ranks": len(receivers),
                     "bit_exact": True,
+                    **({"adamw_lr": workload.value} if workload.kind == "adamw" else {}),
                     **extra,
                 }
                 results.append(row)
                 say(
-                    f"{kind} rate {rate:.0%}: apply {apply_s:.3f} s, dense load {dense_s:.3f} s "
-                    f"({row['ratio']:.2f}x), {entries:,} entries, bit-exact"
+                    f"{kind} {label} ({changed:.2%} changed): apply {apply_s:.3f} s, dense "
+                    f"load {dense_s:.3f} s ({row['ratio']:.2f}x), {entries:,} entries, bit-exact"
                 )
         gc.collect()
     return {
@@ -361,8 +360,9 @@ def format_apply_table(result: dict[str, Any]) -> str:
     model = result["model"]
     adaptive = any("adaptive_apply_seconds" in r for r in result["results"])
     head = (
-        f"{'rate':>6} {'loader':>12} {'entries':>12} {'apply s':>8} {'dense s':>8} "
-        f"{'ratio':>6} {'sparse MB':>10} {'dense MB':>9} {'read s':>7} {'ns/entry':>8}"
+        f"{'workload':>15} {'changed':>8} {'loader':>12} {'entries':>12} {'apply s':>8} "
+        f"{'dense s':>8} {'ratio':>6} {'sparse MB':>10} {'dense MB':>9} {'read s':>7} "
+        f"{'ns/entry':>8}"
     )
     if adaptive:
         head += f" {'adapt s':>8} {'ratio':>6} {'adapt MB':>9} {'dense items':>11}"
@@ -373,7 +373,7 @@ def format_apply_table(result: dict[str, Any]) -> str:
     ]
     for r in result["results"]:
         line = (
-            f"{r['rate'] * 100:>5.3g}% {r['loader']:>12} {r['entries']:>12,} "
+            f"{label_of(r):>15} {changed_text(r):>8} {r['loader']:>12} {r['entries']:>12,} "
             f"{r['apply_seconds']:>8.4f} {r['dense_load_seconds']:>8.4f} {r['ratio']:>6.2f} "
             f"{r['payload_bytes'] / 1e6:>10.1f} {r['dense_payload_bytes'] / 1e6:>9.1f} "
             f"{r['read_seconds']:>7.4f} {r['ns_per_entry']:>8.1f}"

@@ -1,9 +1,10 @@
 """Delta construction benchmark (paper §8.3, Table 3): modes X, P and F on a synthetic model.
 
-A llama-family model of the requested size (bf16) is sliced into a TP=2 training layout.  For
-each element change rate, chosen elements are updated as ``bf16(w * (1 + 0.01 * eps))`` and
-every owner constructs its payloads (change detection, projection or full conversion, packing,
-zstd) in parallel threads:
+A llama-family model of the requested size (bf16) is sliced into a TP=2 training layout.  Each
+workload (:mod:`dcr.bench.workloads`) makes the next version -- at an element change rate,
+chosen elements updated as ``bf16(w * (1 + 0.01 * eps))``; at an AdamW learning rate, one real
+AdamW step on fp32 masters -- and every owner constructs its payloads (change detection,
+projection or full conversion, packing, zstd) in parallel threads:
 
 - **X**: direct projection + mixed XOR/overwrite encoding (the default);
 - **P**: direct projection + overwrites only;
@@ -21,6 +22,12 @@ a buffer that landed on slow pages from flattering the ratio.  Each row also
 carries the order-0 entropy floor of gap-coded positions plus XOR masks of its changed
 elements (:func:`dcr.delta.entropy.gap_xor_floor_bytes`, computed after timing) and the
 CPU seconds of each construction stage (summed over threads) in the run of median time.
+
+With ``dense_above`` each timed run is followed by the same construction with
+:attr:`BuildConfig.dense_above` set (:func:`dcr.bench.builds.adaptive_build`: tensors changed at
+least that much are sent dense), and the dense build of the model (every element of the
+committed version, what a joining receiver gets) is built and encoded once: sparse, adaptive
+and dense payloads side by side.
 """
 
 from __future__ import annotations
@@ -36,16 +43,22 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr.bench.builds import adaptive_build, build_streams, encode_payload
+from dcr.bench.workloads import (
+    Workload,
+    changed_fraction,
+    changed_text,
+    label_of,
+    new_version,
+    workloads,
+)
 from dcr.delta.build import BuildConfig, BuildStats
 from dcr.delta.entropy import floor_of_items
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
-from dcr.models.updates import perturb
 from dcr.tensors.bits import bits
 from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
-from dcr.wire.encode import encode_bucket
-from dcr.wire.format import ValueLayout
 
 __all__ = [
     "bandwidth_reference",
@@ -139,26 +152,30 @@ def _construct(
     pool: ThreadPoolExecutor,
     xor_allowed: frozenset[str],
     keep: list[Item] | None = None,
+    *,
+    dense: bool = False,
 ) -> tuple[float, int, int, BuildStats]:
     """One construction of every owner's payloads; returns seconds, bytes, payloads, stats.
 
     The timed work is every owner's whole construction: detection, projection, packing and
     the encoding of every bucket.  ``keep`` collects the items (references only) for the
-    entropy floor; a run that keeps them is not one of the timed runs.
+    entropy floor; a run that keeps them is not one of the timed runs.  ``dense``: the dense
+    build of the committed version instead (``mode`` ignored).
     """
     t0 = time.perf_counter()
-    streams = group.build(
+    streams = build_streams(
+        group,
         mode=Mode.MIXED if mode == "X" else Mode.OVERWRITE,
         xor_allowed=xor_allowed,
         full_conversion=mode == "F",
+        dense=dense,
     )
 
     def run(owner: int, it: Any, stats: BuildStats) -> list[int]:
         sizes = []
         for seq, bucket in enumerate(it):
             t = time.thread_time()
-            data = encode_bucket(items=bucket.items, attempt=1, owner=owner, payload_id=seq,
-                                 final=bucket.final, layout=ValueLayout.BYTEPLANE)  # fmt: skip
+            data = encode_payload(bucket, owner=owner, payload_id=seq, attempt=1)
             sizes.append(len(data))
             stats.add_time("encode", time.thread_time() - t)
             if keep is not None:
@@ -177,7 +194,7 @@ def _construct(
 def run_construct_bench(
     *,
     size_bytes: int = 1_100_000_000,
-    rates: Sequence[float] = (0.01, 0.03, 0.05),
+    rates: Sequence[float | Workload] = (0.01, 0.03, 0.05),
     modes: Sequence[str] = MODES,
     repeats: int = 3,
     tp: int = 2,
@@ -185,16 +202,25 @@ def run_construct_bench(
     relative_encoding: Encoding = Encoding.ULP,
     chunk_bytes: int = 16 << 20,
     bucket_bytes: int = 64 << 20,
+    dense_above: float | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark; returns ``{"results": [...], "model": {...}}`` (see the CLI docs).
 
+    ``rates``: the workloads (:class:`~dcr.bench.workloads.Workload`; a number is an element
+    change rate).  Each row carries its ``workload`` label and the measured
+    ``changed_fraction`` (elements whose stored bits changed); ``rate`` is the change rate,
+    or that measured fraction for an AdamW workload.
+    ``dense_above``: each construction is also timed with that
+    :attr:`BuildConfig.dense_above` (``adaptive_*`` fields), and the dense build of the model
+    is built once (``dense_payload_bytes``, ``dense_construct_seconds``).
     ``relative_encoding`` is what mode X emits (:attr:`BuildConfig.relative_encoding`).
     ``chunk_bytes`` and ``bucket_bytes`` are the pipeline settings (:class:`BuildConfig`):
     the paper's 64 / 512 MiB suit shards of many GB; next to a model of about a GB, buckets
     of 64 MiB let one bucket's encoding overlap the comparison of the next.
     """
     say = log or (lambda _msg: None)
+    runs_of = workloads(rates)
     cfg = synthetic_config(size_bytes)
     say(f"building a {cfg['num_hidden_layers']}-layer synthetic llama model")
     base = random_state_dict(cfg, "llama", seed=seed)
@@ -214,24 +240,34 @@ def run_construct_bench(
     say(f"checkpoint {checkpoint_bytes / 1e9:.2f} GB, memcpy reference {copy.rate(5):.1f} GB/s")
     xor_allowed = frozenset(catalog)
     results = []
+    dense: dict[str, Any] = {}
     with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, tp)) as pool:
-        for i, rate in enumerate(rates):
-            new = perturb(base, rate=rate, seed=seed + 1 + i)
+        if dense_above is not None:
+            dense_s, dense_bytes, _, _ = _construct(group, "X", pool, xor_allowed, dense=True)
+            dense = {"dense_payload_bytes": dense_bytes, "dense_construct_seconds": dense_s}
+            say(f"dense build of the model: {dense_bytes / 1e6:.1f} MB in {dense_s:.3f} s")
+        for i, workload in enumerate(runs_of):
+            label = workload.label
+            new = new_version(base, workload, seed + 1 + i)
+            changed_frac = changed_fraction(base, new)
+            rate = workload.rate if workload.rate is not None else changed_frac
             group.stage(plan.slice(new))
             sources = _read_bytes(group)
             for mode in modes:
                 runs, refs, buffer_refs, source_refs = [], [], [], []
+                adaptive = []
                 for _ in range(repeats):
                     buffer_refs.append(copy.rate(3))
                     source_refs.append(copy.rate_of(sources, 3))
                     refs.append(max(buffer_refs[-1], source_refs[-1]))
                     runs.append(_construct(group, mode, pool, xor_allowed))
+                    if dense_above is not None:
+                        with adaptive_build(group, dense_above):
+                            adaptive.append(_construct(group, mode, pool, xor_allowed))
                 secs = statistics.median(r[0] for r in runs)
                 # Bytes and stage seconds of the run of median time (runs that keep their
                 # items alive cannot reuse freed memory and run slower).
-                _, payload_bytes, num_payloads, st = sorted(runs, key=lambda r: r[0])[
-                    (len(runs) - 1) // 2
-                ]
+                _, payload_bytes, num_payloads, st = _median_run(runs)
                 # The items for the entropy floor come from one more, untimed construction.
                 items: list[Item] = []
                 _construct(group, mode, pool, xor_allowed, items)
@@ -242,8 +278,22 @@ def run_construct_bench(
                 floor = floor_of_items(items, base_bits)
                 del items
                 stages = {k: round(v, 6) for k, v in sorted(st.seconds.items())}
+                extra: dict[str, Any] = {}
+                if adaptive:
+                    _, a_bytes, a_payloads, a_st = _median_run(adaptive)
+                    extra = {
+                        "dense_above": dense_above,
+                        "adaptive_payload_bytes": a_bytes,
+                        "adaptive_num_payloads": a_payloads,
+                        "adaptive_construct_seconds": statistics.median(r[0] for r in adaptive),
+                        "adaptive_dense_tensors": a_st.dense_tensors,
+                        "adaptive_dense_elements": a_st.dense_elements,
+                        **dense,
+                    }
                 row: dict[str, Any] = {
                     "rate": rate,
+                    "workload": label,
+                    "changed_fraction": changed_frac,
                     "mode": mode,
                     "changed_elements": changed,
                     "payload_bytes": payload_bytes,
@@ -263,15 +313,25 @@ def run_construct_bench(
                     "entropy_floor_bytes": floor,
                     "entropy_floor_ratio": payload_bytes / floor if floor else 0.0,
                     "stage_seconds": stages,
+                    **({"adamw_lr": workload.value} if workload.kind == "adamw" else {}),
+                    **extra,
                 }
                 results.append(row)
                 say(
-                    f"rate {rate:.0%} mode {mode}: {secs:.3f} s, {row['vs_memcpy']:.2f}x memcpy "
+                    f"{label} ({changed_frac:.2%} changed) mode {mode}: {secs:.3f} s, "
+                    f"{row['vs_memcpy']:.2f}x memcpy "
                     f"(reference {min(refs):.1f}-{max(refs):.1f} GB/s), "
                     f"{payload_bytes / 1e6:.1f} MB, "
                     f"{row['bytes_per_changed_element']:.3f} B/changed, floor "
                     f"{floor / changed if changed else 0.0:.3f} B/changed; CPU seconds "
                     + ", ".join(f"{k} {v:.3f}" for k, v in stages.items())
+                    + (
+                        f"; dense_above {dense_above}: {extra['adaptive_construct_seconds']:.3f} "
+                        f"s, {extra['adaptive_payload_bytes'] / 1e6:.1f} MB, "
+                        f"{extra['adaptive_dense_tensors']} tensors dense"
+                        if extra
+                        else ""
+                    )
                 )
             group.discard()
             del new, sources
@@ -285,28 +345,56 @@ def run_construct_bench(
             "relative_encoding": relative_encoding.name,
             "chunk_bytes": chunk_bytes,
             "bucket_bytes": bucket_bytes,
+            "dense_above": dense_above,
             "threads": os.cpu_count(),
             "torch": torch.__version__,
         },
     }
 
 
+def _median_run(
+    runs: Sequence[tuple[float, int, int, BuildStats]],
+) -> tuple[float, int, int, BuildStats]:
+    """The run of median time (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+
+
 def format_construct_table(result: dict[str, Any]) -> str:
-    """A fixed-width table of :func:`run_construct_bench` results."""
+    """A fixed-width table of :func:`run_construct_bench` results (with ``dense_above``: the
+    adaptive build's and the dense build's bytes and seconds beside the sparse ones)."""
     model = result["model"]
+    adaptive = any("adaptive_payload_bytes" in r for r in result["results"])
+    head = (
+        f"{'workload':>15} {'mode':>4} {'changed':>8} {'elements':>12} {'payload MB':>11} "
+        f"{'B/changed':>10} {'seconds':>8} {'GB/s':>6} {'vs memcpy':>9}"
+    )
+    if adaptive:
+        head += f" {'adapt MB':>9} {'adapt s':>8} {'dense t':>7} {'dense MB':>9} {'dense s':>8}"
     lines = [
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, training TP="
         f"{model['tp']}, median of {model['repeats']} runs, {model['threads']} threads; vs memcpy: "
         "median of each run's rate over a memcpy reference measured just before it (the faster "
         "of a 256 MiB buffer copy and a copy of the bytes construction reads)",
-        f"{'rate':>5} {'mode':>4} {'changed':>12} {'payload MB':>11} {'B/changed':>10} "
-        f"{'seconds':>8} {'GB/s':>6} {'vs memcpy':>9}",
+        head,
     ]
     for r in result["results"]:
-        lines.append(
-            f"{r['rate']:>5.0%} {r['mode']:>4} {r['changed_elements']:>12,} "
+        line = (
+            f"{label_of(r):>15} {r['mode']:>4} {changed_text(r):>8} {r['changed_elements']:>12,} "
             f"{r['payload_bytes'] / 1e6:>11.2f} {r['bytes_per_changed_element']:>10.3f} "
-            f"{r['construct_seconds']:>8.2f} {r['construct_gb_per_s']:>6.2f} "
+            f"{r['construct_seconds']:>8.3f} {r['construct_gb_per_s']:>6.2f} "
             f"{r['vs_memcpy']:>9.2f}"
+        )
+        if "adaptive_payload_bytes" in r:
+            line += (
+                f" {r['adaptive_payload_bytes'] / 1e6:>9.2f} "
+                f"{r['adaptive_construct_seconds']:>8.3f} {r['adaptive_dense_tensors']:>7} "
+                f"{r['dense_payload_bytes'] / 1e6:>9.2f} {r['dense_construct_seconds']:>8.3f}"
+            )
+        lines.append(line)
+    if adaptive:
+        lines.append(
+            f"adapt: the same construction with dense_above = "
+            f"{result['results'][0].get('dense_above')} (dense t: tensors changed at least that "
+            "much, sent dense); dense: the dense build of the model (every element), one run"
         )
     return "\n".join(lines)

@@ -1,10 +1,15 @@
 """Argument types and output helpers shared by the ``dcr`` subcommands: comma-separated
-numbers, construction modes, loader and transport names, positive integers, progress on stderr."""
+numbers, benchmark workloads, construction modes, loader and transport names, positive
+integers, progress on stderr."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dcr.bench.workloads import Workload
 
 
 def _floats(text: str) -> list[float]:
@@ -24,6 +29,17 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
     return value
+
+
+def _workloads(text: str) -> list[Workload]:
+    """``--rates`` of the construct and apply benchmarks: comma-separated change rates in
+    (0, 1] and ``adamw:LR`` tokens (:func:`dcr.bench.workloads.parse_workloads`)."""
+    from dcr.bench.workloads import parse_workloads
+
+    try:
+        return parse_workloads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _modes(text: str) -> list[str]:

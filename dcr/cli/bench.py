@@ -15,6 +15,15 @@ from dcr.cli.arguments import (
     _modes,
     _positive,
     _transports,
+    _workloads,
+)
+
+_WORKLOADS_HELP = (
+    "comma-separated workloads (default 0.01,0.03,0.05): a fraction in (0, 1] is an element "
+    "change rate (each element chosen with that probability and updated as "
+    "bf16(w*(1+0.01*eps))); adamw:LR is one real torch AdamW step at learning rate LR on fp32 "
+    "masters of the weights with seeded normal gradients (std 1e-3 of each tensor's RMS), cast "
+    "back to bf16, e.g. 0.001,0.15,1.0,adamw:1e-6,adamw:1e-5,adamw:1e-4"
 )
 
 
@@ -53,8 +62,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "construct",
         help="delta construction time and bytes, modes X / P / F (paper Table 3)",
         description=(
-            "A synthetic llama-family bf16 model in a TP=2 training layout; chosen elements are "
-            "updated as bf16(w*(1+0.01*eps)). X = projection + mixed XOR/overwrite, P = "
+            "A synthetic llama-family bf16 model in a TP=2 training layout; each workload of "
+            "--rates makes the next version (chosen elements updated as bf16(w*(1+0.01*eps)), "
+            "or one AdamW step); each row reports its workload label and the measured "
+            "changed_fraction (elements whose stored bits changed). X = projection + mixed "
+            "XOR/overwrite, P = "
             "projection + overwrite only, F = full conversion + overwrite only. Reports "
             "construction seconds (median of --repeats), payload bytes, bytes per changed "
             "element, the order-0 entropy floor of gap-coded positions + XOR masks of the "
@@ -62,13 +74,18 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "construction throughput divided by a single-thread memcpy rate measured just "
             "before that run: the faster of a warm 256 MiB buffer copy "
             "(buffer_copy_gb_per_s) and a copy of the bytes construction reads "
-            "(source_copy_gb_per_s); bandwidth_reference_gb_per_s is the median of the faster."
+            "(source_copy_gb_per_s); bandwidth_reference_gb_per_s is the median of the faster. "
+            "With --dense-above each construction is also timed with BuildConfig.dense_above "
+            "(adaptive_payload_bytes, adaptive_construct_seconds, adaptive_dense_tensors) and "
+            "the dense build of the model (every element) is encoded once "
+            "(dense_payload_bytes, dense_construct_seconds)."
         ),
     )
     cons.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
     cons.add_argument(
-        "--rates", type=_floats, default=[0.01, 0.03, 0.05], help="element change rates"
-    )
+        "--rates", type=_workloads, default=[0.01, 0.03, 0.05], metavar="WORKLOADS",
+        help=_WORKLOADS_HELP,
+    )  # fmt: skip
     cons.add_argument("--modes", type=_modes, default=["X", "P", "F"], help="subset of X,P,F")
     cons.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
     cons.add_argument("--tp", type=_positive, default=2, help="training tensor parallelism")
@@ -88,26 +105,37 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="input bytes per payload (MiB); small enough next to the model that encoding "
         "overlaps the comparison of the next bucket",
     )
+    cons.add_argument(
+        "--dense-above",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="also time each construction with BuildConfig.dense_above = FRACTION (tensors "
+        "changed at least that much are sent dense) and encode the dense build of the model "
+        "once: sparse, adaptive and dense payload bytes side by side",
+    )
     cons.add_argument("--json", action="store_true", help="print one JSON object")
 
     app = bsub.add_parser(
         "apply",
         help="in-place apply of one refit against a dense native load",
         description=(
-            "The `bench construct` model; for each rate, one refit's payloads (mixed mode, "
-            "encoded and decoded) are applied with Applier.apply_payloads on every rank of each "
-            "receiver (torch: a TorchModuleLoader module; sharded-tp2: the sharded reference "
-            "loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is not "
-            "installed) and timed against a dense native load through the same loader in the "
+            "The `bench construct` model; for each workload of --rates, one refit's payloads "
+            "(mixed mode, encoded and decoded) are applied with Applier.apply_payloads on every "
+            "rank of each receiver (torch: a TorchModuleLoader module; sharded-tp2: the sharded "
+            "reference loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is "
+            "not installed) and timed against a dense native load through the same loader in the "
             "same run (medians of --repeats), and against a read of every resident byte (the "
             "memory-bound floor of a pass over the weights). The applied bits are checked "
-            "against the dense load of the new version; a mismatch fails the run."
+            "against the dense load of the new version; a mismatch fails the run. Each row "
+            "reports its workload label and the measured changed_fraction."
         ),
     )
     app.add_argument("--size-gb", type=float, default=1.1, help="model size (default 1.1 GB)")
     app.add_argument(
-        "--rates", type=_floats, default=[0.01, 0.03, 0.05], help="element change rates"
-    )
+        "--rates", type=_workloads, default=[0.01, 0.03, 0.05], metavar="WORKLOADS",
+        help=_WORKLOADS_HELP,
+    )  # fmt: skip
     app.add_argument(
         "--loaders",
         type=_loaders,
@@ -294,6 +322,7 @@ def _bench_construct(args: argparse.Namespace) -> int:
         relative_encoding=Encoding.ULP if args.relative == "ulp" else Encoding.XOR,
         chunk_bytes=args.chunk_mb << 20,
         bucket_bytes=args.bucket_mb << 20,
+        dense_above=args.dense_above,
         log=_err,
     )
     print(json.dumps(result) if args.json else format_construct_table(result))
