@@ -133,14 +133,14 @@ def test_a_tensor_goes_dense_from_the_threshold_and_only_then(any_size: None) ->
     _same_bits(receiver, newer)
 
 
-def test_small_tensors_and_the_default_stay_sparse() -> None:
+def test_small_tensors_stay_sparse_whatever_the_bound() -> None:
     cfg = tiny_config("qwen3")
     w = random_state_dict(cfg, "qwen3", seed=4)
     catalog = {n: TensorSpec.of(n, t) for n, t in w.items()}
     plan = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg)
     new = perturb(w, rate=1.0, seed=5)
     assert max(t.numel() for t in w.values()) < owner_module.DENSE_MIN_ELEMENTS
-    for config in (BuildConfig(), BuildConfig(dense_above=0.01)):
+    for config in (BuildConfig(), BuildConfig(dense_above=0.01)):  # the default is 0.5
         group = LocalTrainingGroup(plan, plan.slice(w), config=config)
         items, stats = _build(group, plan.slice(new))
         assert not _dense_names(items) and stats.dense_tensors == 0
@@ -153,6 +153,7 @@ def test_the_threshold_is_checked_and_reaches_the_fleet() -> None:
     for bad in (-0.1, 2, True, "x"):
         with pytest.raises(ValueError, match="dense_above"):
             TrainerSection(dense_above=bad)  # type: ignore[arg-type]
-    assert TrainerSection().build_config().dense_above is None
+    assert BuildConfig().dense_above == TrainerSection().build_config().dense_above == 0.5
+    assert TrainerSection(dense_above=0).build_config().dense_above is None  # never dense
     built = TrainerSection(dense_above=0.2, chunk_mb=1.0, build_threads=3).build_config()
     assert (built.dense_above, built.chunk_bytes, built.threads) == (0.2, 1 << 20, 3)
