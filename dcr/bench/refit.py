@@ -50,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +219,24 @@ def _read_events(directory: Path) -> list[dict[str, Any]]:
     return list(EventReader(directory).poll())
 
 
+def _relay_reported(directory: Path, owners: Iterable[str], timeout_s: float = 10.0) -> None:
+    """Wait until the relay root reported the traffic (V_cross) of every attempt an owner
+    sent in, before the fleet stops: the root reports it on its next tick (every 0.25 s), and
+    a stop right after the last commit would otherwise lose the last refit's figure.  Bounded:
+    a report still missing then leaves ``cross_bytes`` unknown (``None``)."""
+    owners = frozenset(owners)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = _read_events(directory)
+        sent = {int(e["attempt"]) for e in events
+                if e.get("event") == "sent" and e.get("who") in owners}  # fmt: skip
+        seen = {int(a) for e in events if e.get("event") == "traffic"
+                and str(e.get("who", "")).startswith("relay-") for a in e["attempts"]}  # fmt: skip
+        if sent <= seen or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
 def _reference_floor(kind: str, checkpoint: int, layout: BenchLayout, link_gbps: float) -> float:
     """The reference's link time alone: the root's link carries the checkpoint once (relay);
     each owner uploads its share, then each node downloads all of it (object storage)."""
@@ -296,7 +315,10 @@ def _run_transport(
             say(f"fleet of {checkpoint / GB:.2f} GB, {len(steps)} refits "
                 f"(warm-up at {steps[0]:.0%}), link {link_gbps:g} Gbit/s")  # fmt: skip
             t = time.monotonic()
-            report = runner.run()
+            settle = (
+                partial(_relay_reported, cfg.events_dir, cfg.owners) if kind == "relay" else None
+            )
+            report = runner.run(before_stop=settle)
         say(f"fleet done in {time.monotonic() - t:.0f} s, bit-exact: {report['bit_exact']}")
         timings = refit_timings(_read_events(cfg.events_dir), owners=cfg.owners,
                                 relayed=kind == "relay")  # fmt: skip
