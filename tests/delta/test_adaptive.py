@@ -140,7 +140,7 @@ def test_small_tensors_stay_sparse_whatever_the_bound() -> None:
     plan = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg)
     new = perturb(w, rate=1.0, seed=5)
     assert max(t.numel() for t in w.values()) < owner_module.DENSE_MIN_ELEMENTS
-    for config in (BuildConfig(), BuildConfig(dense_above=0.01)):  # the default is 0.5
+    for config in (BuildConfig(dense_above=0.5), BuildConfig(dense_above=0.01)):
         group = LocalTrainingGroup(plan, plan.slice(w), config=config)
         items, stats = _build(group, plan.slice(new))
         assert not _dense_names(items) and stats.dense_tensors == 0
@@ -153,7 +153,7 @@ def test_the_threshold_is_checked_and_reaches_the_fleet() -> None:
     for bad in (-0.1, 2, True, "x"):
         with pytest.raises(ValueError, match="dense_above"):
             TrainerSection(dense_above=bad)  # type: ignore[arg-type]
-    assert BuildConfig().dense_above == TrainerSection().build_config().dense_above == 0.5
-    assert TrainerSection(dense_above=0).build_config().dense_above is None  # never dense
+    assert BuildConfig().dense_above is None  # always sparse unless asked
+    assert TrainerSection().build_config().dense_above is None
     built = TrainerSection(dense_above=0.2, chunk_mb=1.0, build_threads=3).build_config()
     assert (built.dense_above, built.chunk_bytes, built.threads) == (0.2, 1 << 20, 3)
