@@ -337,8 +337,10 @@ def plan_block(
     are block copies (overwrite) or block read-modify-writes (XOR, ULP) straight from the
     run's values: no index per entry, near memory-copy speed.
     """
-    boxes = _strided_boxes(imap, entries) if entries.strided else imap.boxes(
-        entries.start, entries.count
+    boxes = (
+        _strided_boxes(imap, entries)
+        if entries.strided
+        else imap.boxes(entries.start, entries.count)
     )
     return _plan(
         copy,
@@ -351,32 +353,59 @@ def plan_block(
 def block_mappable(imap: IndexMap, entries: Entries) -> bool:
     """Whether ``entries`` go through ``imap`` as blocks: a run always; strided rows when
     the view is one run of consecutive source elements holding every row (an unsharded
-    destination), so that each row lands as one block."""
+    destination), or when one row step is one step of the view's outermost dimension and no
+    row crosses it (a sliced or fused view of whole rows: every row lands as the same blocks,
+    shifted)."""
     if entries.run:
         return True
-    if not entries.strided or len(imap.dims) != 1 or imap.dims[0][0] != 1:
+    if not entries.strided or not imap.dims:
         return False
-    last = int(entries.locate(entries.count - 1, entries.count)[0])
-    return imap.src_offset <= entries.start and last <= imap.src_offset + imap.src_span
+    if _one_run(imap):
+        last = int(entries.locate(entries.count - 1, entries.count)[0])
+        return imap.src_offset <= entries.start and last <= imap.src_offset + imap.src_span
+    pitch = entries.period + entries.gap
+    return imap.dims[0][0] == pitch and (entries.start - imap.src_offset) % pitch + (
+        entries.period) <= pitch  # fmt: skip
+
+
+def _one_run(imap: IndexMap) -> bool:
+    return len(imap.dims) == 1 and imap.dims[0][0] == 1
 
 
 def _strided_boxes(imap: IndexMap, entries: Entries) -> list[Box]:
-    """Blocks of strided rows through a one-run view (:func:`block_mappable`): the whole
-    rows as one two-dimensional block, a last partial row as another."""
-    step = imap.dims[0][2]
+    """Blocks of strided rows (:func:`block_mappable`): through a one-run view, the whole
+    rows as one two-dimensional block and a last partial row as another; through a view
+    whose outermost step is a row, the blocks of one row with the rows inside the view as an
+    outer dimension."""
     period, pitch = entries.period, entries.period + entries.gap
     rows, rest = divmod(entries.count, period)
-
-    def dst(c: int) -> int:
-        return imap.dst_offset + (c - imap.src_offset) * step
-
     out: list[Box] = []
-    if rows:
-        dims = ((rows, pitch * step, period), (period, step, 1))
-        out.append((dst(entries.start), 0, tuple(d for d in dims if d[0] > 1)))
-    if rest:
-        at = entries.start + rows * pitch
-        out.append((dst(at), rows * period, ((rest, step, 1),) if rest > 1 else ()))
+    if _one_run(imap):
+        step = imap.dims[0][2]
+
+        def dst(c: int) -> int:
+            return imap.dst_offset + (c - imap.src_offset) * step
+
+        if rows:
+            dims = ((rows, pitch * step, period), (period, step, 1))
+            out.append((dst(entries.start), 0, tuple(d for d in dims if d[0] > 1)))
+        if rest:
+            at = entries.start + rows * pitch
+            out.append((dst(at), rows * period, ((rest, step, 1),) if rest > 1 else ()))
+        return out
+    # Row r's outermost digit is q + r; its lower digits are the same for every row.
+    _, size, dst_stride = imap.dims[0]
+    q = (entries.start - imap.src_offset) // pitch
+    lo, hi = max(0, -q), min(rows + (1 if rest else 0), size - q)
+    whole = min(rows, hi)
+    if whole > lo:
+        n = whole - lo
+        outer = ((n, dst_stride, period),) if n > 1 else ()
+        for at, src, inner in imap.boxes(entries.start + lo * pitch, period):
+            out.append((at, src + lo * period, outer + inner))
+    if rest and lo <= rows < hi:
+        tail = imap.boxes(entries.start + rows * pitch, rest)
+        out.extend((at, src + rows * period, inner) for at, src, inner in tail)
     return out
 
 

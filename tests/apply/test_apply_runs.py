@@ -351,11 +351,15 @@ def _row_spans(
 @pytest.mark.parametrize("relative", [False, True], ids=["overwrite", "relative"])
 @pytest.mark.parametrize("rows_cut", [0, 3], ids=["whole-rows", "partial-row"])
 def test_row_spans_give_the_bits_of_listed_items_and_of_a_dense_load(
-    family: str, tp: int, relative: bool, rows_cut: int
+    monkeypatch: pytest.MonkeyPatch, family: str, tp: int, relative: bool, rows_cut: int
 ) -> None:
     """Column blocks of every row, one item per block and apply call (as each training rank's
     payload brings its own), land on reference ranks -- fused, sliced, padded, cast and
-    transformed parameters -- exactly as the same entries listed."""
+    transformed parameters -- exactly as the same entries listed; through a rank's slice of
+    whole rows they land as blocks."""
+    strided: list[bool] = []
+    real = planning.plan_block
+    monkeypatch.setattr(planning, "plan_block", lambda *a: strided.append(a[3].strided) or real(*a))
     config = tp_config(family, tp)
     w0 = base_state_dict(config, family)
     w1 = update(w0, rate=0.5, seed=tp + 7)
@@ -374,6 +378,7 @@ def test_row_spans_give_the_bits_of_listed_items_and_of_a_dense_load(
         if not rows_cut:
             want = dense_reference(config, family, w1, tp, rank).module
             assert bit_diff(snapshot(by_rows.loader.module), snapshot(want)) == []
+    assert any(strided)  # whole parameters (TP 1) and row slices (TP 3) alike
 
 
 @pytest.mark.parametrize("encoding", [Encoding.OVERWRITE, Encoding.ULP])
