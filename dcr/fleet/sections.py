@@ -90,7 +90,7 @@ class TrainerSection:
     """Worker threads each owner process compares blocks on; 0: the CPUs the process may
     run on (its affinity mask).  With 1, an owner scans in its own thread and does not
     overlap the scan of one bucket with the encoding of the one before."""
-    dense_above: float = 0.0
+    dense_above: float = 0.5
     """Owners send a tensor with at least this fraction of its elements changed as one dense
     overwrite instead of sparse entries (:attr:`dcr.BuildConfig.dense_above`); 0: always
     sparse."""

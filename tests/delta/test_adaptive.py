@@ -153,7 +153,7 @@ def test_the_threshold_is_checked_and_reaches_the_fleet() -> None:
     for bad in (-0.1, 2, True, "x"):
         with pytest.raises(ValueError, match="dense_above"):
             TrainerSection(dense_above=bad)  # type: ignore[arg-type]
-    assert BuildConfig().dense_above is None  # always sparse unless asked
-    assert TrainerSection().build_config().dense_above is None
+    assert BuildConfig().dense_above == TrainerSection().build_config().dense_above == 0.5
+    assert TrainerSection(dense_above=0).build_config().dense_above is None  # never dense
     built = TrainerSection(dense_above=0.2, chunk_mb=1.0, build_threads=3).build_config()
     assert (built.dense_above, built.chunk_bytes, built.threads) == (0.2, 1 << 20, 3)
