@@ -27,7 +27,7 @@ from apply_helpers import (
 
 import dcr.apply.planning as planning
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
-from dcr.apply import Applier, ApplyConfig
+from dcr.apply import Applier, ApplyConfig, ApplyReport
 from dcr.apply.geometry import IndexMap, ViewGeometry
 from dcr.errors import LoaderConditionViolated, PayloadRejected
 from dcr.models.families import FAMILIES
@@ -129,6 +129,23 @@ def test_runs_give_the_bits_of_listed_items_and_of_a_dense_load(
         ]
 
 
+def _apply_traced(
+    monkeypatch: pytest.MonkeyPatch, receiver: Applier, item: Item
+) -> tuple[ApplyReport, int, int]:
+    """Apply ``item``: the report, the peak of memory traced meanwhile and the block plans
+    made."""
+    blocks: list[int] = []
+    real = planning.plan_block
+    monkeypatch.setattr(planning, "plan_block", lambda *a: blocks.append(1) or real(*a))
+    tracemalloc.start()
+    try:
+        report = receiver.apply_items([item], attempt=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return report, peak, len(blocks)
+
+
 def test_a_dense_run_writes_blocks_and_lists_no_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole-tensor run of 4M elements through a plain module: block plans, and the apply
     allocates nothing near one index (8 bytes) per entry."""
@@ -145,15 +162,7 @@ def test_a_dense_run_writes_blocks_and_lists_no_index(monkeypatch: pytest.Monkey
         span=Span(0),
         values=values,
     )
-    blocks = []
-    real = planning.plan_block
-    monkeypatch.setattr(planning, "plan_block", lambda *a: blocks.append(1) or real(*a))
-    tracemalloc.start()
-    try:
-        report = receiver.apply_items([item], attempt=1)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    report, peak, blocks = _apply_traced(monkeypatch, receiver, item)
     assert blocks and report.written == n and not report.items[0].dense
     assert peak < n  # listed indices alone would take 8 * n bytes
     param = dict(receiver.loader.module.named_parameters())["w"]
@@ -395,15 +404,7 @@ def test_row_spans_through_a_plain_module_write_blocks_and_list_no_index(
     relative = frozenset({"w"}) if encoding is Encoding.ULP else frozenset()
     _, second = _row_spans(w0, w1, relative, parts=2)
     assert second.span == Span(cols // 2, cols // 2, cols // 2)
-    blocks: list[int] = []
-    real = planning.plan_block
-    monkeypatch.setattr(planning, "plan_block", lambda *a: blocks.append(1) or real(*a))
-    tracemalloc.start()
-    try:
-        report = receiver.apply_items([second], attempt=1)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    report, peak, blocks = _apply_traced(monkeypatch, receiver, second)
     entries = rows * cols // 2
     assert blocks and report.written == entries
     # Listed indices alone would take 8 bytes per entry; a relative block on numpy holds
