@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dcr.fleet.pids import wait_gone
@@ -98,6 +100,35 @@ def local_cluster(
             for infos in node.all_processes.values()
             for p in infos
         ]
+        workers = _children(pids)  # the raylets' workers, the user's actors among them
         ray.shutdown()
         cluster.shutdown()
-        wait_gone(pids)
+        _kill_left(workers)  # a worker orphaned by its raylet's exit would live on
+        wait_gone(pids + workers)
+
+
+def _children(parents: list[int]) -> list[int]:
+    """Live child processes of ``parents`` (from ``/proc``; empty where there is none)."""
+    wanted = set(parents)
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) in wanted:
+            out.append(int(entry.name))
+    return out
+
+
+def _kill_left(pids: list[int]) -> None:
+    """SIGKILL each of ``pids`` still alive after the cluster stopped, with its process group
+    where it leads one (a worker's engine processes)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)

@@ -55,7 +55,8 @@ def _ray_processes() -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        ray = "ray/core/src/ray" in cmdline or "default_worker.py" in cmdline
+        # A worker hosting an actor renames itself "ray::<Actor>" (an idle one "ray::IDLE").
+        ray = any(m in cmdline for m in ("ray/core/src/ray", "default_worker.py", "ray::"))
         if (ray or "EngineCore" in cmdline) and state != "Z":
             found.append(int(entry.name))
     return found
