@@ -414,3 +414,29 @@ def test_row_spans_through_a_plain_module_write_blocks_and_list_no_index(
     want = bits(w0["w"]).copy()
     want[:, cols // 2 :] = bits(w1["w"])[:, cols // 2 :]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("encoding", [Encoding.OVERWRITE, Encoding.ULP])
+def test_row_spans_of_both_ranks_in_one_payload_join_into_one_run(
+    monkeypatch: pytest.MonkeyPatch, encoding: Encoding
+) -> None:
+    """Both training ranks' column blocks of a matrix in one apply call: they interleave into
+    one run of every element, with the bits of a dense load."""
+    import dcr.apply.admission as admission
+
+    joined: list[bool] = []
+    real = admission._interleaved
+    monkeypatch.setattr(admission, "_interleaved", lambda spans: joined.append(True) or real(spans))
+    rows, cols = 64, 1024
+    w0 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
+    w1 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
+    receiver = Applier(TorchModuleLoader(module_from_state_dict(w0)), catalog_of(w0))
+    receiver.prewarm()
+    relative = frozenset({"w"}) if encoding is Encoding.ULP else frozenset()
+    items = _row_spans(w0, w1, relative, parts=2)
+    assert all(i.span is not None and i.span.gap for i in items)
+    report = receiver.apply_items(items[::-1], attempt=1)  # in either order
+    assert joined and all(j is not None for j in joined)  # one run, not listed indices
+    assert report.written == rows * cols and report.items[0].merged == 2
+    got = bits(dict(receiver.loader.module.named_parameters())["w"].detach())
+    np.testing.assert_array_equal(got, bits(w1["w"]))
