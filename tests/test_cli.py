@@ -191,6 +191,21 @@ def test_bench_apply_json(capsys):
         else:
             assert r["adaptive_dense_items"] > 0
             assert r["adaptive_payload_bytes"] != r["payload_bytes"]
+    # Sparse, dense and the adaptive choice side by side: the dense refit sends every changed
+    # tensor whole, never more than the model's dense build; the choice follows dense_above.
+    for r in rows:
+        assert r["dense_apply_seconds"] > 0 and r["dense_ratio"] > 0 and r["dense_items"] > 0
+        assert r["payload_bytes"] < r["dense_refit_bytes"] <= r["dense_payload_bytes"] * 1.01
+        assert 0 <= r["adaptive_dense_items"] <= r["dense_items"]
+        if r["rate"] == 0.01:
+            assert r["adaptive_choice"] == "sparse"
+            assert r["adaptive_ratio"] == r["ratio"]
+        else:
+            assert r["adaptive_choice"] in ("dense", "mixed")
+    assert set(out["break_even"]) == {"torch", "sharded-tp2"}
+    assert out["model"]["dense_above"] == 0.1
+    table = format_apply_table(out)
+    assert "adaptive" in table and ("dense applies faster" in table or "sparse applies" in table)
     # Every entry lands once on the single torch rank; the sharded ranks write no fewer.
     assert rows[0]["written"] == rows[0]["entries"] > 0
     assert rows[1]["entries"] > rows[0]["entries"]
@@ -247,3 +262,16 @@ def test_bench_dense_json(capsys):
     for r in out["apply"]:
         assert r["bit_exact"] is True and r["payloads"] == build["payloads"]
         assert r["apply_seconds"] > 0 and r["dense_load_seconds"] > 0
+
+
+def test_break_even_is_where_sparse_apply_meets_dense():
+    from dcr.bench.apply import break_even
+
+    def row(f, sparse, dense):
+        return {"changed_fraction": f, "ratio": sparse, "dense_ratio": dense}
+
+    # sparse 0.2 below dense at 4% and 0.2 above at 12%: they meet half way, at 8%
+    rows = [row(0.12, 1.15, 0.95), row(0.04, 0.75, 0.95), row(0.01, 0.35, 0.95)]
+    assert break_even(rows) == pytest.approx(0.08)
+    assert break_even([row(0.01, 0.4, 0.9), row(0.05, 0.8, 0.9)]) is None
+    assert break_even([row(0.2, 1.5, 0.9), row(0.5, 3.0, 0.9)]) == 0.2

@@ -584,6 +584,31 @@ def test_write_block_equals_numpy(word: Any, enc: Encoding, block: Any, src: int
     np.testing.assert_array_equal(by_numpy, ref)
 
 
+@pytest.mark.parametrize("word", WORDS)
+@pytest.mark.parametrize("shift", [0, 1, 7])
+def test_large_overwrite_blocks_stream_exactly(word: Any, shift: int) -> None:
+    """Contiguous overwrites of 256 KiB and more are written with streamed stores: from any
+    alignment of either buffer, with a tail shorter than a line, rows of a wider storage too,
+    every word lands and nothing beside the block changes."""
+    size = np.dtype(word).itemsize
+    n = (300 << 10) // size + 5  # past the streaming threshold, with an odd tail
+    rng = np.random.default_rng(size + shift)
+    flat = rng.integers(0, np.iinfo(word).max, 2 * n + 64, dtype=word, endpoint=True)
+    values = rng.integers(0, np.iinfo(word).max, 2 * n + 64, dtype=word, endpoint=True)
+    ref = flat.copy()
+    ref[shift + 3 : shift + 3 + n] = values[shift : shift + n]
+    d = np.array([(n, 1, 1)], np.int64).reshape(-1)
+    assert kernels.write_block(flat, shift + 3, values, shift, d, 1, True) == (n, 0)
+    np.testing.assert_array_equal(flat.view(np.uint8), ref.view(np.uint8))
+    # two rows of the block, each streamed, into rows of a wider storage
+    half = n // 2
+    d = np.array([(2, half + 11, half), (half, 1, 1)], np.int64).reshape(-1)
+    assert kernels.write_block(flat, 1, values, 7, d, 1, False) == (2 * half, 0)
+    ref[1 : 1 + half] = values[7 : 7 + half]
+    ref[12 + half : 12 + 2 * half] = values[7 + half : 7 + 2 * half]
+    np.testing.assert_array_equal(flat.view(np.uint8), ref.view(np.uint8))
+
+
 @pytest.mark.parametrize("enc", list(Encoding))
 def test_write_block_check_counts_words_written_twice(enc: Encoding) -> None:
     """The check re-reads the whole block after its writes, like ``rmw``'s: rows that land on

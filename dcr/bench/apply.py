@@ -11,6 +11,10 @@ receiver decodes them; then
   of the receiver, as the receiver engine applies a group of payloads (each all or nothing;
   the next one is checked and planned while the previous one is written); median of
   ``repeats``, the base restored by a dense load between repeats;
+- **sparse, dense, adaptive**: the refit built with every tensor as entries, with every
+  changed tensor sent whole (a dense overwrite: one block copy per tensor), and as owners
+  choose per tensor at a ``dense_above``; the loader's *break-even* is the changed fraction
+  from which the dense refit applies faster than the sparse one;
 - **dense load**: the same model loaded densely through the same native loader, in the same
   run (the restores and a final load of the new version; median);
 - **read**: every resident byte read once (``read_seconds``, a reduction over integer views
@@ -56,7 +60,7 @@ from dcr.bench.workloads import (
     new_version,
     workloads,
 )
-from dcr.delta.build import BuildConfig
+from dcr.delta.build import DENSE_ABOVE, BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.models.families import random_state_dict
@@ -230,6 +234,32 @@ def _timed_applies(
     return applies, denses, reads, plans, written, calls
 
 
+ALL_DENSE = 1e-12
+"""A ``dense_above`` that sends every changed tensor (of at least
+:data:`~dcr.delta.owner.DENSE_MIN_ELEMENTS`) dense: the bench's *dense* refit."""
+
+
+def _choice(dense_items: int, all_dense_items: int) -> str:
+    if dense_items == 0:
+        return "sparse"
+    return "dense" if dense_items == all_dense_items else "mixed"
+
+
+def break_even(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The changed fraction from which sparse entries cost a loader more to apply than the
+    same tensors sent dense (linear between the measured rows; the lowest measured fraction
+    when sparse already costs more there); ``None`` when sparse costs less at every row."""
+    points = sorted((r["changed_fraction"], r["ratio"] - r["dense_ratio"]) for r in rows)
+    for i, (fraction, excess) in enumerate(points):
+        if excess < 0:
+            continue
+        if i == 0:
+            return float(fraction)
+        f0, e0 = points[i - 1]
+        return float(f0 + (fraction - f0) * (-e0) / (excess - e0))
+    return None
+
+
 def run_apply_bench(
     *,
     size_bytes: int = 1_100_000_000,
@@ -237,21 +267,27 @@ def run_apply_bench(
     loaders: Sequence[str] = LOADERS,
     repeats: int = 3,
     threads: int | None = None,
-    dense_above: float | None = None,
+    dense_above: float | None = DENSE_ABOVE,
     seed: int = 0,
     log: Say | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns ``{"results": [...], "model": {...}, "notes": [...]}``.
+    """Run the benchmark; returns ``{"results": [...], "break_even": {...}, "model": {...},
+    "notes": [...]}``.
 
     ``rates``: the workloads (:class:`~dcr.bench.workloads.Workload`; a number is an element
     change rate).  Each row carries its ``workload`` label and the measured
     ``changed_fraction`` (elements whose stored bits changed); ``rate`` is the change rate,
     or that measured fraction for an AdamW workload.
 
-    ``dense_above``: the same refit is also built with that
-    :attr:`~dcr.delta.build.BuildConfig.dense_above` (tensors changed at least that much go
-    dense) and applied, beside the sparse one (``adaptive_*`` fields).  The dense build of
-    the model (every element, as a joining receiver gets it) gives ``dense_payload_bytes``.
+    Each refit is built three ways and applied: *sparse* (every tensor as entries:
+    ``apply_seconds``, ``ratio``, ``payload_bytes``), *dense* (every changed tensor as a
+    dense overwrite: ``dense_apply_*``, ``dense_ratio``, ``dense_refit_bytes``) and
+    *adaptive*, the owners' choice per tensor at ``dense_above``
+    (:attr:`~dcr.delta.build.BuildConfig.dense_above`; ``adaptive_*``, ``adaptive_choice``
+    sparse / dense / mixed; timed on its own only when mixed).  ``dense_payload_bytes`` is the
+    dense build of the whole model (every element, what a joining receiver gets).
+    ``break_even`` holds, per loader, the changed fraction from which dense costs it less to
+    apply (:func:`break_even`): the ``dense_above`` that never applies slower than dense.
     """
     say = log or (lambda _msg: None)
     runs = workloads(rates)
@@ -261,134 +297,189 @@ def run_apply_bench(
     catalog = {n: TensorSpec.of(n, t) for n, t in base.items()}
     checkpoint_bytes = sum(s.nbytes for s in catalog.values())
     plan = build_plan(catalog, TrainLayout(tp=2), family=FAMILY, config=cfg)
-    group = LocalTrainingGroup(plan, plan.slice(base), config=BuildConfig())
+    group = LocalTrainingGroup(plan, plan.slice(base), config=BuildConfig(dense_above=None))
     _, dense_payload_bytes = _payloads(group, catalog, frozenset(), attempt=0, dense=True)
     say(f"dense payloads of the model: {dense_payload_bytes:,} bytes")
     notes: list[str] = []
     results: list[dict[str, Any]] = []
+    even: dict[str, float | None] = {}
     for kind in loaders:
         if kind == "vllm" and not vllm_available():
             notes.append("vllm: skipped, vllm is not installed in this environment")
             say(notes[-1])
             continue
+        rows: list[dict[str, Any]] = []
         with _receivers(kind, cfg, base, threads) as receivers:
             xor_allowed = xor_allowed_across(receivers)
             _dense(receivers, base)  # warm the pages and the loader
             for i, workload in enumerate(runs):
-                label = workload.label
-                new = new_version(base, workload, seed + 1 + i)
-                changed = changed_fraction(base, new)
-                rate = workload.rate if workload.rate is not None else changed
-                group.stage(plan.slice(new))
-                payloads, payload_bytes = _payloads(group, catalog, xor_allowed, attempt=i + 1)
-                adaptive: list[Payload] = []
-                adaptive_bytes = 0
-                if dense_above is not None:
-                    with adaptive_build(group, dense_above):
-                        adaptive, adaptive_bytes = _payloads(group, catalog, xor_allowed, i + 1)
-                group.discard()
-                entries = sum(item.count for p in payloads for item in p.items)
-                applies, denses, reads, plans, written, calls = _timed_applies(
-                    receivers, payloads, base, repeats, (i + 1) * 1000
-                )
-                applied = _stored_bits(receivers)
-                extra: dict[str, Any] = {}
-                if adaptive:
-                    a_applies, a_denses, *_ = _timed_applies(
-                        receivers, adaptive, base, repeats, (i + 1) * 1000 + 500
-                    )
-                    denses += a_denses
-                    _check_bit_exact(receivers, applied, f"{kind} at {label}, dense_above")
-                    dense_items = sum(1 for p in adaptive for it in p.items if it.span is not None)
-                    extra = {
-                        "dense_above": dense_above,
-                        "adaptive_apply_seconds": statistics.median(a_applies),
-                        "adaptive_payload_bytes": adaptive_bytes,
-                        "adaptive_dense_items": dense_items,
-                    }
-                denses.append(_dense(receivers, new))
-                _check_bit_exact(receivers, applied, f"{kind} at {label}")
-                del applied, new, payloads, adaptive
-                apply_s, dense_s = statistics.median(applies), statistics.median(denses)
-                if extra:
-                    extra["adaptive_ratio"] = extra["adaptive_apply_seconds"] / dense_s
-                row = {
-                    "rate": rate,
-                    "workload": label,
-                    "changed_fraction": changed,
-                    "loader": kind,
-                    "apply_seconds": apply_s,
-                    "dense_load_seconds": dense_s,
-                    "ratio": apply_s / dense_s,
-                    "read_seconds": statistics.median(reads),
-                    "entries": entries,
-                    "written": written,
-                    "ns_per_entry": apply_s / entries * 1e9 if entries else 0.0,
-                    "loader_calls": calls,
-                    "plan_seconds": statistics.median(plans),
-                    "payload_bytes": payload_bytes,
-                    "dense_payload_bytes": dense_payload_bytes,
-                    "ranks": len(receivers),
-                    "bit_exact": True,
-                    **({"adamw_lr": workload.value} if workload.kind == "adamw" else {}),
-                    **extra,
-                }
-                results.append(row)
-                say(
-                    f"{kind} {label} ({changed:.2%} changed): apply {apply_s:.3f} s, dense "
-                    f"load {dense_s:.3f} s ({row['ratio']:.2f}x), {entries:,} entries, bit-exact"
-                )
+                row = _measure(
+                    kind, receivers, group, plan, base, catalog, workload, i,
+                    xor_allowed=xor_allowed, repeats=repeats, dense_above=dense_above, seed=seed,
+                )  # fmt: skip
+                rows.append(row | {"dense_payload_bytes": dense_payload_bytes})
+                say(_row_text(rows[-1]))
+        even[kind] = break_even(rows)
+        results.extend(rows)
         gc.collect()
     return {
         "results": results,
+        "break_even": even,
         "model": {
             "checkpoint_bytes": checkpoint_bytes,
             "layers": cfg["num_hidden_layers"],
             "training_tp": 2,
             "repeats": repeats,
             "threads": threads or min(os.cpu_count() or 1, 8),
+            "dense_above": dense_above,
             "torch": torch.__version__,
         },
         "notes": notes,
     }
 
 
-def format_apply_table(result: dict[str, Any]) -> str:
-    """A fixed-width table of :func:`run_apply_bench` results: the sparse refit beside a
-    dense load (time) and the dense payloads (bytes), and the ``dense_above`` build when
-    measured."""
-    model = result["model"]
-    adaptive = any("adaptive_apply_seconds" in r for r in result["results"])
-    head = (
-        f"{'workload':>15} {'changed':>8} {'loader':>12} {'entries':>12} {'apply s':>8} "
-        f"{'dense s':>8} {'ratio':>6} {'sparse MB':>10} {'dense MB':>9} {'read s':>7} "
-        f"{'ns/entry':>8}"
+def _measure(
+    kind: str,
+    receivers: Sequence[Applier],
+    group: LocalTrainingGroup,
+    plan: Any,
+    base: Mapping[str, torch.Tensor],
+    catalog: Mapping[str, TensorSpec],
+    workload: Workload,
+    i: int,
+    *,
+    xor_allowed: frozenset[str],
+    repeats: int,
+    dense_above: float | None,
+    seed: int,
+) -> dict[str, Any]:
+    """One row: the workload's refit built sparse, dense and adaptive, each applied
+    ``repeats`` times from ``base`` and checked bit for bit against a dense load."""
+    new = new_version(base, workload, seed + 1 + i)
+    changed = changed_fraction(base, new)
+    group.stage(plan.slice(new))
+    builds: dict[str, tuple[list[Payload], int]] = {}
+    for name, above in (("sparse", None), ("dense", ALL_DENSE), ("adaptive", dense_above)):
+        if name == "adaptive" and above is None:
+            continue
+        with adaptive_build(group, above):
+            builds[name] = _payloads(group, catalog, xor_allowed, i + 1)
+    group.discard()
+
+    def dense_items(name: str) -> int:
+        return sum(1 for p in builds[name][0] for it in p.items if it.span is not None)
+
+    timed: dict[str, tuple[list[float], list[float]]] = {}
+    applied: list[dict[str, torch.Tensor]] = []
+    sparse_stats: tuple[list[float], list[float], int, int] = ([], [], 0, 0)
+    denses: list[float] = []
+    choice = _choice(dense_items("adaptive"), dense_items("dense")) if "adaptive" in builds else ""
+    for n, name in enumerate(("sparse", "dense", "adaptive")):
+        if name not in builds or (name == "adaptive" and choice != "mixed"):
+            continue
+        applies, d, reads, plans, written, calls = _timed_applies(
+            receivers, builds[name][0], base, repeats, (i + 1) * 1000 + 300 * n
+        )
+        denses += d
+        timed[name] = (applies, reads)
+        if name == "sparse":
+            applied = _stored_bits(receivers)
+            sparse_stats = (reads, plans, written, calls)
+        else:
+            _check_bit_exact(receivers, applied, f"{kind} at {workload.label}, {name}")
+    denses.append(_dense(receivers, new))
+    _check_bit_exact(receivers, applied, f"{kind} at {workload.label}")
+    reads, plans, written, calls = sparse_stats
+    payloads, payload_bytes = builds["sparse"]
+    entries = sum(item.count for p in payloads for item in p.items)
+    apply_s, dense_s = statistics.median(timed["sparse"][0]), statistics.median(denses)
+    dense_apply_s = statistics.median(timed["dense"][0])
+    row: dict[str, Any] = {
+        "rate": workload.rate if workload.rate is not None else changed,
+        "workload": workload.label,
+        "changed_fraction": changed,
+        "loader": kind,
+        "apply_seconds": apply_s,
+        "dense_load_seconds": dense_s,
+        "ratio": apply_s / dense_s,
+        "read_seconds": statistics.median(reads),
+        "entries": entries,
+        "written": written,
+        "ns_per_entry": apply_s / entries * 1e9 if entries else 0.0,
+        "loader_calls": calls,
+        "plan_seconds": statistics.median(plans),
+        "payload_bytes": payload_bytes,
+        "dense_apply_seconds": dense_apply_s,
+        "dense_ratio": dense_apply_s / dense_s,
+        "dense_refit_bytes": builds["dense"][1],
+        "dense_items": dense_items("dense"),
+        "ranks": len(receivers),
+        "bit_exact": True,
+        **({"adamw_lr": workload.value} if workload.kind == "adamw" else {}),
+    }
+    if choice:
+        source = {"sparse": "sparse", "dense": "dense", "mixed": "adaptive"}[choice]
+        adaptive_s = statistics.median(timed[source][0])
+        row |= {
+            "dense_above": dense_above,
+            "adaptive_choice": choice,
+            "adaptive_apply_seconds": adaptive_s,
+            "adaptive_ratio": adaptive_s / dense_s,
+            "adaptive_payload_bytes": builds["adaptive"][1],
+            "adaptive_dense_items": dense_items("adaptive"),
+        }
+    return row
+
+
+def _row_text(r: Mapping[str, Any]) -> str:
+    text = (
+        f"{r['loader']} {r['workload']} ({r['changed_fraction']:.2%} changed): sparse "
+        f"{r['apply_seconds']:.3f} s ({r['ratio']:.2f}x), dense {r['dense_apply_seconds']:.3f} s "
+        f"({r['dense_ratio']:.2f}x) of a dense load {r['dense_load_seconds']:.3f} s"
     )
-    if adaptive:
-        head += f" {'adapt s':>8} {'ratio':>6} {'adapt MB':>9} {'dense items':>11}"
+    if "adaptive_choice" in r:
+        text += f", adaptive: {r['adaptive_choice']} ({r['adaptive_ratio']:.2f}x)"
+    return text + ", bit-exact"
+
+
+def format_apply_table(result: dict[str, Any]) -> str:
+    """A fixed-width table of :func:`run_apply_bench` results: per workload and loader the
+    sparse and the dense refit side by side (apply time over a dense load, bytes), the
+    adaptive choice, and each loader's break-even."""
+    model = result["model"]
     lines = [
         f"synthetic llama model: {model['checkpoint_bytes'] / 1e9:.2f} GB bf16, median of "
-        f"{model['repeats']} runs, {model['threads']} apply threads",
-        head,
+        f"{model['repeats']} runs, {model['threads']} apply threads; ratio = apply time over "
+        "a dense load through the same loader",
+        f"{'workload':>15} {'changed':>8} {'loader':>12} {'entries':>12} {'load s':>7} "
+        f"{'sparse s':>8} {'ratio':>6} {'MB':>7} {'dense s':>8} {'ratio':>6} {'MB':>7} "
+        f"{'adaptive':>8} {'ratio':>6} {'MB':>7} {'ns/entry':>8}",
     ]
     for r in result["results"]:
-        line = (
-            f"{label_of(r):>15} {changed_text(r):>8} {r['loader']:>12} {r['entries']:>12,} "
-            f"{r['apply_seconds']:>8.4f} {r['dense_load_seconds']:>8.4f} {r['ratio']:>6.2f} "
-            f"{r['payload_bytes'] / 1e6:>10.1f} {r['dense_payload_bytes'] / 1e6:>9.1f} "
-            f"{r['read_seconds']:>7.4f} {r['ns_per_entry']:>8.1f}"
+        adaptive = (
+            f"{r['adaptive_choice']:>8} {r['adaptive_ratio']:>6.2f} "
+            f"{r['adaptive_payload_bytes'] / 1e6:>7.1f}"
+            if "adaptive_choice" in r
+            else f"{'-':>8} {'-':>6} {'-':>7}"
         )
-        if "adaptive_apply_seconds" in r:
-            line += (
-                f" {r['adaptive_apply_seconds']:>8.4f} {r['adaptive_ratio']:>6.2f} "
-                f"{r['adaptive_payload_bytes'] / 1e6:>9.1f} {r['adaptive_dense_items']:>11}"
-            )
-        lines.append(line)
-    if adaptive:
         lines.append(
-            f"adapt: the same refit built with dense_above = "
-            f"{result['results'][0].get('dense_above')} (tensors changed at least that much "
-            "sent dense)"
+            f"{label_of(r):>15} {changed_text(r):>8} {r['loader']:>12} {r['entries']:>12,} "
+            f"{r['dense_load_seconds']:>7.4f} {r['apply_seconds']:>8.4f} {r['ratio']:>6.2f} "
+            f"{r['payload_bytes'] / 1e6:>7.1f} {r['dense_apply_seconds']:>8.4f} "
+            f"{r['dense_ratio']:>6.2f} {r['dense_refit_bytes'] / 1e6:>7.1f} {adaptive} "
+            f"{r['ns_per_entry']:>8.1f}"
+        )
+    if result["results"]:
+        whole = result["results"][0]["dense_payload_bytes"]
+        lines.append(
+            f"dense: every changed tensor sent whole; the whole model dense is {whole / 1e6:.1f} "
+            f"MB; adaptive: the owners' choice per tensor at dense_above = {model['dense_above']}"
+        )
+    for loader, fraction in result.get("break_even", {}).items():
+        lines.append(
+            f"{loader}: dense applies faster from {fraction:.1%} changed"
+            if fraction is not None
+            else f"{loader}: sparse applies faster at every measured rate"
         )
     lines.extend(result.get("notes", []))
     return "\n".join(lines)

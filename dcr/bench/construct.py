@@ -230,7 +230,10 @@ def run_construct_bench(
         plan,
         plan.slice(base),
         config=BuildConfig(
-            relative_encoding=relative_encoding, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes
+            relative_encoding=relative_encoding,
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            dense_above=None,  # the sparse build; the adaptive one sets its own
         ),
         full_conversion="F" in modes,
     )

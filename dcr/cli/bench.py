@@ -126,7 +126,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "reference loader at serving TP 2; vllm: vLLM's model class, skipped when vllm is "
             "not installed) and timed against a dense native load through the same loader in the "
             "same run (medians of --repeats), and against a read of every resident byte (the "
-            "memory-bound floor of a pass over the weights). The applied bits are checked "
+            "memory-bound floor of a pass over the weights). Each refit is built three ways: "
+            "sparse (every tensor as entries), dense (every changed tensor sent whole) and "
+            "adaptive (the owners' choice per tensor at --dense-above), shown side by side; "
+            "each loader's break-even is the changed fraction from which dense applies faster "
+            "(the dense_above that is never slower than dense). The applied bits are checked "
             "against the dense load of the new version; a mismatch fails the run. Each row "
             "reports its workload label and the measured changed_fraction."
         ),
@@ -149,8 +153,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=_fraction,
         default=None,
         metavar="FRACTION",
-        help="also build each refit with BuildConfig.dense_above = FRACTION (tensors changed "
-        "at least that much are sent dense) and apply it beside the sparse refit",
+        help="the adaptive refit's BuildConfig.dense_above: tensors changed at least that much "
+        "are sent dense (default: the library's default, dcr.delta.build.DENSE_ABOVE)",
     )
     app.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -331,6 +335,7 @@ def _bench_construct(args: argparse.Namespace) -> int:
 
 def _bench_apply(args: argparse.Namespace) -> int:
     from dcr.bench.apply import format_apply_table, run_apply_bench
+    from dcr.delta.build import DENSE_ABOVE
 
     result = run_apply_bench(
         size_bytes=int(args.size_gb * 1e9),
@@ -338,7 +343,7 @@ def _bench_apply(args: argparse.Namespace) -> int:
         loaders=args.loaders,
         repeats=args.repeats,
         threads=args.threads,
-        dense_above=args.dense_above,
+        dense_above=DENSE_ABOVE if args.dense_above is None else args.dense_above,
         log=_err,
     )
     print(json.dumps(result) if args.json else format_apply_table(result))

@@ -41,13 +41,17 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     rl.add_argument("--faults", action="store_true",
                     help="SIGKILL the engine mid-refit twice and a trainer rank once (on "
                     "Ray: ray.kill of their actors); each restarts and recovers")  # fmt: skip
-    rl.add_argument("--backend", choices=["process", "ray"], default="process",
-                    help="process (default): the fleet as processes on this machine; ray: "
-                    "a Ray cluster started here (head, a trainer node, two rollout nodes), "
-                    "the trainer ranks, the vLLM engine, the coordinators and relay nodes as "
-                    "actors, refits over the relay tree rooted on a rollout node (or S3). "
-                    "Needs Ray (`pip install 'dcr[ray]'`); on a shared machine run it in a "
-                    "private network namespace (`unshare -n python -m dcr.ray.netns ...`)")
+    rl.add_argument(
+        "--backend",
+        choices=["process", "ray"],
+        default="process",
+        help="process (default): the fleet as processes on this machine; ray: "
+        "a Ray cluster started here (head, a trainer node, two rollout nodes), "
+        "the trainer ranks, the vLLM engine, the coordinators and relay nodes as "
+        "actors, refits over the relay tree rooted on a rollout node (or S3). "
+        "Needs Ray (`pip install 'dcr[ray]'`); on a shared machine run it in a "
+        "private network namespace (`unshare -n python -m dcr.ray.netns ...`)",
+    )
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
     rl.add_argument("--against", default=None,
