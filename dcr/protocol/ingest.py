@@ -59,6 +59,9 @@ class Ingest:
     staged: set[PayloadKey] = field(default_factory=set)
     decoding: set[PayloadKey] = field(default_factory=set)
     decoded: set[PayloadKey] = field(default_factory=set)
+    kept: set[PayloadKey] = field(default_factory=set)
+    """Asynchronous RL: staged payloads whose reception check's decode the engine keeps (a
+    slot of the bounded queue each), so that the gated window decodes nothing."""
     applying: tuple[PayloadKey, ...] = ()
     cursor: int = 0
     applied: dict[str, int] = field(default_factory=dict)
@@ -115,7 +118,13 @@ class Ingest:
 
     @property
     def used(self) -> int:
-        return len(self.decoding) + len(self.decoded)
+        return len(self.decoding) + len(self.decoded) + len(self.kept)
+
+    def keeps(self, capacity: int) -> bool:
+        """Whether a payload staged now keeps its decoded form: always in synchronous RL
+        (it is decoded next anyway); in asynchronous RL while the bounded queue has room but
+        for one slot, which the declared order's next payload can always take."""
+        return self.info.sync or self.used < capacity - 1
 
     def full(self, capacity: int) -> bool:
         """Payloads being checked, staged and decoded fill the bounded queue."""
@@ -175,9 +184,11 @@ class Ingest:
         if final:
             self.finals[key.owner] = key.payload_id
 
-    def stage(self, key: PayloadKey) -> None:
-        """Stage a recorded payload for decoding."""
+    def stage(self, key: PayloadKey, *, kept: bool = False) -> None:
+        """Stage a recorded payload for decoding (``kept``: its decoded form is held)."""
         self.staged.add(key)
+        if kept and not self.info.sync:
+            self.kept.add(key)
         if self.info.sync:
             heapq.heappush(self.waiting, (self.position(key), key))
 
@@ -185,6 +196,7 @@ class Ingest:
 
     def decode(self, key: PayloadKey, out: list[cmd.ReceiverCommand]) -> None:
         self.staged.discard(key)
+        self.kept.discard(key)
         self.decoding.add(key)
         out.append(cmd.Decode(key=key))
 
@@ -200,10 +212,11 @@ class Ingest:
                 if key in self.staged:
                     self.decode(key, out)
         elif self.apply_open:
-            # Asynchronous RL: staged payloads are decoded in declared order after open_apply.
+            # Asynchronous RL: staged payloads are decoded in declared order after open_apply
+            # (one whose decode was kept at arrival holds its slot already: nothing to do).
             for _, key in self.order():
                 present = key in self.staged or key in self.decoding or key in self.decoded
-                if self.used >= capacity or not present:
+                if not present or (key not in self.kept and self.used >= capacity):
                     break
                 if key in self.staged:
                     self.decode(key, out)
@@ -240,6 +253,7 @@ class Ingest:
         self.waiting.clear()
         self.decoding.clear()
         self.decoded.clear()
+        self.kept.clear()
         self.checking.clear()
         self.paused, self.want = False, None
 

@@ -160,8 +160,9 @@ class Intake:
         s.record(key, e.digest, e.final)
         if not s.dense:
             self._m.fire(_X.INGEST)
-        s.stage(key)
-        out.append(cmd.StagePayload(key=key, delivery=e.delivery, keep_decoded=s.info.sync))
+        keep = s.keeps(self.queue.capacity)
+        s.stage(key, kept=keep)
+        out.append(cmd.StagePayload(key=key, delivery=e.delivery, keep_decoded=keep))
         self.pump(s, out)
 
     # -- the bounded queue and declared-order application ----------------------------------

@@ -187,12 +187,33 @@ def test_asynchronous_mode_stages_while_serving_and_decodes_after_the_gate() -> 
     staged += e.arrive(1, "b", 0, final=True)
     staged += e.arrive(1, "a", 0, final=True)
     assert of(staged, cmd.StagePayload) and not of(staged, cmd.Decode)
-    assert not any(c.keep_decoded for c in of(staged, cmd.StagePayload))  # compressed only
+    # The reception check's decode is kept while the bounded queue has room: nothing is
+    # decoded twice, and nothing under the closed gate.
+    assert all(c.keep_decoded for c in of(staged, cmd.StagePayload))
     assert e.core.gate_open  # still serving version v
     [report] = notified(staged, msg.Staged)
     assert report.counts == (("a", 1), ("b", 1))
     out = gated_and_open(e)
     assert [c.key for c in of(out, cmd.Decode)] == [key(1, "a", 0), key(1, "b", 0)]
+
+
+def test_asynchronous_mode_keeps_only_the_decodes_the_queue_holds() -> None:
+    """Kept decodes take the queue's slots but one, which stays free for the declared order's
+    next payload; past that a staged payload is held compressed and decoded under the gate
+    once a slot frees."""
+    e = prepared(info(sync=False), queue=QueueConfig(groups=2, group_size=1))
+    assert e.core.queue.capacity == 3
+    staged: list[object] = []
+    for owner, pid, final in (("b", 0, True), ("a", 0, False), ("a", 1, False), ("a", 2, True)):
+        staged += e.arrive(1, owner, pid, final=final)
+    assert [c.keep_decoded for c in of(staged, cmd.StagePayload)] == [True, True, False, False]
+    assert not of(staged, cmd.Decode) and e.core.gate_open
+    out = gated_and_open(e)
+    assert [c.key for c in of(out, cmd.Decode)] == [key(1, "a", 0), key(1, "b", 0), key(1, "a", 1)]
+    [apply] = of(e.handle(ev.PayloadDecoded(key=key(1, "a", 0))), cmd.Apply)
+    assert apply.keys == (key(1, "a", 0),)  # one payload per group here
+    out = e.handle(ev.PayloadsApplied(attempt=1, keys=apply.keys))
+    assert [c.key for c in of(out, cmd.Decode)] == [key(1, "a", 2)]  # its slot freed
 
 
 def test_a_full_queue_parks_later_payloads_unread_and_lets_the_next_one_through() -> None:
