@@ -266,8 +266,9 @@ class StagePayload:
     key: PayloadKey
     delivery: int
     keep_decoded: bool = False
-    """Synchronous RL: the decode done by the reception checks may be kept (the bounded queue
-    accounts for it); asynchronous RL keeps compressed bytes only while serving."""
+    """Keep the decode done by the reception checks too (the bounded queue accounts for it):
+    always in synchronous RL; in asynchronous RL while the queue has room but for one slot
+    (past that, compressed bytes only until a slot frees)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

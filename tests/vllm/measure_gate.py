@@ -1,13 +1,14 @@
 """How long a running vLLM engine's gate stays closed, against the whole refit, in
 synchronous and asynchronous RL (run it: ``.venv-vllm/bin/python tests/vllm/measure_gate.py``).
 
-One engine process (Qwen3 of about 60 MB in bf16, TP=1, plain-weights load format) serves two
-clients sending greedy requests back to back while its worker, a fleet receiver, takes
-``--refits`` refits in synchronous mode, then (the coordinator restarted in the other mode)
-as many in asynchronous mode; each refit changes ``--rate`` of the elements.  For every refit
-it prints the transition time (the coordinator's, prepare to the end of the transition), the
-trainer's publish-to-commit time and the gate's closed time (no request admitted) and drain
-time (until the engine was idle); ``--json`` prints the rows as JSON.
+One engine process (Qwen3 of about 60 MB in bf16, or 1.1 GB with ``--large``; TP=1,
+plain-weights load format) serves two clients sending greedy requests back to back while its
+worker, a fleet receiver, takes ``--refits`` refits in synchronous mode, then (the
+coordinator restarted in the other mode) as many in asynchronous mode; each refit changes
+``--rate`` of the elements.  For every refit it prints the transition time (the
+coordinator's, prepare to the end of the transition), the trainer's publish-to-commit time
+and the gate's closed time (no request admitted) and drain time (until the engine was idle);
+``--json`` prints the rows as JSON.
 """
 
 from __future__ import annotations
@@ -46,10 +47,24 @@ MODEL = {
     "head_dim": 64,
 }
 
+LARGE = {
+    **MODEL,
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+"""``--large``: the same family at about 1.1 GB in bf16."""
 
-async def measure(work: Path, refits: int, rate: float) -> list[dict[str, Any]]:
+
+async def measure(
+    work: Path, refits: int, rate: float, model: dict[str, Any]
+) -> list[dict[str, Any]]:
     fleet = write_fleet(work / "fleet", family="qwen3", tp=1, sync=True, refits=2 * refits,
-                        rate=rate, model=MODEL)  # fmt: skip
+                        rate=rate, model=model)  # fmt: skip
     cfg = load(fleet)
     (checkpoint,) = write_checkpoints(cfg, 1, work / "checkpoints")
     roles = [Role.start(cfg, "relay", "--node", "node0"),
@@ -108,10 +123,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--refits", type=int, default=3, help="refits per mode")
     p.add_argument("--rate", type=float, default=0.05, help="elements changed per refit")
+    p.add_argument("--large", action="store_true", help="a model of about 1.1 GB (LARGE)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    model = LARGE if args.large else MODEL
     with tempfile.TemporaryDirectory(prefix="dcr-gate-") as work:
-        rows = anyio.run(measure, Path(work), args.refits, args.rate, backend="asyncio")
+        rows = anyio.run(measure, Path(work), args.refits, args.rate, model, backend="asyncio")
     if args.json:
         print(json.dumps(rows))
         return
