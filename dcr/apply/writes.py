@@ -297,9 +297,11 @@ def plan_sparse(
     return _plan(copy, flats, imap=imap, entries=entries, cast=cast)
 
 
-BLOCK = 1 << 20
-"""Elements per block task: big enough that a task is one long copy, small enough that a
-large tensor's blocks spread over every core."""
+BLOCK = 1 << 24
+"""Elements per block task: big enough that a task is one long copy whose Python hand-off is
+negligible (a dense 1.16 GB refit applied in 0.86-0.91x a dense load with 16 M, 0.92-0.97x
+with 4 M and 1.02x with 1 M elements per task, on two cores), small enough that a large
+tensor's blocks spread over every core."""
 
 
 def _pieces(box: Box, limit: int) -> list[Box]:

@@ -16,9 +16,10 @@ from dcr.tensors.records import Encoding, Item, TensorSpec
 __all__ = ["DENSE_ABOVE", "BuildConfig", "BuildStats", "Bucket", "ResidualJob"]
 
 MiB = 1 << 20
-DENSE_ABOVE = 0.5
-"""The default :attr:`BuildConfig.dense_above`: tensors with half their elements changed or
-more are sent whole."""
+DENSE_ABOVE = 0.08
+"""The default :attr:`BuildConfig.dense_above`: tensors with 8% of their elements changed or
+more are sent whole (where a dense item starts to apply faster than sparse entries on the
+torch-module and vLLM loaders, as ``dcr bench apply`` measures it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,11 +41,13 @@ class BuildConfig:
     tensor) of at least 65,536 elements with at least this fraction of them changed is sent as
     one dense overwrite of everything it projects -- span items, no index per element, applied
     by the receiver as block copies -- instead of sparse entries; ``None`` always sends sparse
-    entries.  The default, :data:`DENSE_ABOVE` (half the elements changed), is where sparse
-    entries stop paying on every side but bytes, as ``dcr bench construct`` and ``dcr bench
-    apply`` measure it: past it, packing the entries costs the owner more CPU than encoding
-    the tensor whole and a sparse apply costs the receiver several dense loads, while relative
-    entries still take a third to a fifth of the dense bytes.
+    entries.  The default, :data:`DENSE_ABOVE` (8% changed), keeps a refit no slower to apply
+    than a dense load and no larger than the dense bytes: below it sparse entries apply
+    faster than the dense item, above it the dense item does, as ``dcr bench apply`` measures
+    it (its ``break_even``, per loader: calibrate it for the receivers you run).  Sparse
+    entries stay smaller in bytes at every rate, so a fleet whose link costs more than its
+    receivers' apply time sets it higher (``0.5``: where packing the entries also starts to
+    cost the owner more CPU than encoding the tensor whole).
     """
 
     chunk_bytes: int = 64 * MiB

@@ -90,10 +90,10 @@ class TrainerSection:
     """Worker threads each owner process compares blocks on; 0: the CPUs the process may
     run on (its affinity mask).  With 1, an owner scans in its own thread and does not
     overlap the scan of one bucket with the encoding of the one before."""
-    dense_above: float = 0.5
+    dense_above: float = 0.08
     """Owners send a tensor with at least this fraction of its elements changed as one dense
-    overwrite instead of sparse entries (:attr:`dcr.BuildConfig.dense_above`); 0: always
-    sparse."""
+    overwrite instead of sparse entries (:attr:`dcr.BuildConfig.dense_above`, default 0.08);
+    0: always sparse."""
     sends_in_flight: int = 4
     timeout_s: float = 120.0
     """torch.distributed collective timeout of the trainer's process group."""

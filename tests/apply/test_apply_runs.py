@@ -390,12 +390,18 @@ def test_row_spans_give_the_bits_of_listed_items_and_of_a_dense_load(
     assert any(strided)  # whole parameters (TP 1) and row slices (TP 3) alike
 
 
+@pytest.mark.parametrize("piece", [None, 1000], ids=["whole", "pieces"])
 @pytest.mark.parametrize("encoding", [Encoding.OVERWRITE, Encoding.ULP])
 def test_row_spans_through_a_plain_module_write_blocks_and_list_no_index(
-    monkeypatch: pytest.MonkeyPatch, encoding: Encoding
+    monkeypatch: pytest.MonkeyPatch, encoding: Encoding, piece: int | None
 ) -> None:
     """Half the columns of every row of a 2048 x 2048 matrix: one two-dimensional block
-    plan, no index per entry, the other half untouched."""
+    plan, no index per entry, the other half untouched -- also cut into block tasks of 1000
+    elements (a row's 1024 columns in two pieces)."""
+    import dcr.apply.writes as writes
+
+    if piece is not None:
+        monkeypatch.setattr(writes, "BLOCK", piece)
     rows = cols = 2048
     w0 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
     w1 = {"w": torch.randn(rows, cols).to(torch.bfloat16)}

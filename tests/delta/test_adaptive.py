@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcr.delta import owner as owner_module
-from dcr.delta.build import BuildConfig, BuildStats
+from dcr.delta.build import DENSE_ABOVE, BuildConfig, BuildStats
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.errors import ConfigError
@@ -153,7 +153,8 @@ def test_the_threshold_is_checked_and_reaches_the_fleet() -> None:
     for bad in (-0.1, 2, True, "x"):
         with pytest.raises(ValueError, match="dense_above"):
             TrainerSection(dense_above=bad)  # type: ignore[arg-type]
-    assert BuildConfig().dense_above == TrainerSection().build_config().dense_above == 0.5
+    assert BuildConfig().dense_above == TrainerSection().build_config().dense_above == DENSE_ABOVE
+    assert DENSE_ABOVE == 0.08
     assert TrainerSection(dense_above=0).build_config().dense_above is None  # never dense
     built = TrainerSection(dense_above=0.2, chunk_mb=1.0, build_threads=3).build_config()
     assert (built.dense_above, built.chunk_bytes, built.threads) == (0.2, 1 << 20, 3)
