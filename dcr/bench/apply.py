@@ -240,6 +240,7 @@ ALL_DENSE = 1e-12
 
 
 def _choice(dense_items: int, all_dense_items: int) -> str:
+    """What the adaptive build sent dense: nothing, every changed tensor, or some."""
     if dense_items == 0:
         return "sparse"
     return "dense" if dense_items == all_dense_items else "mixed"
@@ -366,8 +367,13 @@ def _measure(
             builds[name] = _payloads(group, catalog, xor_allowed, i + 1)
     group.discard()
 
-    def dense_items(name: str) -> int:
+    def spans(name: str) -> int:
         return sum(1 for p in builds[name][0] for it in p.items if it.span is not None)
+
+    def dense_items(name: str) -> int:
+        """Items a build sent dense: its span items beyond the sparse build's own (a run of
+        consecutive changed elements is a span item in every build)."""
+        return spans(name) - spans("sparse")
 
     timed: dict[str, tuple[list[float], list[float]]] = {}
     applied: list[dict[str, torch.Tensor]] = []
