@@ -220,3 +220,27 @@ def test_plain_modules_and_overwrite_mode():
         assert report.xor_items == 0 and report.mode is Mode.OVERWRITE
     for m in mods:
         assert module_bit_mismatches(m, module_from_state_dict(new)) == []
+
+
+def test_asynchronous_refits_decode_each_payload_once(monkeypatch):
+    """In asynchronous RL a staged payload keeps the decode of its reception check: every
+    receiver decodes every payload once, none of them again under the closed gate."""
+    import dcr.engine.receiver as engine_receiver
+
+    decoded: list[int] = []
+    real = engine_receiver.decode_payload
+
+    def counting(data, **kwargs):
+        decoded.append(len(data))
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(engine_receiver, "decode_payload", counting)
+    cfg, family, w, ranks, refit = setup(
+        family="llama", layout=TrainLayout(tp=2, dp=2), config=RefitConfig(build=SMALL, sync=False)
+    )
+    with refit:
+        new = perturb(w, rate=0.03, seed=5)
+        report = refit.refit(new)
+        assert_exact(cfg, family, new, ranks)
+    assert report.num_payloads > 1
+    assert len(decoded) == report.num_payloads * len(ranks)
