@@ -117,6 +117,9 @@ class FleetCoordinator:
     """Reports that arrived before the lease was won (fed to the core once it exists)."""
     _connected: dict[str, float] = field(default_factory=dict)
     """Receiver -> when the control link last showed it connected (known receivers only)."""
+    _lost: set[str] = field(default_factory=set)
+    """Receivers a supervisor reported lost for good that have not departed yet: kept also
+    by a standby, which may become the active coordinator of an attempt that binds them."""
 
     @property
     def statuses(self) -> dict[str, msg.EndpointStatus]:
@@ -180,8 +183,7 @@ class FleetCoordinator:
                     info = attempt_from_json(state.info)
             now = anyio.current_time()
             await self._execute(core.handle(Tick(now=now, record=state.record, attempt=info)))
-            for name in self._unreachable(now):
-                await self._execute(core.handle(Departed(endpoint=name)))
+            await self._depart_gone(now)
             with anyio.move_on_after(0.1):
                 await self._wake.wait()
             self._wake = anyio.Event()
@@ -208,14 +210,29 @@ class FleetCoordinator:
                 gone.append(r)
         return gone
 
-    async def depart(self, receivers: Iterable[str]) -> None:
-        """A supervisor reports these receivers lost for good (their node is gone): they
-        depart now, without waiting for ``depart_after_s``."""
+    async def _depart_gone(self, now: float) -> None:
+        """Receivers unreachable past the bound, and those reported lost, depart."""
+        assert self.membership is not None
+        for name in [*self._unreachable(now), *self._reported_lost()]:
+            await self._execute(self.membership.handle(Departed(endpoint=name)))
+
+    def _reported_lost(self) -> list[str]:
+        """The receivers reported lost that the membership would now let depart (it knows
+        them: they reported, or an attempt taken over binds them)."""
         core = self.membership
-        if core is None:
-            return  # a standby: the active coordinator is told, or sees them gone itself
-        for name in receivers:
-            await self._execute(core.handle(Departed(endpoint=name)))
+        if core is None or not self._lost:
+            return []
+        gone = sorted(self._lost & core.departable())
+        self._lost.difference_update(gone)
+        return gone
+
+    def depart(self, receivers: Iterable[str]) -> None:
+        """A supervisor reports these receivers lost for good (their node is gone): they
+        depart at the next tick, without waiting for ``depart_after_s``.  A standby keeps
+        the report: once active, it lets them depart as soon as it knows them (an attempt
+        of its predecessor that it takes over binds them, say).  A receiver that reports
+        again before that stays."""
+        self._lost.update(r for r in receivers if r in self.receivers)
         self._wake.set()
 
     async def _execute(self, commands: list[MembershipCommand]) -> None:
@@ -423,6 +440,8 @@ class FleetCoordinator:
             if core is None:
                 continue  # not active yet: every endpoint reports again to the active one
             if isinstance(reply, msg.EndpointStatus | msg.ReceiverReady):
+                self._lost.discard(reply.endpoint if isinstance(reply, msg.EndpointStatus)
+                                   else reply.receiver)  # fmt: skip
                 await self._execute(core.handle(reply))
             elif isinstance(reply, msg.AttemptFailed | msg.SendsDone):
                 job = core.job_of(reply.attempt) is not None

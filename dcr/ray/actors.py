@@ -189,9 +189,13 @@ class CoordinatorActor:
 
         self.name = name
         self._serving: tuple[Any, asyncio.AbstractEventLoop] | None = None
+        self._lost: list[str] = []  # reported before the coordinator was made
+        self._lock = threading.Lock()
 
         def started(coordinator: Any) -> None:
-            self._serving = (coordinator, asyncio.get_running_loop())
+            with self._lock:
+                coordinator.depart(self._lost)
+                self._serving = (coordinator, asyncio.get_running_loop())
 
         async def main() -> None:
             await run_coordinator(cfg, name, started=started)
@@ -201,15 +205,17 @@ class CoordinatorActor:
     def alive(self) -> bool:
         return self._role.alive()
 
-    def depart(self, receivers: list[str], timeout_s: float = 30.0) -> bool:
+    def depart(self, receivers: list[str]) -> None:
         """Report ``receivers`` lost for good (their Ray node died): the active coordinator
         lets them depart at once instead of after ``[coordinator] depart_after_s``; a standby
-        ignores it.  ``False`` when this coordinator is not serving yet."""
-        if self._serving is None:
-            return False
-        coordinator, loop = self._serving
-        asyncio.run_coroutine_threadsafe(coordinator.depart(receivers), loop).result(timeout_s)
-        return True
+        keeps the report for when it becomes active (and takes over an attempt that binds
+        them, say).  Kept also when this coordinator is still starting."""
+        with self._lock:
+            if self._serving is None:
+                self._lost.extend(receivers)
+                return
+            coordinator, loop = self._serving
+        loop.call_soon_threadsafe(coordinator.depart, list(receivers))
 
 
 class ReceiverActor:

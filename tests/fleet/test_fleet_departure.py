@@ -15,7 +15,8 @@ from dcr.fleet.config import load_fleet
 from dcr.fleet.coordinator import FleetCoordinator
 from dcr.fleet.eventlog import EventLog
 from dcr.protocol import messages as msg
-from dcr.protocol.types import CommitRecord
+from dcr.protocol.membership import RunTransition, Tick
+from dcr.protocol.types import AttemptInfo, CommitRecord, Mode
 
 FLEET = """
 [model]
@@ -97,7 +98,8 @@ def test_a_departed_receiver_leaves_the_membership_and_a_report_departs_at_once(
     async def scenario() -> None:
         async with anyio.create_task_group() as tg:
             c._tg = tg
-            await c.depart(["r1"])
+            c.depart(["r1"])
+            await c._depart_gone(0.0)
             assert c.members(K0) == ("r0",)
             assert c.membership is not None and c.membership.gone() == ("r1",)
             # Gone already: the watch does not depart it again.
@@ -105,9 +107,63 @@ def test_a_departed_receiver_leaves_the_membership_and_a_report_departs_at_once(
             tg.cancel_scope.cancel()
 
     anyio.run(scenario)
-    events = (tmp_path / "events").glob("*")
-    text = "".join(p.read_text() for p in events if p.is_file())
-    assert '"departed"' in text
+    assert '"departed"' in _events(tmp_path)
+
+
+def _events(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in (tmp_path / "events").glob("*") if p.is_file())
+
+
+def test_a_standby_keeps_a_lost_report_for_the_attempt_it_takes_over(tmp_path: Path) -> None:
+    """The active coordinator is lost with the receivers' node; the standby that takes over
+    its attempt lets the receivers reported lost depart at once, not ``depart_after_s``
+    later (it never heard from them: they died before it became active)."""
+    (tmp_path / "fleet.toml").write_text(FLEET.format(depart=600.0))
+    cfg = load_fleet(tmp_path / "fleet.toml")
+    c = FleetCoordinator(
+        owners=cfg.owners, receivers=("r0", "r1"), store=MemoryCommitStore(), control=None,  # type: ignore[arg-type]
+        transport=None, config=cfg, log=EventLog(tmp_path / "events", "coordinator-1"),  # type: ignore[arg-type]
+    )  # fmt: skip
+    c.depart(["r1", "not-a-receiver"])  # a standby: no membership yet
+    assert c.membership is None and c._reported_lost() == []
+    core = c.membership = c._core(5)
+    for o in cfg.owners:
+        core.handle(msg.EndpointStatus(endpoint=o, role="owner", incarnation="i0", record=K0,
+                                       candidate=True))  # fmt: skip
+    core.handle(msg.EndpointStatus(endpoint="r0", role="receiver", incarnation="i0", record=K0))
+    assert c._reported_lost() == []  # not known to this coordinator yet: kept
+    old = AttemptInfo(
+        attempt=3, candidate="g1.3", base=K0, mode=Mode.MIXED, sync=True, coordinator=1,
+        owners=cfg.owners, receivers=frozenset({"r0", "r1"}),
+    )  # fmt: skip
+    out = core.handle(Tick(now=0.0, record=K0, attempt=old))
+    [run] = [x for x in out if isinstance(x, RunTransition)]
+    assert run.take_over == old and "r1" in core.departable()
+
+    async def scenario() -> None:
+        await c._depart_gone(0.0)  # the tick after: r1 departs (no transition service yet)
+
+    anyio.run(scenario)
+    assert core.gone() == ("r1",) and c._reported_lost() == []
+    assert '"departed"' in _events(tmp_path) and '"r1"' in _events(tmp_path)
+
+
+def test_a_lost_receiver_that_reports_again_stays(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path, 600.0, {"r0"})
+    c.depart(["r1"])
+    assert c._lost == {"r1"}
+
+    class Link:
+        async def replies(self):  # type: ignore[no-untyped-def]
+            yield msg.EndpointStatus(endpoint="r1", role="receiver", incarnation="i1", record=K0)
+
+    async def report() -> None:
+        with anyio.fail_after(5):
+            await c._dispatch(Link())  # type: ignore[arg-type]
+
+    anyio.run(report)
+    assert c._lost == set() and c._reported_lost() == [] and c.membership is not None
+    assert c.membership.gone() == ()
 
 
 def test_the_bound_is_a_coordinator_setting(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """A rollout node lost mid-run (its Ray node removed from the cluster): its relay node and
 receivers go with it, and the fleet goes on committing on the nodes left, every receiver
-that is left bit-exact at every version."""
+that is left bit-exact at every version.  The worst case: the node goes mid-refit and the
+active coordinator with it, so a standby takes over an attempt that binds the lost receivers
+(it never heard from them) and must let them depart at once."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from conftest import ray_fleet
 
+from dcr.fleet.faults import Fault
 from dcr.ray import RayRun
 
 
@@ -25,13 +28,16 @@ def test_the_fleet_goes_on_without_a_lost_rollout_node(cluster: object, tmp_path
         cfg,
         coordinator=dataclasses.replace(cfg.coordinator, join_wait_s=3.0, depart_after_s=600.0),
     )
-    run = RayRun(cfg, deadline_s=500, say=print)
+    # The active coordinator stops at its first reply of refit 3 (the attempt binds every
+    # receiver); the leaf's Ray node goes then, relay node and receivers too, and the
+    # coordinator is killed there as if it had been on that node.
+    faults = [Fault(version=3, target="coordinator", after="replied")]
+    run = RayRun(cfg, faults=faults, deadline_s=500, say=print)
     leaf = cfg.rollout[-1]
     removed = threading.Event()
 
-    def remove_when_committed(e: dict[str, object]) -> None:
-        # Once version 2 is committed: the leaf's Ray node goes, relay node and receivers too.
-        if removed.is_set() or e.get("event") != "ended" or e.get("record") != 2:
+    def remove_mid_refit(e: dict[str, object]) -> None:
+        if removed.is_set() or e.get("event") != "fault-point" or e.get("version") != 3:
             return
         assert run.fleet.placement is not None
         node_id = run.fleet.placement.rollout[leaf.name]
@@ -39,7 +45,7 @@ def test_the_fleet_goes_on_without_a_lost_rollout_node(cluster: object, tmp_path
         removed.set()
         cluster.remove_node(node)  # type: ignore[attr-defined]
 
-    run.watch = remove_when_committed
+    run.watch = remove_mid_refit
     report = run.run()
     lost = {r.name for r in leaf.receivers}
     assert removed.is_set() and set(report["lost"]) == lost
