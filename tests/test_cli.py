@@ -176,6 +176,10 @@ def test_bench_apply_json(capsys):
         assert r["dense_above"] == 0.1 and r["adaptive_apply_seconds"] > 0
     # The same seeded versions for every loader; an AdamW row's rate is its measured fraction.
     assert rows[0]["rate"] == 0.01 and 0.005 < rows[0]["changed_fraction"] < 0.01
+    # About 1 - (1 - p)^32 of the 64-byte lines hold one of p uniformly changed bf16 words.
+    p = rows[0]["changed_fraction"]
+    assert 0.8 < rows[0]["lines_fraction"] / (1 - (1 - p) ** 32) < 1.2
+    assert rows[1]["changed_fraction"] < rows[1]["lines_fraction"] <= 1.0
     assert rows[1]["rate"] == rows[1]["changed_fraction"] == rows[3]["changed_fraction"]
     assert 0.08 < rows[1]["changed_fraction"] < 0.3 and rows[1]["adamw_lr"] == 1e-5
     assert "adamw lr=1e-05" in format_apply_table(out)

@@ -123,6 +123,34 @@ def changed_fraction(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
     return changed / total if total else 0.0
 
 
+def lines_fraction(
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], line: int = 64
+) -> float:
+    """The fraction of ``line``-byte cache lines of the tensors (each laid out contiguously,
+    lines counted from its first element) that hold at least one changed element.
+
+    An in-place sparse apply reads and writes every such line, a dense load streams every
+    line once each way: at memory bandwidth this fraction bounds a sparse apply's time over
+    a dense load from below, however fast its per-entry work.
+    """
+    from dcr.tensors.bits import bits
+
+    lines = touched = 0
+    for name, t in base.items():
+        n = t.numel()
+        if not n:
+            continue
+        per = max(1, line // t.element_size())
+        diff = bits(t).reshape(-1) != bits(new[name]).reshape(-1)
+        pad = -n % per
+        if pad:
+            diff = np.concatenate([diff, np.zeros(pad, dtype=bool)])
+        rows = diff.reshape(-1, per)
+        lines += rows.shape[0]
+        touched += int(np.count_nonzero(rows.any(axis=1)))
+    return touched / lines if lines else 0.0
+
+
 def label_of(row: Mapping[str, Any]) -> str:
     """A result row's workload label (a row written before workloads existed: its rate's)."""
     label = row.get("workload")

@@ -208,3 +208,19 @@ def test_adamw_update_rejects_bad_arguments():
             adamw_update(base, lr=bad, seed=0)
     with pytest.raises(ValueError, match="steps"):
         adamw_update(base, lr=1e-5, seed=0, steps=0)
+
+
+def test_lines_fraction_counts_the_64_byte_lines_holding_a_change() -> None:
+    """32 bf16 elements per line: a change at 0 and at 31 is one line, at 32 a second; a
+    float32 tensor has 16 per line, and its partial last line counts as a line."""
+    from dcr.bench.workloads import lines_fraction
+
+    base = {"a": torch.zeros(128, dtype=torch.bfloat16), "b": torch.zeros(20, dtype=torch.float32)}
+    new = {k: v.clone() for k, v in base.items()}
+    assert lines_fraction(base, new) == 0.0
+    new["a"][[0, 31, 32]] = 1.0  # lines 0 and 1 of 4
+    new["b"][19] = -0.0  # the sign bit alone: line 1 of 2 (its stored bits changed)
+    assert lines_fraction(base, new) == 3 / 6
+    new["a"][:] = 2.0
+    new["b"][0] = 1.0
+    assert lines_fraction(base, new) == 1.0
