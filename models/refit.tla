@@ -590,11 +590,28 @@ BaselineUpdate(o, c) ==
                               ![c].reported = @ \cup {o}]
     /\ UNCHANGED <<record, commitEpoch, epoch, registered, attempts, rx, inflight, budget>>
 
-\* Receivers drop KV caches and reopen the gate: after the commit at a record
-\* they acknowledged, or after dense refits.  A replaced coordinator's call is
-\* ignored by receivers that saw a newer epoch.
+\* A receiver that acknowledged the committed attempt may reopen as soon as the
+\* commit is known, while the owners still update their baselines.
+EarlyReopen(r, c) ==
+    /\ rx[r].attempt = coord[c].attempt /\ rx[r].phase = "acked"
+    /\ rx[r].epoch <= c /\ record # NONE /\ rx[r].acked = record
+
+\* Receivers drop KV caches and reopen the gate: once the commit at a record they
+\* acknowledged is known (cleaning up the attempt), at the end of the transition,
+\* or after dense refits.  A replaced coordinator's call is ignored by receivers
+\* that saw a newer epoch.
 ReopenGate(c) ==
     LET cv == coord[c] IN
+    \/ /\ cv.tphase = "finishing"
+       /\ \E r \in Receivers : EarlyReopen(r, c)
+       /\ rx' = [r \in Receivers |->
+             IF EarlyReopen(r, c)
+             THEN [rx[r] EXCEPT
+                     !.phase = Go(ReceiverEdges, Go(ReceiverEdges, @, "cleanup"), "reopen_gate"),
+                     !.gateOpen = TRUE, !.kv = EMPTY, !.held = V1]
+             ELSE rx[r]]
+       /\ UNCHANGED <<coord, record, commitEpoch, epoch, registered, attempts, owner, inflight,
+                      budget>>
     \/ /\ cv.tphase = "reopening"
        /\ coord' = [coord EXCEPT ![c].tphase = Go(TransitionEdges, @, "reopen_gate")]
        /\ rx' = [r \in Receivers |->
@@ -760,11 +777,11 @@ CommittedReceiversExact ==
             \A x \in Owners : rx[r].storage[x] = rx[r].held
 
 \* Owners update the baseline only after the commit and before the transition
-\* ends, so the next delta starts from the committed version.
+\* ends, so the next delta starts from the committed version.  (Gates may reopen
+\* earlier: receivers serve the committed record, which baselines do not change.)
 BaselineMatchesCommit ==
     /\ \A o \in Owners : owner[o].baseline = V1 => record # NONE
-    /\ (\/ \E c \in Coords : coord[c].tphase \in {"reopening", "committed"}
-        \/ \E r \in Receivers : rx[r].gateOpen /\ record # NONE)
+    /\ (\E c \in Coords : coord[c].tphase \in {"reopening", "committed"})
        => \A o \in Owners : owner[o].baseline = RecordVersion
 
 \* An XOR entry is applied at most once, and only to its own base.

@@ -331,6 +331,13 @@ class CoordinatorCore:
         self._fire(_X.COMMIT_SUCCEEDED)
         self._transition.fire(_X.COMMIT_SUCCEEDED)
         self._record = record
+        # The record is durable and every required receiver acknowledged holding it: their
+        # gates reopen now, while the owners update their baselines (which only the next
+        # transition needs).  A receiver cleans up the acknowledged attempt as it reopens;
+        # the reopening sent when the transition ends finds it open already.
+        a = self._attempt
+        assert a is not None
+        out.append(a.reopen_gate_call(sorted(a.info.receivers & a.acks), record))
         self._start_baseline_update(record, out)
 
     def _start_baseline_update(

@@ -78,13 +78,18 @@ def test_happy_path(sync: bool) -> None:
     assert w.outcome() is TransitionOutcome.COMMITTED
     assert w.record == CommitRecord(version=1, candidate="g1.100")
     committed_everywhere(w, w.receiver_names)
-    # The gate reopens only after every owner reported its baseline update.
-    last_report = max(
-        i for i, (_, c) in enumerate(w.log)
+    # The gates reopen once the commit succeeded, before the owners' baseline updates (which
+    # only the next transition needs); the transition ends only after every owner's report.
+    log = [c for _, c in w.log]
+    commit = next(i for i, c in enumerate(log) if isinstance(c, cmd.CompareAndSet))
+    reports = [
+        i for i, c in enumerate(log)
         if isinstance(c, cmd.Notify) and isinstance(c.message, msg.BaselineUpdated)
-    )  # fmt: skip
-    first_reopen = min(i for i, (_, c) in enumerate(w.log) if _is_call(c, msg.ReopenGate))
-    assert last_report < first_reopen
+    ]  # fmt: skip
+    reopen = min(i for i, c in enumerate(log) if _is_call(c, msg.ReopenGate))
+    ended = next(i for i, c in enumerate(log) if isinstance(c, cmd.TransitionEnded))
+    assert commit < reopen < min(reports) and len(reports) == len(w.owners)
+    assert max(reports) < ended
     if not sync:
         # Asynchronous RL: the gate closes only after every receiver staged every payload.
         staged = [i for i, (_, c) in enumerate(w.log)

@@ -125,10 +125,15 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.05, help="elements changed per refit")
     p.add_argument("--large", action="store_true", help="a model of about 1.1 GB (LARGE)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--keep", type=Path, help="run in this directory and keep it (the events)")
     args = p.parse_args()
     model = LARGE if args.large else MODEL
-    with tempfile.TemporaryDirectory(prefix="dcr-gate-") as work:
-        rows = anyio.run(measure, Path(work), args.refits, args.rate, model, backend="asyncio")
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        rows = anyio.run(measure, args.keep, args.refits, args.rate, model, backend="asyncio")
+    else:
+        with tempfile.TemporaryDirectory(prefix="dcr-gate-") as work:
+            rows = anyio.run(measure, Path(work), args.refits, args.rate, model, backend="asyncio")
     if args.json:
         print(json.dumps(rows))
         return

@@ -171,10 +171,28 @@ def baseline_update(s: State, cfg: Config) -> Iterator[Step]:
 
 
 def reopen_gate(s: State, cfg: Config) -> Iterator[Step]:
-    """Receivers drop KV caches and reopen the gate (after commit, or after dense refits)."""
+    """Receivers drop KV caches and reopen the gate: once the commit is known (those that
+    acknowledged it clean up and reopen while the owners still update their baselines), at
+    the end of the transition (idempotent for those), or after dense refits."""
     for c, cv in acting(s, cfg):
         b = Builder(s)
-        if cv.tphase is _T.REOPENING:
+        if cv.tphase is _T.FINISHING:
+            early = [
+                r
+                for r, rx in enumerate(s.receivers)
+                if rx.attempt == cv.attempt
+                and rx.phase is _R.ACKED
+                and rx.epoch <= c
+                and rx.acked == s.record != NONE
+            ]
+            if not early:
+                continue
+            for r in early:
+                cleaned = b.go(s.receivers[r].phase, _X.CLEANUP)
+                b.receiver(
+                    r, phase=b.go(cleaned, _X.REOPEN_GATE), gate_open=True, kv=EMPTY, held=V1
+                )
+        elif cv.tphase is _T.REOPENING:
             b.coord(c, tphase=b.go(cv.tphase, _X.REOPEN_GATE))
             for r, rx in enumerate(s.receivers):
                 # A replaced coordinator's gate call is ignored; a receiver reopens only at a
