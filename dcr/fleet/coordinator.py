@@ -77,11 +77,15 @@ from dcr.protocol.membership import (
 )
 from dcr.protocol.types import CommitRecord, Mode
 
-__all__ = ["SILENT_S", "FleetCoordinator", "run_coordinator"]
+__all__ = ["SILENT_S", "STALL_S", "FleetCoordinator", "run_coordinator"]
 
 SILENT_S = 30.0
 """How long the active coordinator waits for a member that never reported before it says so
 (and again every as long while it stays silent)."""
+_TICK_S = 0.1
+"""How long the membership tick waits for a report before it looks at the time again."""
+STALL_S = 5.0
+"""A tick this much later than asked is said (``stalled`` event, and on stderr)."""
 
 T = TypeVar("T")
 
@@ -184,9 +188,27 @@ class FleetCoordinator:
             now = anyio.current_time()
             await self._execute(core.handle(Tick(now=now, record=state.record, attempt=info)))
             await self._depart_gone(now)
-            with anyio.move_on_after(0.1):
+            slept = anyio.current_time()
+            with anyio.move_on_after(_TICK_S):
                 await self._wake.wait()
             self._wake = anyio.Event()
+            self._check_stall(anyio.current_time() - slept)
+
+    def _check_stall(self, waited: float) -> None:
+        """A wait of at most ``_TICK_S`` that took ``waited`` seconds means the event loop was
+        starved or the process paused: that time does not count towards ``depart_after_s``
+        (it was not watching), and a long one is said."""
+        late = waited - _TICK_S
+        if late < 1.0:
+            return
+        for r in self._connected:
+            self._connected[r] += late
+        if late < STALL_S:
+            return
+        self.log.emit("stalled", seconds=round(late, 3))
+        print(f"dcr coordinator: this process did not run for {late:.1f} s (a starved or "
+              "paused process; its peers' silence does not count that time)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _unreachable(self, now: float) -> list[str]:
         """Known receivers whose control connection has been gone for longer than

@@ -436,3 +436,28 @@ async def test_endpoint_process_killed_and_restarted_gets_the_calls_made_meanwhi
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         await hub.aclose()
+
+
+async def test_a_coordinator_that_did_not_run_does_not_count_that_time_as_silence() -> None:
+    """A starved or paused coordinator process wakes to find its peers' heartbeats unread:
+    its link does not forget them for the silence it did not listen to, and still forgets a
+    peer that stays silent afterwards."""
+    hub = ZmqControl(config=CONFIG)
+    ctx = zmq.asyncio.Context()
+    raw = ctx.socket(zmq.DEALER)
+    try:
+        coordinator = await hub.coordinator()
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"rx-1")
+        raw.connect(coordinator.address)
+        await raw.send(hub.codec.encode(Hello(status=None), epoch=1, sender="rx-1"))
+        await _until(lambda: "rx-1" in coordinator.endpoints(), 10, "rx-1 to say hello")
+        time.sleep(CONFIG.peer_timeout_s * 1.6)  # the whole process stalls (no await)
+        await anyio.sleep(CONFIG.ping_s * 3)
+        assert "rx-1" in coordinator.endpoints()
+        assert coordinator.stalled_s > CONFIG.peer_timeout_s
+        await _until(lambda: "rx-1" not in coordinator.endpoints(), 10, "the silence noticed")
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+        await hub.aclose()

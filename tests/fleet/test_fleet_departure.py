@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import pytest
 from dcr.adapters.commit.memory import MemoryCommitStore
 from dcr.errors import ConfigError
 from dcr.fleet.config import load_fleet
-from dcr.fleet.coordinator import FleetCoordinator
+from dcr.fleet.coordinator import STALL_S, FleetCoordinator
 from dcr.fleet.eventlog import EventLog
 from dcr.protocol import messages as msg
 from dcr.protocol.membership import RunTransition, Tick
@@ -172,3 +173,23 @@ def test_the_bound_is_a_coordinator_setting(tmp_path: Path) -> None:
         load_fleet(tmp_path / "fleet.toml")
     (tmp_path / "fleet.toml").write_text(FLEET.format(depart=12.5))
     assert load_fleet(tmp_path / "fleet.toml").coordinator.depart_after_s == 12.5
+
+
+def test_a_coordinator_that_did_not_run_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    connected = {"r0", "r1"}
+    c = _coordinator(tmp_path, 30.0, connected)
+    assert c._unreachable(0.0) == []
+    connected.discard("r1")  # gone at 0 s; then the coordinator does not run for 36 s
+    c._check_stall(0.1)
+    c._check_stall(0.1 + STALL_S - 0.5)
+    assert '"stalled"' not in _events(tmp_path)
+    c._check_stall(36.1)
+    [line] = [x for x in _events(tmp_path).splitlines() if '"stalled"' in x]
+    assert json.loads(line)["seconds"] == 36.0
+    assert "did not run for 36.0 s" in capsys.readouterr().err
+    # The 4.5 + 36 s it did not run do not count: r1 departs after 30 s watched, at 70.5 s.
+    assert c._unreachable(40.0) == []
+    assert c._unreachable(70.4) == []
+    assert c._unreachable(70.6) == ["r1"]

@@ -18,7 +18,9 @@ Connection bookkeeping, kept small and explicit:
 * the coordinator sends :class:`Ping` to each connected endpoint every ``ping_s``.  With
   ``ROUTER_MANDATORY`` a send to a peer whose TCP connection is gone fails at once, so a
   SIGKILLed endpoint is noticed within one interval; an endpoint silent for ``peer_timeout_s``
-  counts as gone too.  ZeroMQ's own heartbeats drop connections to hosts that vanished without
+  counts as gone too (not counting time the coordinator's own process did not run: a starved
+  or paused coordinator does not take its own deafness for its peers' silence).  ZeroMQ's own
+  heartbeats drop connections to hosts that vanished without
   closing them.
 
 Who speaks.  With the fleet's keys (:class:`~dcr.adapters.security.Security`) every

@@ -65,6 +65,9 @@ class ZmqCoordinatorLink(CoordinatorLink):
             self._config.replies_buffer
         )
         self._tasks = LinkTasks(self._send.close)
+        self.stalled_s = 0.0
+        """Seconds this link's ticks came late (its process did not run): not counted as any
+        peer's silence."""
 
     async def open(self) -> None:
         control = self._control
@@ -206,12 +209,24 @@ class ZmqCoordinatorLink(CoordinatorLink):
             self._queued[name] += 1
 
     async def _tick(self) -> None:
-        """Ping connected endpoints, forget silent or unreachable ones, retry waiting calls."""
+        """Ping connected endpoints, forget silent or unreachable ones, retry waiting calls.
+
+        A tick that comes late means this link was not listening meanwhile (its process was
+        starved or paused): that time is not its peers' silence, and does not count towards
+        ``peer_timeout_s`` (it adds up in :attr:`stalled_s`)."""
         codec = self._control.codec
+        ping_s = self._config.ping_s
+        last = time.monotonic()
         while True:
-            await anyio.sleep(self._config.ping_s)
+            await anyio.sleep(ping_s)
             ping = codec.encode(Ping(), epoch=self._epoch, sender=COORDINATOR)
             now = time.monotonic()
+            deaf = now - last - ping_s
+            last = now
+            if deaf > ping_s:
+                self.stalled_s += deaf
+                for peer in self._peers.values():
+                    peer.heard = min(now, peer.heard + deaf)
             for name, peer in list(self._peers.items()):
                 if now - peer.heard > self._config.peer_timeout_s:
                     del self._peers[name]
