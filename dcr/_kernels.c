@@ -2263,6 +2263,86 @@ static PyObject *py_increasing(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
+
+/* ------------------------------------------------------------------ fingerprint */
+
+PyDoc_STRVAR(hash_plane_doc,
+"hash_plane(values, rowkey, colkey, r0, r1, c0, c1) -> (high, low)\n\n"
+"The exact sum of h(i, x) (dcr.tensors.fingerprint.h_reference, elements of at most 32\n"
+"bits) over rows r0..r1-1 and columns c0..c1-1 of the 2-D strided array `values`, whose\n"
+"element (r, c) has the key rowkey[r] + c * colkey (mod 2^64), as two 64-bit halves:\n"
+"sum = high * 2^64 + low.  One pass over the values, the GIL released.");
+
+static PyObject *py_hash_plane(PyObject *self, PyObject *args) {
+    PyObject *ovalues, *okeys;
+    unsigned long long colkey;
+    Py_ssize_t r0, r1, c0, c1;
+    if (!PyArg_ParseTuple(args, "OOKnnnn", &ovalues, &okeys, &colkey, &r0, &r1, &c0, &c1))
+        return NULL;
+    Py_buffer bv;
+    Buf bk = {0};
+    if (PyObject_GetBuffer(ovalues, &bv, PyBUF_STRIDED_RO | PyBUF_FORMAT) < 0) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t w = bv.itemsize;
+    if (bv.ndim != 2 || (w != 1 && w != 2 && w != 4)) {
+        PyErr_SetString(PyExc_ValueError, "values must be 2-D with 1-, 2- or 4-byte items");
+        goto done;
+    }
+    if (!get_buf(okeys, &bk, 0, "rowkey") || !need_itemsize(&bk, 8, "rowkey")) goto done;
+    if (r0 < 0 || c0 < 0 || r1 < r0 || c1 < c0 || r1 > bv.shape[0] || c1 > bv.shape[1] ||
+        r1 > count_of(&bk)) {
+        PyErr_SetString(PyExc_ValueError, "rows or columns out of range");
+        goto done;
+    }
+    if ((uint64_t)(c1 - c0) >> 31) {
+        PyErr_SetString(PyExc_ValueError, "at most 2^31 columns per call");
+        goto done;
+    }
+    const unsigned char *base = bv.buf;
+    const Py_ssize_t rs = bv.strides[0], cs = bv.strides[1];
+    const uint64_t *keys = bk.view.buf;
+    const uint64_t m1 = 0xBF58476D1CE4E5B9ULL, m2 = 0x94D049BB133111EBULL;
+    const uint64_t mask = ((uint64_t)1 << 60) - 1, ck = colkey;
+    uint64_t high = 0, low = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const unsigned char *row = base + r * rs;
+        uint64_t key = keys[r] + (uint64_t)c0 * ck;
+        uint64_t lo = 0, hi = 0; /* h < 2^60: hi sums h >> 32 exactly, lo wraps */
+#define HASH_ROW(T)                                                                         \
+    for (Py_ssize_t c = c0; c < c1; c++, key += ck) {                                      \
+        uint64_t u = key ^ (uint64_t)*(const T *)(row + c * cs);                           \
+        u = (u * m1) & mask;                                                               \
+        u ^= u >> 29;                                                                      \
+        u = (u * m2) & mask;                                                               \
+        u ^= u >> 32;                                                                      \
+        lo += u;                                                                           \
+        hi += u >> 32;                                                                     \
+    }                                                                                      \
+    break;
+        switch (w) {
+        case 1: HASH_ROW(uint8_t)
+        case 2: HASH_ROW(uint16_t)
+        default: HASH_ROW(uint32_t)
+        }
+#undef HASH_ROW
+        /* The row's exact sum is hi * 2^32 + (low word sum), where the low words sum to
+         * lo - hi * 2^32 (mod 2^64), below n * 2^32 < 2^64. */
+        const uint64_t words = lo - (hi << 32);
+        const uint64_t add_lo = (hi << 32) + words;
+        const uint64_t carry_in = add_lo < words;
+        const uint64_t add_hi = (hi >> 32) + carry_in;
+        low += add_lo;
+        high += add_hi + (low < add_lo);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(KK)", (unsigned long long)high, (unsigned long long)low);
+done:
+    release(&bk);
+    PyBuffer_Release(&bv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", py_scan, METH_VARARGS, scan_doc},
     {"isa", py_isa, METH_NOARGS, isa_doc},
@@ -2279,6 +2359,7 @@ static PyMethodDef methods[] = {
     {"increasing", py_increasing, METH_O, increasing_doc},
     {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},
     {"spread_rows", py_spread_rows, METH_VARARGS, spread_rows_doc},
+    {"hash_plane", py_hash_plane, METH_VARARGS, hash_plane_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,11 +1,12 @@
 """The optional C kernels of the data plane (``dcr._kernels``), or ``None``.
 
-Construction's changed-element scan, payload format 2's Rice splitting and the receiver's
-read-modify-write run in C when the extension was built (``pip install`` compiles it where a
-C compiler is available) and in numpy otherwise; both give identical results, which the
-tests check on every width and edge case.  ``DCR_NATIVE=0`` in the environment disables the
-kernels (to compare, or to rule them out).  :func:`require` fails loudly where they must be
-present (``make test`` sets ``DCR_REQUIRE_NATIVE=1``).
+Construction's changed-element scan, payload format 2's Rice splitting, the receiver's
+read-modify-write and the proof's fingerprint of stored views run in C when the extension
+was built (``pip install`` compiles it where a C compiler is available) and in numpy
+otherwise; both give identical results, which the tests check on every width and edge case.
+``DCR_NATIVE=0`` in the environment disables the kernels (to compare, or to rule them
+out).  :func:`require` fails loudly where they must be present (``make test`` sets
+``DCR_REQUIRE_NATIVE=1``).
 """
 
 from __future__ import annotations

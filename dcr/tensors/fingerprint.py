@@ -5,8 +5,9 @@
 XORed with the bits, then two multiply/xorshift rounds run on 60 bits.  For a fixed ``i`` it
 is injective in ``x`` with values below ``2^60 < p``, so a single flipped bit always changes
 a fingerprint ``sum h(i, x_i) mod (2^61 - 1)``; other differences go unseen with probability
-about ``2^-61``.  :func:`hash_view` sums ``h`` over any strided view in cache-sized blocks on
-worker threads, the key computed from the view's geometry (no index arrays).  The same
+about ``2^-61``.  :func:`hash_view` sums ``h`` over any strided view in blocks on worker
+threads, the key computed from the view's geometry (no index arrays): one pass of the C
+kernel ``hash_plane`` per block where :mod:`dcr.native` has it, else numpy in cache.  The same
 functions serve the receivers (:mod:`dcr.apply.proof`), so both sides hash identically.
 
 An owner proves its part of the committed version from its trackers and residual baseline
@@ -28,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr import native
 from dcr.protocol.proof import PRIME
 from dcr.tensors.bits import bits_dtype, numpy_bits_dtype
 from dcr.tensors.parallel import default_threads
@@ -164,6 +166,11 @@ class _Plane:
     def hash(self, unit: tuple[int, int, int, int]) -> int:
         """The exact integer sum of ``h`` over one unit (no modular reduction yet)."""
         r0, r1, c0, c1 = unit
+        k = native.kernels
+        if k is not None:
+            # One pass over the values in C (the numpy path below makes about ten).
+            high, low = k.hash_plane(self.values, self.rowkey, self.colkey, r0, r1, c0, c1)
+            return int((high << 64) + low)
         n = (r1 - r0) * (c1 - c0)
         zf, tf = _scratch_pair()
         z = zf[:n].reshape(r1 - r0, c1 - c0)

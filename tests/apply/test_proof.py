@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr import StateDictSource, TrainLayout
+from dcr import StateDictSource, TrainLayout, native
 from dcr.adapters.loaders.sharded import ShardedServingLoader, ShardedServingModel
 from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
@@ -208,9 +208,10 @@ def _strided_cases():
 
 
 @pytest.mark.parametrize("block", [1 << 18, 7, 64])
-def test_hash_view_is_the_sum_of_h_by_definition(monkeypatch, block):
+def test_hash_view_is_the_sum_of_h_by_definition(monkeypatch, block, both_paths):
     """Every layout, dtype (64-bit as two halves, bool as bytes) and block split (rows per
-    block, and columns split when a row exceeds a block) gives the exact sum of h."""
+    block, and columns split when a row exceeds a block) gives the exact sum of h, in the C
+    kernel and in numpy."""
     monkeypatch.setattr(fingerprint, "_BLOCK", block)
     for t in _strided_cases():
         offset, stride = int(t.storage_offset()), tuple(t.stride())
@@ -272,3 +273,26 @@ def test_sample_positions_do_not_change_between_releases() -> None:
     assert fingerprint.sample_positions(11, "g", 2**40, 3).tolist() == [
         7595034634, 63110267821, 992687170917,
     ]  # fmt: skip
+
+
+@pytest.mark.skipif(native.kernels is None, reason="the C kernels are not built")
+def test_the_plane_kernel_sums_exactly_and_refuses_what_it_cannot_read() -> None:
+    """Sums far above 2^64 (every h near 2^60) come back exact in two halves, equal to the
+    numpy path's; ranges outside the array and arrays it cannot read raise ValueError."""
+    k = native.kernels
+    assert k is not None
+    values = np.full((3, 1 << 12), 0xFFFF, dtype=np.uint16)[:, ::2]
+    keys = np.array([1, 2**63, 2**64 - 5], dtype=np.uint64)
+    plane = fingerprint._Plane(values, np.array([0, 5000, 10000]), 3, fingerprint.salt(1))
+    high, low = k.hash_plane(values, plane.rowkey, plane.colkey, 0, 3, 0, values.shape[1])
+    want = sum(
+        h_reference(row + 3 * c, 0xFFFF, 1) for row in (0, 5000, 10000) for c in range(2048)
+    )
+    assert want > 1 << 64 and (high << 64) + low == want
+    for bad in [(0, 4, 0, 1), (0, 1, 0, 2049), (2, 1, 0, 1), (-1, 1, 0, 1)]:
+        with pytest.raises(ValueError):
+            k.hash_plane(values, keys, 1, *bad)
+    with pytest.raises(ValueError):
+        k.hash_plane(np.zeros((2, 2, 2), dtype=np.uint16), keys, 1, 0, 1, 0, 1)
+    with pytest.raises(ValueError):
+        k.hash_plane(np.zeros((2, 2), dtype=np.uint64), keys, 1, 0, 1, 0, 1)
