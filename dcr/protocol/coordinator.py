@@ -64,12 +64,8 @@ class CoordinatorCore:
         self._refits = AbortRefits()
         self._abort_reason: str | None = None
         self._proofs = BaseProofs(config.proof, fingerprint=config.fingerprint)
-        self._transition = Transition(
-            config.epoch,
-            current=lambda: self._attempt,
-            baseline=self._baseline,
-            refits=self._refits,
-        )
+        self._transition = Transition(config.epoch, current=lambda: self._attempt,
+                                      baseline=self._baseline, refits=self._refits)  # fmt: skip
 
     # -- read-only views -------------------------------------------------------------------
 
@@ -331,10 +327,9 @@ class CoordinatorCore:
         self._fire(_X.COMMIT_SUCCEEDED)
         self._transition.fire(_X.COMMIT_SUCCEEDED)
         self._record = record
-        # The record is durable and every required receiver acknowledged holding it: their
-        # gates reopen now, while the owners update their baselines (which only the next
-        # transition needs).  A receiver cleans up the acknowledged attempt as it reopens;
-        # the reopening sent when the transition ends finds it open already.
+        # Durable, and every required receiver acknowledged holding it: their gates reopen
+        # now, while the owners update their baselines (only the next transition needs them);
+        # a receiver cleans up as it reopens, so the reopening at the end finds it open.
         a = self._attempt
         assert a is not None
         out.append(a.reopen_gate_call(sorted(a.info.receivers & a.acks), record))
@@ -372,10 +367,8 @@ class CoordinatorCore:
         out.extend(a.cleanup_commands())
         self._transition.fire(_X.REOPEN_GATE)
         out.append(a.reopen_gate_call(a.addressed, committed))
-        outcome = (
-            TransitionOutcome.CONFLICT if self._baseline.took_over else TransitionOutcome.COMMITTED
-        )
-        self._end(outcome, out)
+        took_over = self._baseline.took_over
+        self._end(TransitionOutcome.CONFLICT if took_over else TransitionOutcome.COMMITTED, out)
 
     # -- failure, stop, cleanup, retry (Algorithm B.2, lines 36-43) ------------------------
 
