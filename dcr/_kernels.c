@@ -2263,7 +2263,6 @@ static PyObject *py_increasing(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
-
 /* ------------------------------------------------------------------ fingerprint */
 
 PyDoc_STRVAR(hash_plane_doc,
@@ -2326,14 +2325,12 @@ static PyObject *py_hash_plane(PyObject *self, PyObject *args) {
         default: HASH_ROW(uint32_t)
         }
 #undef HASH_ROW
-        /* The row's exact sum is hi * 2^32 + (low word sum), where the low words sum to
-         * lo - hi * 2^32 (mod 2^64), below n * 2^32 < 2^64. */
+        /* The row's exact sum is hi * 2^32 + words, the low words summing to
+         * lo - hi * 2^32 (mod 2^64), below n * 2^32 < 2^64: its low 64 bits are lo, its
+         * high ones hi >> 32 plus the carry out of (hi mod 2^32) * 2^32 + words. */
         const uint64_t words = lo - (hi << 32);
-        const uint64_t add_lo = (hi << 32) + words;
-        const uint64_t carry_in = add_lo < words;
-        const uint64_t add_hi = (hi >> 32) + carry_in;
-        low += add_lo;
-        high += add_hi + (low < add_lo);
+        low += lo;
+        high += (hi >> 32) + (lo < words) + (low < lo);
     }
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("(KK)", (unsigned long long)high, (unsigned long long)low);

@@ -278,7 +278,7 @@ def test_sample_positions_do_not_change_between_releases() -> None:
 @pytest.mark.skipif(native.kernels is None, reason="the C kernels are not built")
 def test_the_plane_kernel_sums_exactly_and_refuses_what_it_cannot_read() -> None:
     """Sums far above 2^64 (every h near 2^60) come back exact in two halves, equal to the
-    numpy path's; ranges outside the array and arrays it cannot read raise ValueError."""
+    definition's; ranges outside the array and arrays it cannot read raise ValueError."""
     k = native.kernels
     assert k is not None
     values = np.full((3, 1 << 12), 0xFFFF, dtype=np.uint16)[:, ::2]
