@@ -208,8 +208,13 @@ def test_bench_apply_json(capsys):
             assert r["adaptive_choice"] in ("dense", "mixed")
     assert set(out["break_even"]) == {"torch", "sharded-tp2"}
     assert out["model"]["dense_above"] == 0.1
+    # The calibrated setting is the lowest break-even the run measured (none: sparse won).
+    found = [f for f in out["break_even"].values() if f is not None]
+    assert out["calibrated_dense_above"] == (round(min(found), 4) if found else None)
     table = format_apply_table(out)
     assert "adaptive" in table and ("dense applies faster" in table or "sparse applies" in table)
+    if found:
+        assert f"[trainer] dense_above = {out['calibrated_dense_above']}" in table
     # Every entry lands once on the single torch rank; the sharded ranks write no fewer.
     assert rows[0]["written"] == rows[0]["entries"] > 0
     assert rows[1]["entries"] > rows[0]["entries"]

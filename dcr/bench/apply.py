@@ -294,6 +294,9 @@ def run_apply_bench(
     dense build of the whole model (every element, what a joining receiver gets).
     ``break_even`` holds, per loader, the changed fraction from which dense costs it less to
     apply (:func:`break_even`): the ``dense_above`` that never applies slower than dense.
+    ``calibrated_dense_above`` is the lowest of them (the setting for a fleet whose receivers
+    run all these loaders on this machine), ``None`` where sparse applied faster at every
+    measured rate on every loader.
     """
     say = log or (lambda _msg: None)
     runs = workloads(rates)
@@ -328,9 +331,11 @@ def run_apply_bench(
         even[kind] = break_even(rows)
         results.extend(rows)
         gc.collect()
+    found = [f for f in even.values() if f is not None]
     return {
         "results": results,
         "break_even": even,
+        "calibrated_dense_above": round(min(found), 4) if found else None,
         "model": {
             "checkpoint_bytes": checkpoint_bytes,
             "layers": cfg["num_hidden_layers"],
@@ -503,6 +508,12 @@ def format_apply_table(result: dict[str, Any]) -> str:
             f"{loader}: dense applies faster from {fraction:.1%} changed"
             if fraction is not None
             else f"{loader}: sparse applies faster at every measured rate"
+        )
+    if result.get("calibrated_dense_above") is not None:
+        lines.append(
+            "calibrated for receivers with these loaders on this machine: "
+            f"[trainer] dense_above = {result['calibrated_dense_above']} in the fleet file "
+            "(BuildConfig.dense_above), or higher where link bytes cost more than apply time"
         )
     lines.extend(result.get("notes", []))
     return "\n".join(lines)

@@ -130,7 +130,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "sparse (every tensor as entries), dense (every changed tensor sent whole) and "
             "adaptive (the owners' choice per tensor at --dense-above), shown side by side; "
             "each loader's break-even is the changed fraction from which dense applies faster "
-            "(the dense_above that is never slower than dense). The applied bits are checked "
+            "(the dense_above that is never slower than dense); the lowest of them is printed "
+            "as the fleet setting for receivers with these loaders on this machine "
+            "([trainer] dense_above). The applied bits are checked "
             "against the dense load of the new version; a mismatch fails the run. Each row "
             "reports its workload label and the measured changed_fraction."
         ),
