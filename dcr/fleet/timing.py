@@ -17,7 +17,9 @@ clock every process of a host shares:
 * ``baseline`` -- the owner's baseline update after the commit.
 
 A receiver on object storage reports ``fetched`` for each payload its node fetched (the
-GET's interval and bytes), the rollout side's transport intervals and V_cross.
+GET's interval and bytes), the rollout side's transport intervals and V_cross.  A receiver
+on the relay tree reports ``drops`` whenever the frames its subscription dropped change
+(per reason: ``replayed``, ``unsent``, ``socket``, ...): why deliveries stalled, if they do.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import threading
 import time
 from collections.abc import Container, Iterator, Sequence
 
+import anyio
+
 from dcr.adapters.transport.base import Transport, TransportWrapper
 from dcr.adapters.transport.link import LinkLimit
 from dcr.adapters.transport.objstore import (
@@ -35,6 +39,7 @@ from dcr.adapters.transport.objstore import (
     ObjectStoreTransport,
 )
 from dcr.adapters.transport.objstore.layout import PAYLOADS
+from dcr.adapters.transport.relay import RelayTransport
 from dcr.delta.build import Bucket
 from dcr.delta.group import TrainingGroup
 from dcr.engine.owner import TrainingSide
@@ -193,3 +198,19 @@ def time_fetches(transport: Transport, log: EventLog) -> None:
     """Report the payload fetches of an object-storage ``transport`` (others: nothing)."""
     if isinstance(transport, ObjectStoreTransport):
         transport.backend = TimedFetches(transport.backend, log)
+
+
+async def report_drops(transport: Transport, log: EventLog, *, every_s: float = 0.5) -> None:
+    """Until cancelled, emit ``drops`` (the counts per reason) each time the frames a relay
+    ``transport`` dropped change, checked every ``every_s``; other transports: return."""
+    while isinstance(transport, TransportWrapper):
+        transport = transport.inner
+    if not isinstance(transport, RelayTransport):
+        return
+    last: dict[str, int] = {}
+    while True:
+        now = dict(transport.drops())
+        if now != last:
+            log.emit("drops", drops=now)
+            last = now
+        await anyio.sleep(every_s)

@@ -4,6 +4,7 @@ SIGKILL."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import sys
 import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import AsyncExitStack
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr.adapters.registry import load
-from dcr.adapters.transport.base import Transport, TransportStats
+from dcr.adapters.transport.base import Transport, TransportStats, TransportWrapper
+from dcr.adapters.transport.memory import MemoryTransport
 from dcr.adapters.transport.relay import (
     RelayConfig,
     RelayNode,
@@ -54,6 +58,8 @@ from dcr.adapters.transport.relay.frames import (
 )
 from dcr.bench.relay import relay_throughput, tree_hops
 from dcr.errors import ConfigError, TransportError
+from dcr.fleet.eventlog import EventLog
+from dcr.fleet.timing import report_drops
 from dcr.protocol.types import PayloadKey
 from dcr.testing.transport import HeldLike, TransportHarness, TransportTests
 
@@ -412,6 +418,41 @@ async def test_replayed_payload_frame_is_dropped_by_the_receiver() -> None:
         await rx.aclose()
         router.close()
         ctx.term()
+
+
+async def test_a_fleet_receiver_reports_what_its_subscription_dropped(tmp_path: Path) -> None:
+    """``report_drops`` (a fleet receiver's ``drops`` events): one event each time the counts
+    change, none while they stay; through a wrapper too; nothing for other transports."""
+    log = EventLog(tmp_path, "r0")
+    await report_drops(MemoryTransport(), log, every_s=0.01)  # returns at once
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    rx = RelayTransport(node=f"tcp://127.0.0.1:{port}", config=CONFIG)
+    try:
+        deliveries = rx.subscribe("r0")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(report_drops, TransportWrapper(rx), log, every_s=0.01))
+            with anyio.fail_after(5):
+                ident, _ = await router.recv_multipart()
+            frame = encode(Payload(origin=5, seq=2, key=KEY, size=1, to=None))
+            for _ in range(3):  # the second and third are replays
+                await router.send_multipart([ident, frame, b"x"])
+            with anyio.fail_after(5):
+                await deliveries.__anext__()
+            await _wait(lambda: rx.drops() == {"replayed": 2}, 5, "two replays dropped")
+            await anyio.sleep(0.1)  # several checks with the counts unchanged
+            tg.cancel_scope.cancel()
+    finally:
+        await rx.aclose()
+        router.close()
+        ctx.term()
+        log.close()
+    events = [json.loads(line) for line in log.path.read_text().splitlines()]
+    drops = [e["drops"] for e in events if e["event"] == "drops"]
+    assert drops[-1] == {"replayed": 2} and len(drops) <= 2, drops
+    assert all(d in ({"replayed": 1}, {"replayed": 2}) for d in drops)
 
 
 async def test_v_cross_counts_every_copy_at_the_root() -> None:
