@@ -277,7 +277,7 @@ async def run_receiver(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(service.serve)
-            tg.start_soon(report_drops, transport, log)
+            tg.start_soon(report_drops, transport, log, name)
             if started is not None:
                 started(service)
     finally:

@@ -19,7 +19,9 @@ clock every process of a host shares:
 A receiver on object storage reports ``fetched`` for each payload its node fetched (the
 GET's interval and bytes), the rollout side's transport intervals and V_cross.  A receiver
 on the relay tree reports ``drops`` whenever the frames its subscription dropped change
-(per reason: ``replayed``, ``unsent``, ``socket``, ...): why deliveries stalled, if they do.
+(per reason: ``replayed``, ``unsent``, ``socket``, ...), and ``untaken`` once deliveries it
+holds have stayed untaken and unchanged in number for ``STALL_S``: why deliveries stalled,
+if they do.
 """
 
 from __future__ import annotations
@@ -43,11 +45,19 @@ from dcr.adapters.transport.relay import RelayTransport
 from dcr.delta.build import Bucket
 from dcr.delta.group import TrainingGroup
 from dcr.engine.owner import TrainingSide
+from dcr.errors import TransportError
 from dcr.fleet.eventlog import NAMES_SHOWN, EventLog
 from dcr.protocol.types import Mode, PayloadKey
 from dcr.tensors.records import Encoding
 
-__all__ = ["TimedFetches", "TimedSends", "TimedTrainingSide", "time_fetches"]
+__all__ = [
+    "STALL_S",
+    "TimedFetches",
+    "TimedSends",
+    "TimedTrainingSide",
+    "report_drops",
+    "time_fetches",
+]
 
 _PAYLOAD = re.compile(rf"^{PAYLOADS}(\d{{20}})/")
 
@@ -200,17 +210,42 @@ def time_fetches(transport: Transport, log: EventLog) -> None:
         transport.backend = TimedFetches(transport.backend, log)
 
 
-async def report_drops(transport: Transport, log: EventLog, *, every_s: float = 0.5) -> None:
-    """Until cancelled, emit ``drops`` (the counts per reason) each time the frames a relay
-    ``transport`` dropped change, checked every ``every_s``; other transports: return."""
+STALL_S = 10.0
+"""How long a receiver's untaken deliveries may stay as they are before it reports them."""
+
+
+async def report_drops(
+    transport: Transport,
+    log: EventLog,
+    receiver: str,
+    *,
+    every_s: float = 0.5,
+    stall_s: float = STALL_S,
+) -> None:
+    """Until cancelled, check every ``every_s`` what a relay ``transport``'s subscription of
+    ``receiver`` dropped and holds: emit ``drops`` (the counts per reason) each time they
+    change, and ``untaken`` (``count``, ``seconds``) once per stall when the deliveries it
+    holds untaken stayed as many, and more than none, for ``stall_s``.  Other transports:
+    return."""
     while isinstance(transport, TransportWrapper):
         transport = transport.inner
     if not isinstance(transport, RelayTransport):
         return
     last: dict[str, int] = {}
+    held, since, told = 0, time.monotonic(), False
     while True:
         now = dict(transport.drops())
         if now != last:
             log.emit("drops", drops=now)
             last = now
+        try:
+            count = transport.held(receiver).count
+        except TransportError:
+            count = 0  # not subscribed (yet, or any more)
+        t = time.monotonic()
+        if count != held:
+            held, since, told = count, t, False
+        elif held and not told and t - since >= stall_s:
+            log.emit("untaken", count=held, seconds=round(t - since, 1))
+            told = True
         await anyio.sleep(every_s)

