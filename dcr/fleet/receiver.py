@@ -50,7 +50,7 @@ from dcr.fleet.eventlog import NAMES_SHOWN, EventLog, FaultPoints, gate_events, 
 from dcr.fleet.model import FleetModel, digests
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.fleet.sections import ReceiverSpec
-from dcr.fleet.timing import report_drops, time_fetches
+from dcr.fleet.timing import report_subscription, time_fetches
 from dcr.protocol.types import CommitRecord, PayloadKey
 from dcr.tensors.records import TensorSpec
 
@@ -277,7 +277,7 @@ async def run_receiver(
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(service.serve)
-            tg.start_soon(report_drops, transport, log, name)
+            tg.start_soon(report_subscription, transport, log, name)
             if started is not None:
                 started(service)
     finally:

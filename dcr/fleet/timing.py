@@ -55,7 +55,7 @@ __all__ = [
     "TimedFetches",
     "TimedSends",
     "TimedTrainingSide",
-    "report_drops",
+    "report_subscription",
     "time_fetches",
 ]
 
@@ -214,7 +214,7 @@ STALL_S = 10.0
 """How long a receiver's untaken deliveries may stay as they are before it reports them."""
 
 
-async def report_drops(
+async def report_subscription(
     transport: Transport,
     log: EventLog,
     receiver: str,

@@ -59,7 +59,7 @@ from dcr.adapters.transport.relay.frames import (
 from dcr.bench.relay import relay_throughput, tree_hops
 from dcr.errors import ConfigError, TransportError
 from dcr.fleet.eventlog import EventLog
-from dcr.fleet.timing import report_drops
+from dcr.fleet.timing import report_subscription
 from dcr.protocol.types import PayloadKey
 from dcr.testing.transport import HeldLike, TransportHarness, TransportTests
 
@@ -421,12 +421,12 @@ async def test_replayed_payload_frame_is_dropped_by_the_receiver() -> None:
 
 
 async def test_a_fleet_receiver_reports_what_its_subscription_dropped(tmp_path: Path) -> None:
-    """``report_drops`` (a fleet receiver's ``drops`` and ``untaken`` events): one ``drops``
+    """``report_subscription`` (a fleet receiver's ``drops`` and ``untaken`` events): one ``drops``
     each time the counts change, none while they stay; one ``untaken`` once deliveries stayed
     untaken past the stall time, again only after the count changed; through a wrapper too;
     nothing for other transports."""
     log = EventLog(tmp_path, "r0")
-    await report_drops(MemoryTransport(), log, "r0", every_s=0.01)  # returns at once
+    await report_subscription(MemoryTransport(), log, "r0", every_s=0.01)  # returns at once
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -440,9 +440,8 @@ async def test_a_fleet_receiver_reports_what_its_subscription_dropped(tmp_path: 
     try:
         deliveries = rx.subscribe("r0")
         async with anyio.create_task_group() as tg:
-            tg.start_soon(
-                partial(report_drops, TransportWrapper(rx), log, "r0", every_s=0.01, stall_s=0.2)
-            )
+            watch = partial(report_subscription, every_s=0.01, stall_s=0.2)
+            tg.start_soon(watch, TransportWrapper(rx), log, "r0")
             with anyio.fail_after(5):
                 ident, _ = await router.recv_multipart()
             frame = encode(Payload(origin=5, seq=2, key=KEY, size=1, to=None))
