@@ -6,8 +6,8 @@ Every subcommand prints a human-readable report; ``--json`` prints one JSON obje
 
 This module holds the top-level parser and the dispatch; each group of subcommands lives in
 its own module: ``bench`` (the benchmarks), ``fleet`` (the demo, the launcher and the fleet
-roles), ``keys`` (a fleet's key directory), ``rl`` (the RL loop) and ``store``
-(``dcr commit-store``).
+roles), ``fp8`` (FP8 rollout checkpoints), ``keys`` (a fleet's key directory), ``rl`` (the
+RL loop) and ``store`` (``dcr commit-store``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dcr.cli.fleet import (
     run_fleet_command,
     run_role,
 )
+from dcr.cli.fp8 import add_fp8_parser, run_fp8_command
 from dcr.cli.keys import add_keys_parser, run_keys_command
 from dcr.cli.rl import add_rl_parser, run_rl_command
 from dcr.cli.store import add_store_parser, run_store_command
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
     add_rl_parser(sub)
     add_fleet_parser(sub)
+    add_fp8_parser(sub)
     add_keys_parser(sub)
     add_role_parsers(sub)
     add_store_parser(sub)
@@ -62,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_rl_command(args)
     if args.command == "commit-store":
         return run_store_command(args)
+    if args.command == "fp8":
+        return run_fp8_command(args)
     if args.command == "keys":
         return run_keys_command(args)
     return run_role(args)

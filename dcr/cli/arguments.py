@@ -87,5 +87,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fp8_block(text: str) -> int | None:
+    """An FP8 scale tile size (a positive int), or ``channel`` (``None``)."""
+    if text.strip().lower() == "channel":
+        return None
+    return _positive(text)
+
+
+def _fp8_blocks(text: str) -> list[int | None]:
+    out = [_fp8_block(t) for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected tile sizes or 'channel', got {text!r}")
+    return out
+
+
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

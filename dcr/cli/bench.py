@@ -1,15 +1,17 @@
 """``dcr bench``: the benchmark subcommands (codec, construct, apply, dense, proof, relay,
-refit, project), their arguments and their reports."""
+refit, project, fp8), their arguments and their reports."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dcr.cli.arguments import (
     _backends,
     _err,
     _floats,
+    _fp8_blocks,
     _fraction,
     _loaders,
     _modes,
@@ -202,6 +204,31 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     proof.add_argument("--repeats", type=_positive, default=2, help="cost runs (best)")
     proof.add_argument("--json", action="store_true", help="print one JSON object")
 
+    fp8 = bsub.add_parser(
+        "fp8",
+        help="FP8 rollout refit: tiles touched, bytes and construction against a dense FP8 refit",
+        description=(
+            "A synthetic llama-family bf16 model quantized to its FP8 rollout checkpoint with "
+            "each scheme of --blocks (N x N tiles, or 'channel'); each workload of --rates "
+            "makes the next version. Reports the tiles its changed elements touch, the FP8 "
+            "values and scales that change, payload bytes of the delta (only touched tiles "
+            "re-quantized, changes sent as overwrites), of a dense FP8 refit and of the "
+            "per-tensor smaller of the two (adaptive), construction seconds of both (median "
+            "of --repeats), and whether the delta gives the full quantization's bits (exact)."
+        ),
+    )
+    fp8.add_argument("--size-mb", type=_positive, default=512, help="model size (default 512)")
+    fp8.add_argument(
+        "--rates", type=_workloads, default=[0.01, 0.03, 0.05], metavar="WORKLOADS",
+        help=_WORKLOADS_HELP,
+    )  # fmt: skip
+    fp8.add_argument(
+        "--blocks", type=_fp8_blocks, default=[128, None], metavar="N,...",
+        help="scale schemes: tile sizes or 'channel' (default 128,channel)",
+    )  # fmt: skip
+    fp8.add_argument("--repeats", type=_positive, default=3, help="runs per point (median)")
+    fp8.add_argument("--json", action="store_true", help="print one JSON object")
+
     rel = bsub.add_parser(
         "relay",
         help="relay-tree throughput on loopback against raw ZeroMQ, measured in one run",
@@ -390,6 +417,17 @@ def _bench_proof(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fp8(args: argparse.Namespace) -> int:
+    from dcr.bench.fp8 import format_fp8_table, run_fp8_bench
+
+    result = run_fp8_bench(
+        size_bytes=args.size_mb << 20, rates=args.rates, blocks=args.blocks,
+        repeats=args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    print(json.dumps(result) if args.json else format_fp8_table(result))
+    return 0
+
+
 def _bench_relay(args: argparse.Namespace) -> int:
     import statistics
 
@@ -481,6 +519,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "codec": _bench_codec,
         "construct": _bench_construct,
         "dense": _bench_dense,
+        "fp8": _bench_fp8,
         "project": _bench_project,
         "proof": _bench_proof,
         "refit": _bench_refit,

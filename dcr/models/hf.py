@@ -25,7 +25,14 @@ from dcr.errors import ConfigError
 from dcr.models.families import canonical_shapes
 from dcr.tensors.bits import dtype_name
 
-__all__ = ["CONFIG_FILE", "INDEX_FILE", "WEIGHTS_FILE", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "CONFIG_FILE",
+    "INDEX_FILE",
+    "WEIGHTS_FILE",
+    "read_checkpoint",
+    "write_checkpoint",
+    "write_tensors",
+]
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -87,23 +94,34 @@ def write_checkpoint(
             check="family",
         )
     dtype = _check_state_dict(config, family, state_dict)
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise ConfigError(f"write_checkpoint {_INSTALL_HINT}") from exc
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:
         old.unlink(missing_ok=True)
     _write_config(out, config, family, dtype)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items()}
+    write_tensors(out, state_dict, shard_bytes=shard_bytes)
+    return out
+
+
+def write_tensors(
+    out: Path, tensors: Mapping[str, torch.Tensor], *, shard_bytes: int | None = None
+) -> None:
+    """Write ``tensors`` into ``out`` as ``model.safetensors``, or, with ``shard_bytes``, in
+    checkpoint order into files of at most that many bytes of data (a larger tensor gets a file
+    of its own) with an index, as ``save_pretrained`` does."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ConfigError(f"writing a checkpoint {_INSTALL_HINT}") from exc
+
+    flat = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     if shard_bytes is None:
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        return out
+        save_file(flat, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
     shards: list[dict[str, torch.Tensor]] = [{}]
     held = 0
-    for name, t in tensors.items():
+    for name, t in flat.items():
         size = t.numel() * t.element_size()
         if shards[-1] and held + size > shard_bytes:
             shards.append({})
@@ -115,10 +133,9 @@ def write_checkpoint(
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.numel() * t.element_size() for t in flat.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return out
 
 
 def _write_config(out: Path, config: Mapping[str, Any], family: str, dtype: torch.dtype) -> None:

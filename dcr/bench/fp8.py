@@ -1,0 +1,220 @@
+"""FP8 rollout benchmark: what a BF16 trainer's refit costs when the engines serve FP8.
+
+A llama-family model of the requested size (bf16) is quantized to its FP8 rollout checkpoint
+(:mod:`dcr.models.fp8`) with each scheme of ``--blocks`` (128 x 128 tiles, per-output-channel
+scales, ...).  Each workload (:mod:`dcr.bench.workloads`) makes the next BF16 version, and two
+constructions of the rollout refit are timed (median of ``repeats``):
+
+- **delta**: scan the BF16 weights for changed elements, mark the tiles they touch, re-quantize
+  only those against the committed FP8 values and scales (:func:`dcr.tensors.fp8.requantize`),
+  and encode the FP8 values and scales that changed as overwrites, with the changed elements of
+  the BF16 tensors (norms, embeddings, LM head) as overwrites too;
+- **dense**: quantize every weight and encode the whole rollout checkpoint (a dense FP8 refit,
+  the transfer the delta replaces).
+
+Each row reports the tiles touched (the fraction of all tiles of the quantized weights), the
+FP8 values and scales that changed, payload bytes of both (zstd, byte-planed values, one
+payload per tensor), the adaptive bytes (per tensor the smaller of the two, as an owner's
+``dense_above`` picks), construction seconds, and whether the delta applied to the committed
+FP8 checkpoint gives exactly the bits of the new version's full quantization.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from dcr.bench.construct import synthetic_config
+from dcr.bench.workloads import Workload, changed_fraction, label_of, new_version, workloads
+from dcr.models.families import random_state_dict
+from dcr.models.fp8 import quantized_names
+from dcr.tensors.bits import bits
+from dcr.tensors.fp8 import Fp8Scheme, quantize, requantize, touched_tiles
+from dcr.tensors.records import Encoding, Item, Span
+from dcr.wire.encode import encode_bucket
+from dcr.wire.format import ValueLayout
+
+__all__ = ["format_fp8_table", "run_fp8_bench"]
+
+Rollout = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _item(name: str, t: torch.Tensor, index: np.ndarray | None, values: np.ndarray) -> Item:
+    """An overwrite item of ``t``'s dtype: listed ``index``, or the whole tensor (a span)."""
+    return Item(
+        name=name, shape=tuple(t.shape), dtype=t.dtype, encoding=Encoding.OVERWRITE,
+        values=values, indices=index, span=Span(0) if index is None else None,
+    )  # fmt: skip
+
+
+def _encode(items: Sequence[Item], payload_id: int) -> int:
+    if not items:
+        return 0
+    data = encode_bucket(items=items, attempt=1, owner=0, payload_id=payload_id, final=False,
+                         layout=ValueLayout.BYTEPLANE)  # fmt: skip
+    return len(data)
+
+
+def _dense_items(name: str, t: torch.Tensor, quantized: Rollout, scheme: Fp8Scheme) -> list[Item]:
+    if name not in quantized:
+        return [_item(name, t, None, bits(t).reshape(-1))]
+    q, s = quantized[name]
+    return [
+        _item(name, q, None, bits(q).reshape(-1)),
+        _item(scheme.scale_name(name), s, None, bits(s).reshape(-1)),
+    ]
+
+
+def _dense(
+    new: Mapping[str, torch.Tensor], names: set[str], scheme: Fp8Scheme
+) -> tuple[dict[str, int], Rollout]:
+    """Quantize everything, encode everything: bytes per canonical tensor."""
+    rollout = {n: quantize(new[n], scheme, name=n) for n in new if n in names}
+    sizes = {
+        n: _encode(_dense_items(n, t, rollout, scheme), i) for i, (n, t) in enumerate(new.items())
+    }
+    return sizes, rollout
+
+
+def _delta(
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    committed: Rollout,
+    scheme: Fp8Scheme,
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """Scan, re-quantize the touched tiles, encode the changes: bytes per canonical tensor and
+    what changed (tiles touched, FP8 values and scales changed, the deltas themselves)."""
+    sizes: dict[str, int] = {}
+    tiles = q_changed = s_changed = 0
+    deltas = {}
+    for i, (name, t) in enumerate(new.items()):
+        changed = np.flatnonzero(bits(base[name]).reshape(-1) != bits(t).reshape(-1))
+        if name not in committed:
+            vals = bits(t).reshape(-1)[changed]
+            items = [_item(name, t, changed, vals)] if changed.shape[0] else []
+            sizes[name] = _encode(items, i)
+            continue
+        q, s = committed[name]
+        touched = touched_tiles(changed, tuple(t.shape), scheme)
+        d = requantize(t, q, s, touched, scheme, name=name)
+        deltas[name] = d
+        tiles += d.tiles
+        q_changed += int(d.q_index.shape[0])
+        s_changed += int(d.s_index.shape[0])
+        items = []
+        if d.q_index.shape[0]:
+            items.append(_item(name, q, d.q_index, d.q_values))
+        if d.s_index.shape[0]:
+            order = np.argsort(d.s_index)
+            items.append(_item(scheme.scale_name(name), s, d.s_index[order],
+                               d.s_values[order].view(np.uint32)))  # fmt: skip
+        sizes[name] = _encode(items, i)
+    return sizes, {"tiles": tiles, "q": q_changed, "s": s_changed, "deltas": deltas}
+
+
+def _exact(committed: Rollout, deltas: Mapping[str, Any], fresh: Rollout) -> bool:
+    """The committed FP8 checkpoint with the delta applied is bit for bit the fresh one."""
+    for name, (q, s) in committed.items():
+        qb, sb = bits(q).reshape(-1).copy(), bits(s).reshape(-1).copy()
+        d = deltas.get(name)
+        if d is not None:
+            qb[d.q_index] = d.q_values
+            sb[d.s_index] = d.s_values.view(np.uint32)
+        fq, fs = fresh[name]
+        if not (
+            np.array_equal(qb, bits(fq).reshape(-1)) and np.array_equal(sb, bits(fs).reshape(-1))
+        ):
+            return False
+    return True
+
+
+def _median_seconds(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    times, out = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def run_fp8_bench(
+    *,
+    size_bytes: int = 512 << 20,
+    rates: Sequence[float | Workload] = (0.01, 0.03, 0.05),
+    blocks: Sequence[int | None] = (128, None),
+    repeats: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rows of tiles touched, bytes and construction seconds per workload and scheme."""
+    say = progress or (lambda _msg: None)
+    cfg = synthetic_config(size_bytes)
+    base = random_state_dict(cfg, "llama", seed=seed)
+    shapes = {n: tuple(t.shape) for n, t in base.items()}
+    names = set(quantized_names(shapes))
+    total_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    rows = []
+    for k, workload in enumerate(workloads(rates), start=1):
+        new = new_version(base, workload, seed=seed + k)
+        fraction = changed_fraction(base, new)
+        for block in blocks:
+            scheme = Fp8Scheme(block)
+            say(f"{workload.label}: {scheme.describe()} scales")
+            committed = {n: quantize(base[n], scheme, name=n) for n in names}
+            all_tiles = sum(int(np.prod(scheme.tile_grid(shapes[n]))) for n in names)
+            dense_s, (dense_sizes, fresh) = _median_seconds(
+                partial(_dense, new, names, scheme), repeats
+            )
+            delta_s, (delta_sizes, info) = _median_seconds(
+                partial(_delta, base, new, committed, scheme), repeats
+            )
+            q_total = sum(int(np.prod(shapes[n])) for n in names)
+            rows.append({
+                "workload": workload.label,
+                "rate": workload.rate,
+                "changed_fraction": fraction,
+                "scheme": scheme.describe(),
+                "block": block,
+                "tiles": all_tiles,
+                "tiles_touched": info["tiles"],
+                "tiles_touched_fraction": info["tiles"] / all_tiles,
+                "fp8_changed_fraction": info["q"] / q_total,
+                "scales_changed": info["s"],
+                "delta_payload_bytes": sum(delta_sizes.values()),
+                "dense_payload_bytes": sum(dense_sizes.values()),
+                "adaptive_payload_bytes": sum(min(delta_sizes[n], dense_sizes[n]) for n in new),
+                "delta_construct_seconds": delta_s,
+                "dense_construct_seconds": dense_s,
+                "exact": _exact(committed, info["deltas"], fresh),
+            })  # fmt: skip
+    return {
+        "model_bytes": total_bytes,
+        "quantized_tensors": len(names),
+        "tensors": len(base),
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def format_fp8_table(result: Mapping[str, Any]) -> str:
+    lines = [
+        f"model {result['model_bytes'] / 1e9:.2f} GB bf16, {result['quantized_tensors']} of "
+        f"{result['tensors']} tensors quantized, medians of {result['repeats']}",
+        f"{'workload':<16} {'changed':>8} {'scales':<18} {'tiles touched':>14} {'fp8 chg':>8} "
+        f"{'delta MB':>9} {'dense MB':>9} {'adapt MB':>9} {'delta s':>8} {'dense s':>8} exact",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{label_of(r):<16} {100 * r['changed_fraction']:7.2f}% {r['scheme']:<18} "
+            f"{100 * r['tiles_touched_fraction']:13.1f}% {100 * r['fp8_changed_fraction']:7.2f}% "
+            f"{r['delta_payload_bytes'] / 1e6:9.2f} {r['dense_payload_bytes'] / 1e6:9.2f} "
+            f"{r['adaptive_payload_bytes'] / 1e6:9.2f} {r['delta_construct_seconds']:8.3f} "
+            f"{r['dense_construct_seconds']:8.3f} {'yes' if r['exact'] else 'NO'}"
+        )
+    return "\n".join(lines)
