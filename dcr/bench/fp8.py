@@ -32,25 +32,16 @@ import torch
 
 from dcr.bench.construct import synthetic_config
 from dcr.bench.workloads import Workload, changed_fraction, label_of, new_version, workloads
+from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
 from dcr.models.families import random_state_dict
 from dcr.models.fp8 import quantized_names
 from dcr.tensors.bits import bits
-from dcr.tensors.fp8 import Fp8Scheme, quantize, requantize, touched_tiles
-from dcr.tensors.records import Encoding, Item, Span
+from dcr.tensors.fp8 import Fp8Scheme
+from dcr.tensors.records import Item
 from dcr.wire.encode import encode_bucket
 from dcr.wire.format import ValueLayout
 
 __all__ = ["format_fp8_table", "run_fp8_bench"]
-
-Rollout = dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-def _item(name: str, t: torch.Tensor, index: np.ndarray | None, values: np.ndarray) -> Item:
-    """An overwrite item of ``t``'s dtype: listed ``index``, or the whole tensor (a span)."""
-    return Item(
-        name=name, shape=tuple(t.shape), dtype=t.dtype, encoding=Encoding.OVERWRITE,
-        values=values, indices=index, span=Span(0) if index is None else None,
-    )  # fmt: skip
 
 
 def _encode(items: Sequence[Item], payload_id: int) -> int:
@@ -61,77 +52,48 @@ def _encode(items: Sequence[Item], payload_id: int) -> int:
     return len(data)
 
 
-def _dense_items(name: str, t: torch.Tensor, quantized: Rollout, scheme: Fp8Scheme) -> list[Item]:
-    if name not in quantized:
-        return [_item(name, t, None, bits(t).reshape(-1))]
-    q, s = quantized[name]
-    return [
-        _item(name, q, None, bits(q).reshape(-1)),
-        _item(scheme.scale_name(name), s, None, bits(s).reshape(-1)),
-    ]
-
-
 def _dense(
     new: Mapping[str, torch.Tensor], names: set[str], scheme: Fp8Scheme
-) -> tuple[dict[str, int], Rollout]:
+) -> tuple[dict[str, int], Fp8Rollout]:
     """Quantize everything, encode everything: bytes per canonical tensor."""
-    rollout = {n: quantize(new[n], scheme, name=n) for n in new if n in names}
-    sizes = {
-        n: _encode(_dense_items(n, t, rollout, scheme), i) for i, (n, t) in enumerate(new.items())
-    }
-    return sizes, rollout
+    fresh = Fp8Rollout(scheme, {n: new[n] for n in new if n in names})
+    sizes = {}
+    for i, (name, t) in enumerate(new.items()):
+        whole = [overwrite_item(name, t, None, bits(t).reshape(-1))]
+        sizes[name] = _encode(fresh.dense_items([name]) if name in names else whole, i)
+    return sizes, fresh
 
 
 def _delta(
-    base: Mapping[str, torch.Tensor],
-    new: Mapping[str, torch.Tensor],
-    committed: Rollout,
-    scheme: Fp8Scheme,
-) -> tuple[dict[str, int], dict[str, Any]]:
+    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout
+) -> tuple[dict[str, int], Fp8Stats]:
     """Scan, re-quantize the touched tiles, encode the changes: bytes per canonical tensor and
-    what changed (tiles touched, FP8 values and scales changed, the deltas themselves)."""
+    what changed.  The candidate stays staged in ``rollout`` (discarded first, so repeats
+    start from the committed version)."""
+    rollout.discard()
+    stats = Fp8Stats()
     sizes: dict[str, int] = {}
-    tiles = q_changed = s_changed = 0
-    deltas = {}
     for i, (name, t) in enumerate(new.items()):
-        changed = np.flatnonzero(bits(base[name]).reshape(-1) != bits(t).reshape(-1))
-        if name not in committed:
-            vals = bits(t).reshape(-1)[changed]
-            items = [_item(name, t, changed, vals)] if changed.shape[0] else []
-            sizes[name] = _encode(items, i)
-            continue
-        q, s = committed[name]
-        touched = touched_tiles(changed, tuple(t.shape), scheme)
-        d = requantize(t, q, s, touched, scheme, name=name)
-        deltas[name] = d
-        tiles += d.tiles
-        q_changed += int(d.q_index.shape[0])
-        s_changed += int(d.s_index.shape[0])
-        items = []
-        if d.q_index.shape[0]:
-            items.append(_item(name, q, d.q_index, d.q_values))
-        if d.s_index.shape[0]:
-            order = np.argsort(d.s_index)
-            items.append(_item(scheme.scale_name(name), s, d.s_index[order],
-                               d.s_values[order].view(np.uint32)))  # fmt: skip
+        new_bits = bits(t).reshape(-1)
+        changed = np.flatnonzero(bits(base[name]).reshape(-1) != new_bits)
+        if name in rollout.mirror:
+            items = rollout.stage(name, changed, new_bits[changed], stats)
+        elif changed.shape[0]:
+            items = [overwrite_item(name, t, changed, new_bits[changed])]
+        else:
+            items = []
         sizes[name] = _encode(items, i)
-    return sizes, {"tiles": tiles, "q": q_changed, "s": s_changed, "deltas": deltas}
+    return sizes, stats
 
 
-def _exact(committed: Rollout, deltas: Mapping[str, Any], fresh: Rollout) -> bool:
-    """The committed FP8 checkpoint with the delta applied is bit for bit the fresh one."""
-    for name, (q, s) in committed.items():
-        qb, sb = bits(q).reshape(-1).copy(), bits(s).reshape(-1).copy()
-        d = deltas.get(name)
-        if d is not None:
-            qb[d.q_index] = d.q_values
-            sb[d.s_index] = d.s_values.view(np.uint32)
-        fq, fs = fresh[name]
-        if not (
-            np.array_equal(qb, bits(fq).reshape(-1)) and np.array_equal(sb, bits(fs).reshape(-1))
-        ):
-            return False
-    return True
+def _exact(rollout: Fp8Rollout, fresh: Fp8Rollout) -> bool:
+    """The committed FP8 checkpoint moved by the delta is bit for bit the fresh one."""
+    rollout.commit()
+    return all(
+        np.array_equal(bits(rollout.q[n]), bits(fresh.q[n]))
+        and np.array_equal(bits(rollout.s[n]), bits(fresh.s[n]))
+        for n in fresh.q
+    )
 
 
 def _median_seconds(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -166,13 +128,13 @@ def run_fp8_bench(
         for block in blocks:
             scheme = Fp8Scheme(block)
             say(f"{workload.label}: {scheme.describe()} scales")
-            committed = {n: quantize(base[n], scheme, name=n) for n in names}
+            rollout = Fp8Rollout(scheme, {n: base[n] for n in names})
             all_tiles = sum(int(np.prod(scheme.tile_grid(shapes[n]))) for n in names)
             dense_s, (dense_sizes, fresh) = _median_seconds(
                 partial(_dense, new, names, scheme), repeats
             )
-            delta_s, (delta_sizes, info) = _median_seconds(
-                partial(_delta, base, new, committed, scheme), repeats
+            delta_s, (delta_sizes, stats) = _median_seconds(
+                partial(_delta, base, new, rollout), repeats
             )
             q_total = sum(int(np.prod(shapes[n])) for n in names)
             rows.append({
@@ -182,16 +144,16 @@ def run_fp8_bench(
                 "scheme": scheme.describe(),
                 "block": block,
                 "tiles": all_tiles,
-                "tiles_touched": info["tiles"],
-                "tiles_touched_fraction": info["tiles"] / all_tiles,
-                "fp8_changed_fraction": info["q"] / q_total,
-                "scales_changed": info["s"],
+                "tiles_touched": stats.tiles_touched,
+                "tiles_touched_fraction": stats.tiles_touched / all_tiles,
+                "fp8_changed_fraction": stats.fp8_changed / q_total,
+                "scales_changed": stats.scales_changed,
                 "delta_payload_bytes": sum(delta_sizes.values()),
                 "dense_payload_bytes": sum(dense_sizes.values()),
                 "adaptive_payload_bytes": sum(min(delta_sizes[n], dense_sizes[n]) for n in new),
                 "delta_construct_seconds": delta_s,
                 "dense_construct_seconds": dense_s,
-                "exact": _exact(committed, info["deltas"], fresh),
+                "exact": _exact(rollout, fresh),
             })  # fmt: skip
     return {
         "model_bytes": total_bytes,

@@ -1,0 +1,158 @@
+"""FP8 refits of a BF16 trainer's versions (``dcr.delta.fp8``) applied through a receiver:
+after every refit the receiver's module holds exactly the bits of a fresh load of ``dcr fp8
+export`` of that version (FP8 values, scales and BF16 tensors, compared as integers), for
+block and channel scales and three model families; the rollout's staging, commit, discard and
+dense items; and the torch-module loader path with float8 parameters and float32 scale
+buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply.applier import Applier
+from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
+from dcr.errors import LayoutError
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.fp8 import export_checkpoint, quantized_names
+from dcr.models.hf import read_checkpoint, write_checkpoint
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import adamw_update, perturb
+from dcr.tensors.bits import bits
+from dcr.tensors.fp8 import Fp8Scheme
+from dcr.tensors.records import Item, TensorSpec
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
+
+
+def _versions(family: str, count: int) -> list[dict[str, torch.Tensor]]:
+    """BF16 versions: a perturbation at 3%, then a real AdamW step, then 1%."""
+    cfg = tiny_config(family)
+    out = [random_state_dict(cfg, family, seed=7)]
+    steps = [
+        lambda sd: perturb(sd, rate=0.03, seed=1),
+        lambda sd: adamw_update(sd, lr=1e-4, seed=2),
+        lambda sd: perturb(sd, rate=0.01, seed=3),
+    ]
+    for v in range(1, count):
+        out.append(steps[(v - 1) % len(steps)](out[-1]))
+    return out
+
+
+def _export(tmp: Path, family: str, sd: Mapping[str, torch.Tensor], scheme: Fp8Scheme,
+            tag: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    src = write_checkpoint(tmp / f"bf16-{tag}", tiny_config(family), family, sd)
+    export_checkpoint(src, tmp / f"fp8-{tag}", scheme)
+    return read_checkpoint(tmp / f"fp8-{tag}")
+
+
+def _refit_items(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout,
+    stats: Fp8Stats,
+) -> list[Item]:  # fmt: skip
+    """What the owners send: FP8 overwrites of quantized weights, BF16 overwrites elsewhere."""
+    items = []
+    for name, t in new.items():
+        new_bits = bits(t).reshape(-1)
+        changed = np.flatnonzero(bits(old[name]).reshape(-1) != new_bits)
+        if name in rollout.mirror:
+            items += rollout.stage(name, changed, new_bits[changed], stats)
+        elif changed.shape[0]:
+            items.append(overwrite_item(name, t, changed, new_bits[changed]))
+    return items
+
+
+def _mismatches(module: torch.nn.Module, reference: Mapping[str, torch.Tensor]) -> list[str]:
+    held = dict(module.named_parameters())
+    held.update(module.named_buffers())
+    return [n for n, t in reference.items()
+            if held[n].dtype != t.dtype or not np.array_equal(bits(held[n]), bits(t))]  # fmt: skip
+
+
+def _module(fp8: Mapping[str, torch.Tensor], scheme: Fp8Scheme) -> torch.nn.Module:
+    """float8 parameters, float32 scales as buffers, BF16 parameters elsewhere."""
+    scales = [n for n in fp8 if n.endswith(scheme.scale_name(""))]
+    return module_from_state_dict(fp8, buffers=scales)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block", [16, None], ids=["block", "channel"])
+def test_fp8_refits_equal_fresh_loads_of_the_export(
+    tmp_path: Path, family: str, block: int | None
+) -> None:
+    scheme = Fp8Scheme(block)
+    versions = _versions(family, 4)
+    names = quantized_names({n: tuple(t.shape) for n, t in versions[0].items()})
+    exports = [_export(tmp_path, family, sd, scheme, f"v{v}") for v, sd in enumerate(versions)]
+    module = _module(exports[0], scheme)
+    receiver = Applier(TorchModuleLoader(module),
+                       {n: TensorSpec.of(n, t) for n, t in exports[0].items()})  # fmt: skip
+    receiver.prewarm()
+    rollout = Fp8Rollout(scheme, {n: versions[0][n] for n in names})
+    assert rollout.specs() == {n: TensorSpec.of(n, exports[0][n])
+                               for n in exports[0] if n.startswith(tuple(names))}  # fmt: skip
+    for v in range(1, len(versions)):
+        stale = _mismatches(module, exports[v])
+        assert stale, "the versions must differ for the comparison to mean anything"
+        stats = Fp8Stats()
+        items = _refit_items(versions[v - 1], versions[v], rollout, stats)
+        assert stats.tiles_touched > 0 and stats.fp8_changed > 0
+        receiver.apply_items(items, attempt=v)
+        rollout.commit()
+        assert _mismatches(module, exports[v]) == []
+
+
+def test_a_discarded_refit_leaves_the_baseline_and_the_next_one_is_exact(tmp_path: Path) -> None:
+    scheme = Fp8Scheme(16)
+    v0, v1, v2 = _versions("qwen3", 3)
+    names = quantized_names({n: tuple(t.shape) for n, t in v0.items()})
+    rollout = Fp8Rollout(scheme, {n: v0[n] for n in names})
+    before = {n: bits(t).copy() for n, t in rollout.mirror.items()}
+    q_before = {n: bits(t).copy() for n, t in rollout.q.items()}
+    _refit_items(v0, v1, rollout, Fp8Stats())
+    rollout.discard()
+    assert all(np.array_equal(bits(rollout.mirror[n]), before[n]) for n in names)
+    assert all(np.array_equal(bits(rollout.q[n]), q_before[n]) for n in names)
+    # Straight from v0 to v2, as a retried transition would.
+    _refit_items(v0, v2, rollout, Fp8Stats())
+    rollout.commit()
+    fresh = Fp8Rollout(scheme, {n: v2[n] for n in names})
+    for n in names:
+        assert np.array_equal(bits(rollout.q[n]), bits(fresh.q[n]))
+        assert np.array_equal(bits(rollout.s[n]), bits(fresh.s[n]))
+    with pytest.raises(LayoutError, match="not a quantized weight"):
+        rollout.stage("model.norm.weight", np.array([0]), np.array([0], np.uint16))
+    name = names[0]
+    rollout.stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
+    with pytest.raises(LayoutError, match="staged twice"):
+        rollout.stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
+
+
+def test_dense_items_restore_a_receiver_that_holds_nothing(tmp_path: Path) -> None:
+    """A joining receiver (zeros everywhere) gets the committed FP8 tensors whole."""
+    scheme = Fp8Scheme(None)
+    v0, v1 = _versions("llama", 2)
+    names = quantized_names({n: tuple(t.shape) for n, t in v0.items()})
+    rollout = Fp8Rollout(scheme, {n: v0[n] for n in names})
+    _refit_items(v0, v1, rollout, Fp8Stats())
+    rollout.commit()
+    want = _export(tmp_path, "llama", v1, scheme, "v1")
+    module = _module({n: torch.zeros_like(t) for n, t in want.items()}, scheme)
+    receiver = Applier(TorchModuleLoader(module), {n: TensorSpec.of(n, t) for n, t in want.items()})
+    receiver.prewarm()
+    kept = [overwrite_item(n, t, None, bits(t).reshape(-1)) for n, t in v1.items()
+            if n not in rollout.mirror]  # fmt: skip
+    receiver.apply_items([*rollout.dense_items(), *kept], attempt=1)
+    assert _mismatches(module, want) == []
+
+
+def test_a_rollout_quantizes_only_bfloat16_matrices() -> None:
+    with pytest.raises(LayoutError, match="bfloat16 matrices"):
+        Fp8Rollout(Fp8Scheme(16), {"a.weight": torch.zeros(4, 4)})
+    with pytest.raises(LayoutError, match="bfloat16 matrices"):
+        Fp8Rollout(Fp8Scheme(16), {"a.weight": torch.zeros(4, dtype=torch.bfloat16)})
