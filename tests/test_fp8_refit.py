@@ -30,12 +30,22 @@ from dcr.tensors.records import Item, TensorSpec
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
+def _grow_first_row_max(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Scale the largest weight of each quantized weight's first row by 1.25: its tile's (and
+    row's) scale changes, and with it the FP8 bits of weights that did not change."""
+    for name in quantized_names({n: tuple(t.shape) for n, t in sd.items()}):
+        row = sd[name][0]
+        j = int(row.to(torch.float32).abs().argmax())
+        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
+    return sd
+
+
 def _versions(family: str, count: int) -> list[dict[str, torch.Tensor]]:
-    """BF16 versions: a perturbation at 3%, then a real AdamW step, then 1%."""
+    """BF16 versions: a perturbation at 3% with moved scales, then a real AdamW step, then 1%."""
     cfg = tiny_config(family)
     out = [random_state_dict(cfg, family, seed=7)]
     steps = [
-        lambda sd: perturb(sd, rate=0.03, seed=1),
+        lambda sd: _grow_first_row_max(perturb(sd, rate=0.03, seed=1)),
         lambda sd: adamw_update(sd, lr=1e-4, seed=2),
         lambda sd: perturb(sd, rate=0.01, seed=3),
     ]
@@ -102,6 +112,7 @@ def test_fp8_refits_equal_fresh_loads_of_the_export(
         stats = Fp8Stats()
         items = _refit_items(versions[v - 1], versions[v], rollout, stats)
         assert stats.tiles_touched > 0 and stats.fp8_changed > 0
+        assert stats.scales_changed > 0 or v != 1  # v1 moved every first row's scale
         receiver.apply_items(items, attempt=v)
         rollout.commit()
         assert _mismatches(module, exports[v]) == []

@@ -1,0 +1,131 @@
+"""FP8 refits through vLLM's real FP8 model classes and native loader on CPU.
+
+The rollout checkpoint is ``dcr fp8 export`` of each BF16 version.  With per-output-channel
+scales it is compressed-tensors' FP8 format (float8 weights, per-channel float32 scales,
+dynamic per-token FP8 activations), which vLLM's CPU build loads into fused float8 parameters
+(``qkv_proj``, ``gate_up_proj``, the experts' ``w13_weight``/``w2_weight``) and fused scales.
+Each test applies the FP8 refit of the owners (:class:`~dcr.delta.fp8.Fp8Rollout`) through an
+:class:`~dcr.apply.applier.Applier` on that model and compares every parameter and buffer bit
+for bit with vLLM's own fresh load of the next export.  vLLM's block-scale format needs AMX
+on CPU: where the build refuses it, the refusal is a clear :class:`LoaderPathUnsupported`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from vllm_helpers import bit_mismatches
+
+from dcr.adapters.loaders.vllm import VllmLoader
+from dcr.apply.applier import Applier
+from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
+from dcr.errors import LoaderPathUnsupported
+from dcr.models.families import random_state_dict, tiny_config
+from dcr.models.fp8 import export_checkpoint, quantized_names
+from dcr.models.hf import read_checkpoint, write_checkpoint
+from dcr.models.updates import adamw_update, perturb
+from dcr.tensors.bits import bits
+from dcr.tensors.fp8 import FP8_DTYPE, Fp8Scheme
+from dcr.tensors.records import Item, TensorSpec
+
+pytestmark = pytest.mark.vllm
+
+Build = Callable[[Path], torch.nn.Module]
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3": {}, "qwen3_moe": {}, "llama": {"head_dim": 32},
+}  # fmt: skip
+
+
+def _grow_first_row_max(sd: dict[str, torch.Tensor]) -> None:
+    """Scale the largest weight of each quantized weight's first row by 1.25: its tile's (and
+    row's) scale changes, and with it the FP8 bits of weights that did not change."""
+    for name in quantized_names({n: tuple(t.shape) for n, t in sd.items()}):
+        row = sd[name][0]
+        j = int(row.to(torch.float32).abs().argmax())
+        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
+
+
+def _versions(family: str, tmp: Path, scheme: Fp8Scheme, count: int = 3) -> list[dict[str, Any]]:
+    """BF16 versions (3% perturbed with moved scales, then a real AdamW step) and their FP8
+    exports."""
+    cfg = tiny_config(family, **FAMILY_OVERRIDES[family])
+    sds = [random_state_dict(cfg, family, seed=11)]
+    sds.append(perturb(sds[0], rate=0.03, seed=12))
+    _grow_first_row_max(sds[1])
+    sds.append(adamw_update(sds[1], lr=1e-4, seed=13))
+    out = []
+    for v, sd in enumerate(sds[:count]):
+        src = write_checkpoint(tmp / f"bf16-v{v}", cfg, family, sd)
+        path = tmp / f"fp8-v{v}"
+        export_checkpoint(src, path, scheme)
+        out.append({"bf16": sd, "path": path, "fp8": read_checkpoint(path)})
+    return out
+
+
+def _refit(
+    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout
+) -> tuple[list[Item], Fp8Stats]:
+    stats = Fp8Stats()
+    items = []
+    for name, t in new.items():
+        new_bits = bits(t).reshape(-1)
+        changed = np.flatnonzero(bits(old[name]).reshape(-1) != new_bits)
+        if name in rollout.mirror:
+            items += rollout.stage(name, changed, new_bits[changed], stats)
+        elif changed.shape[0]:
+            items.append(overwrite_item(name, t, changed, new_bits[changed]))
+    return items, stats
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
+def test_channel_scaled_fp8_refits_equal_vllms_fresh_loads(
+    family: str, tmp_path: Path, build_model: Build
+) -> None:
+    scheme = Fp8Scheme(None)
+    versions = _versions(family, tmp_path, scheme)
+    model = build_model(versions[0]["path"])
+    fp8_params = {n for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
+    assert any("qkv_proj" in n for n in fp8_params)
+    if family == "qwen3_moe":
+        assert any("w13_weight" in n for n in fp8_params)
+    receiver = Applier(VllmLoader(model),
+                       {n: TensorSpec.of(n, t) for n, t in versions[0]["fp8"].items()})  # fmt: skip
+    receiver.prewarm()
+    bf16 = versions[0]["bf16"]
+    names = quantized_names({n: tuple(t.shape) for n, t in bf16.items()})
+    rollout = Fp8Rollout(scheme, {n: bf16[n] for n in names})
+    for v in range(1, len(versions)):
+        reference = build_model(versions[v]["path"])
+        assert bit_mismatches(model, reference), "the versions must differ"
+        items, stats = _refit(versions[v - 1]["bf16"], versions[v]["bf16"], rollout)
+        assert stats.fp8_changed > 0
+        assert stats.scales_changed > 0 or v != 1  # v1 moved every first row's scale
+        receiver.apply_items(items, attempt=v)
+        rollout.commit()
+        assert bit_mismatches(model, reference) == []
+
+
+def test_block_scaled_fp8_refits_or_a_clear_refusal(tmp_path: Path, build_model: Build) -> None:
+    """vLLM's ``fp8`` block format: its CPU kernels need AMX.  Where the model builds, a refit
+    equals the fresh load; where it does not, the build says why, typed."""
+    scheme = Fp8Scheme(32)
+    versions = _versions("qwen3", tmp_path, scheme, count=2)
+    try:
+        model = build_model(versions[0]["path"])
+    except LoaderPathUnsupported as exc:
+        assert "could not build and load" in str(exc) and "kernel" in str(exc)
+        return
+    receiver = Applier(VllmLoader(model),
+                       {n: TensorSpec.of(n, t) for n, t in versions[0]["fp8"].items()})  # fmt: skip
+    receiver.prewarm()
+    bf16 = versions[0]["bf16"]
+    names = quantized_names({n: tuple(t.shape) for n, t in bf16.items()})
+    rollout = Fp8Rollout(scheme, {n: bf16[n] for n in names})
+    items, _ = _refit(bf16, versions[1]["bf16"], rollout)
+    receiver.apply_items(items, attempt=1)
+    assert bit_mismatches(model, build_model(versions[1]["path"])) == []
