@@ -16,7 +16,7 @@ import torch
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
-from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
+from dcr.delta.fp8 import Fp8Region, Fp8Rollout, Fp8Stats, overwrite_item
 from dcr.errors import LayoutError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.fp8 import export_checkpoint, quantized_names
@@ -167,3 +167,82 @@ def test_a_rollout_quantizes_only_bfloat16_matrices() -> None:
         Fp8Rollout(Fp8Scheme(16), {"a.weight": torch.zeros(4, 4)})
     with pytest.raises(LayoutError, match="bfloat16 matrices"):
         Fp8Rollout(Fp8Scheme(16), {"a.weight": torch.zeros(4, dtype=torch.bfloat16)})
+
+
+def _regions(name: str, shape: tuple[int, int], axis: int, parts: int) -> list[Fp8Region]:
+    rows, cols = shape
+    n = shape[axis] // parts
+    out = []
+    for k in range(parts):
+        span = (k * n, (k + 1) * n)
+        out.append(Fp8Region(name, shape, span if axis == 0 else (0, rows),
+                             span if axis == 1 else (0, cols)))  # fmt: skip
+    return out
+
+
+def _entries(items: list[Item]) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = {}
+    for item in items:
+        out.setdefault(item.name, {}).update(
+            zip(item.indices.tolist(), item.values.tolist(), strict=True)
+        )
+    return out
+
+
+@pytest.mark.parametrize(("block", "axis"), [(16, 0), (16, 1), (None, 0)])
+def test_owners_of_regions_send_together_what_one_owner_of_the_weight_sends(
+    block: int | None, axis: int
+) -> None:
+    """A weight split into row or column slices (tensor-parallel shards), each quantized by
+    its own rollout: the union of their items, sparse and dense, is the whole weight's."""
+    scheme = Fp8Scheme(block)
+    v0, v1 = _versions("qwen3", 2)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    shape = tuple(v0[name].shape)
+    top = int(v0[name].to(torch.float32).abs().argmax())  # the weight's largest: a scale moves
+    v1[name].view(-1)[top] = (v1[name].view(-1)[top].to(torch.float32) * 1.5).to(torch.bfloat16)
+    whole = Fp8Rollout(scheme, {name: v0[name]})
+    parts = []
+    for region in _regions(name, shape, axis, 2):
+        (r0, r1), (c0, c1) = region.rows, region.cols
+        parts.append(Fp8Rollout(scheme, {name: v0[name][r0:r1, c0:c1]}, {name: region}))
+    assert all(p.specs() == whole.specs() for p in parts)
+    new_bits = bits(v1[name]).reshape(-1)
+    changed = np.flatnonzero(bits(v0[name]).reshape(-1) != new_bits)
+    want = _entries(whole.stage(name, changed, new_bits[changed]))
+    got: dict[str, dict[int, int]] = {}
+    cols = shape[1]
+    for p in parts:
+        (r0, r1), (c0, c1) = p.regions[name].rows, p.regions[name].cols
+        r, c = np.divmod(changed, cols)
+        mine = changed[(r >= r0) & (r < r1) & (c >= c0) & (c < c1)]
+        for n, entries in _entries(p.stage(name, mine, new_bits[mine])).items():
+            got.setdefault(n, {}).update(entries)
+    assert got == want and len(want) == 2
+    for p in [whole, *parts]:
+        p.commit()
+    dense: dict[str, dict[int, int]] = {}
+    for p in parts:
+        for item in p.dense_items():
+            dense.setdefault(item.name, {}).update(
+                zip(item.indices.tolist(), item.values.tolist(), strict=True)
+            )
+    assert dense == _entries(whole.dense_items())
+
+
+def test_regions_that_cut_through_tiles_are_refused() -> None:
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match="tiles are cut") as err:
+        Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:24]},
+                   {"a.weight": Fp8Region("a.weight", (64, 64), (0, 24), (0, 64))})  # fmt: skip
+    assert err.value.check == "fp8-tiles"
+    with pytest.raises(LayoutError, match="whole rows"):
+        Fp8Rollout(Fp8Scheme(None), {"a.weight": w[:, :32]},
+                   {"a.weight": Fp8Region("a.weight", (64, 64), (0, 64), (0, 32))})  # fmt: skip
+    # The weight's own edge may end a partial tile.
+    Fp8Rollout(Fp8Scheme(48), {"a.weight": w[48:]},
+               {"a.weight": Fp8Region("a.weight", (64, 64), (48, 64), (0, 64))})  # fmt: skip
+    region = Fp8Region("a.weight", (64, 64), (0, 32), (0, 64))
+    rollout = Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:32]}, {"a.weight": region})
+    with pytest.raises(LayoutError, match="outside this owner's tiles"):
+        rollout.stage("a.weight", np.array([40 * 64]), np.array([1], np.uint16))

@@ -10,6 +10,12 @@ construction follows the touched tiles, not the model.  A changed scale changes 
 of unchanged weights of its tile, and those travel too (Fig. D.1).  :meth:`Fp8Rollout.commit`
 moves the baseline to the candidate, :meth:`Fp8Rollout.discard` restores the mirror, and
 :meth:`Fp8Rollout.dense_items` sends the committed FP8 tensors whole (a joining receiver).
+
+An owner holds the tiles of its :class:`Fp8Region` of each weight: the rectangle of canonical
+rows and columns its shards project (a tensor-parallel row or column slice, or the whole
+weight).  A region's edges must fall on tile edges (or the weight's own edge), so that every
+tile belongs to exactly one owner: the one whose shard holds all of it; a layout whose shards
+cut through tiles is refused (:class:`~dcr.errors.LayoutError`, ``check="fp8-tiles"``).
 """
 
 from __future__ import annotations
@@ -24,10 +30,61 @@ import torch
 
 from dcr.errors import ConfigError, LayoutError
 from dcr.tensors.bits import bits
-from dcr.tensors.fp8 import Fp8Delta, Fp8Scheme, quantize, requantize, touched_tiles
+from dcr.tensors.fp8 import (
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    Fp8Delta,
+    Fp8Scheme,
+    quantize,
+    requantize,
+    touched_tiles,
+)
 from dcr.tensors.records import Encoding, Item, Span, TensorSpec
 
-__all__ = ["Fp8Rollout", "Fp8Stats", "overwrite_item"]
+__all__ = ["Fp8Region", "Fp8Rollout", "Fp8Stats", "overwrite_item"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Region:
+    """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of canonical weight ``name`` of ``shape``:
+    the tiles one owner holds."""
+
+    name: str
+    shape: tuple[int, int]
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+    @classmethod
+    def whole(cls, name: str, shape: tuple[int, ...]) -> Fp8Region:
+        rows, cols = int(shape[0]), int(shape[1])
+        return cls(name, (rows, cols), (0, rows), (0, cols))
+
+    @property
+    def local_shape(self) -> tuple[int, int]:
+        return self.rows[1] - self.rows[0], self.cols[1] - self.cols[0]
+
+    def check(self, scheme: Fp8Scheme) -> None:
+        """Refuse a region whose edges cut through tiles."""
+        rows, cols = self.shape
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols):
+            raise LayoutError(
+                f"region rows {self.rows} x cols {self.cols} outside {list(self.shape)}",
+                tensor=self.name, check="fp8-tiles",
+            )  # fmt: skip
+        if scheme.block is None:
+            cut = (c0, c1) != (0, cols)
+            why = "per-output-channel scales need whole rows, and this owner holds columns "
+            why += f"[{c0}, {c1}) of {cols} (a row-parallel split)"
+        else:
+            b = scheme.block
+            edges = [(r0, rows), (r1, rows), (c0, cols), (c1, cols)]
+            cut = any(e % b and e != end for e, end in edges)
+            why = f"{b}x{b} tiles are cut by this owner's rows [{r0}, {r1}) x columns [{c0}, {c1})"
+        if cut:
+            raise LayoutError(f"{why}: every tile must lie in one owner's shard (choose a "
+                              "block size that divides the shards)", tensor=self.name,
+                              check="fp8-tiles")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -52,30 +109,82 @@ class _Staged:
 
 
 class Fp8Rollout:
-    """The mirror and FP8 baseline of the quantized weights ``base`` (canonical name ->
-    committed BF16 matrix); the scheme's scales are named by :meth:`Fp8Scheme.scale_name`."""
+    """The mirror and FP8 baseline of quantized weights: ``base`` maps each canonical name to
+    the committed BF16 values of its region (``regions``; by default the whole weight, and
+    ``base`` the whole matrix).  The scheme's scales are named by :meth:`Fp8Scheme.scale_name`;
+    indices in and out are canonical."""
 
-    def __init__(self, scheme: Fp8Scheme, base: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        scheme: Fp8Scheme,
+        base: Mapping[str, torch.Tensor],
+        regions: Mapping[str, Fp8Region] | None = None,
+    ) -> None:
         self.scheme = scheme
         self.mirror: dict[str, torch.Tensor] = {}
+        self.regions: dict[str, Fp8Region] = {}
         self.q: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
         for name, t in base.items():
             if t.dtype != torch.bfloat16 or t.dim() != 2:
                 raise LayoutError(f"an FP8 rollout quantizes bfloat16 matrices, got {t.dtype}"
                                   f"{list(t.shape)}", tensor=name, check="fp8")  # fmt: skip
+            region = (regions or {}).get(name) or Fp8Region.whole(name, tuple(t.shape))
+            region.check(scheme)
+            if tuple(t.shape) != region.local_shape:
+                raise LayoutError(
+                    f"region values are {list(t.shape)}, the region is "
+                    f"{list(region.local_shape)}", tensor=name, check="fp8",
+                )  # fmt: skip
+            self.regions[name] = region
             self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
             self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name)
         self._staged: dict[str, _Staged] = {}
 
     def specs(self) -> dict[str, TensorSpec]:
-        """The rollout catalog entries of these weights: FP8 values and scales."""
+        """The rollout catalog entries of these weights: FP8 values and scales, canonical
+        shapes."""
         out = {}
-        for name in self.mirror:
-            out[name] = TensorSpec.of(name, self.q[name])
+        for name, region in self.regions.items():
+            out[name] = TensorSpec(name=name, shape=region.shape, dtype=FP8_DTYPE)
             scale = self.scheme.scale_name(name)
-            out[scale] = TensorSpec.of(scale, self.s[name])
+            out[scale] = TensorSpec(name=scale, shape=self.scheme.scale_shape(region.shape),
+                                    dtype=SCALE_DTYPE)  # fmt: skip
         return out
+
+    def _local(self, name: str, index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Canonical flat indices of ``name`` -> flat indices of its region (refused outside)."""
+        region = self.regions[name]
+        (r0, r1), (c0, c1) = region.rows, region.cols
+        if region.local_shape == region.shape:
+            return index
+        cols = region.shape[1]
+        r, c = np.divmod(index, cols)
+        if index.shape[0] and bool(((r < r0) | (r >= r1) | (c < c0) | (c >= c1)).any()):
+            raise LayoutError("a changed element outside this owner's tiles", tensor=name,
+                              check="fp8-tiles")  # fmt: skip
+        local: npt.NDArray[np.int64] = (r - r0) * (c1 - c0) + (c - c0)
+        return local
+
+    def _canonical(self, name: str, delta: Fp8Delta) -> Fp8Delta:
+        """``delta`` of a region with canonical indices."""
+        region = self.regions[name]
+        if region.local_shape == region.shape:
+            return delta
+        (r0, _), (c0, _) = region.rows, region.cols
+        h, w = region.local_shape
+        cols = region.shape[1]
+        lr, lc = np.divmod(delta.q_index, w)
+        q_index = (lr + r0) * cols + lc + c0
+        if self.scheme.block is None:
+            s_index = delta.s_index + r0
+        else:
+            b = self.scheme.block
+            _, tc = self.scheme.tile_grid(region.shape)
+            _, tcl = self.scheme.tile_grid((h, w))
+            ti, tj = np.divmod(delta.s_index, tcl)
+            s_index = (ti + r0 // b) * tc + tj + c0 // b
+        return Fp8Delta(q_index, delta.q_values, s_index, delta.s_values, delta.tiles)
 
     def stage(
         self,
@@ -94,9 +203,11 @@ class Fp8Rollout:
         if name in self._staged:
             raise LayoutError("staged twice in one refit", tensor=name, check="fp8")
         index = np.asarray(index, dtype=np.int64)
-        flat = bits(mirror).reshape(-1)
-        if index.shape[0] and (int(index[0]) < 0 or int(index[-1]) >= flat.shape[0]):
+        numel = self.regions[name].shape[0] * self.regions[name].shape[1]
+        if index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= numel):
             raise ConfigError("changed index outside the weight", tensor=name, check="bounds")
+        index = self._local(name, index)
+        flat = bits(mirror).reshape(-1)
         old = flat[index].copy()
         flat[index] = values
         tiles = touched_tiles(index, tuple(mirror.shape), self.scheme)
@@ -106,21 +217,22 @@ class Fp8Rollout:
             flat[index] = old
             raise
         self._staged[name] = _Staged(index, old, delta)
+        out = self._canonical(name, delta)
         if stats is not None:
             stats.tiles += int(np.prod(self.scheme.tile_grid(tuple(mirror.shape))))
             stats.tiles_touched += delta.tiles
             stats.fp8_changed += int(delta.q_index.shape[0])
             stats.scales_changed += int(delta.s_index.shape[0])
-        return self._items(name, delta)
+        return self._items(name, out)
 
     def _items(self, name: str, delta: Fp8Delta) -> list[Item]:
-        q, s = self.q[name], self.s[name]
+        specs = self.specs()
+        scale = self.scheme.scale_name(name)
         items = []
         if delta.q_index.shape[0]:
-            items.append(overwrite_item(name, q, delta.q_index, delta.q_values))
+            items.append(_item(specs[name], delta.q_index, delta.q_values))
         if delta.s_index.shape[0]:
-            items.append(overwrite_item(self.scheme.scale_name(name), s, delta.s_index,
-                                    delta.s_values.view(np.uint32)))  # fmt: skip
+            items.append(_item(specs[scale], delta.s_index, delta.s_values.view(np.uint32)))
         return items
 
     def commit(self) -> None:
@@ -139,14 +251,41 @@ class Fp8Rollout:
         self._staged = {}
 
     def dense_items(self, names: Iterable[str] | None = None) -> list[Item]:
-        """The committed FP8 values and scales of ``names`` (default: all), whole."""
+        """The committed FP8 values and scales of the regions of ``names`` (default: all),
+        whole: one span item each (rows of the region's width, where it is a column slice)."""
         out = []
         for name in self.mirror if names is None else names:
-            q, s = self.q[name], self.s[name]
-            out.append(overwrite_item(name, q, None, bits(q).reshape(-1).copy()))
-            out.append(overwrite_item(self.scheme.scale_name(name), s, None,
-                                  bits(s).reshape(-1).copy()))  # fmt: skip
+            region = self.regions[name]
+            specs = self.specs()
+            scale = self.scheme.scale_name(name)
+            (r0, _), (c0, _) = region.rows, region.cols
+            h, w = region.local_shape
+            q_span = _rect_span(region.shape[1], r0, c0, w)
+            out.append(_item(specs[name], q_span, bits(self.q[name]).reshape(-1).copy()))
+            if self.scheme.block is None:
+                s_span = Span(r0)
+            else:
+                b = self.scheme.block
+                _, tc = self.scheme.tile_grid(region.shape)
+                _, tcl = self.scheme.tile_grid((h, w))
+                s_span = _rect_span(tc, r0 // b, c0 // b, tcl)
+            out.append(_item(specs[scale], s_span, bits(self.s[name]).reshape(-1).copy()))
         return out
+
+
+def _rect_span(cols: int, r0: int, c0: int, w: int) -> Span:
+    """The flat indices of a rectangle of width ``w`` from ``(r0, c0)`` in rows of ``cols``."""
+    if w == cols:
+        return Span(r0 * cols)
+    return Span(r0 * cols + c0, period=w, gap=cols - w)
+
+
+def _item(spec: TensorSpec, where: npt.NDArray[np.int64] | Span, values: Any) -> Item:
+    return Item(
+        name=spec.name, shape=spec.shape, dtype=spec.dtype, encoding=Encoding.OVERWRITE,
+        values=values, indices=None if isinstance(where, Span) else where,
+        span=where if isinstance(where, Span) else None,
+    )  # fmt: skip
 
 
 def overwrite_item(
