@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dcr.delta.fp8 import Fp8Stats
 from dcr.errors import ConfigError
 from dcr.tensors.parallel import default_threads
 from dcr.tensors.records import Encoding, Item, TensorSpec
@@ -102,6 +103,8 @@ class BuildStats:
     """Shards and residual tensors sent as a dense overwrite (``dense_above``)."""
     dense_elements: int = 0
     """Elements of those, sent whole."""
+    fp8: Fp8Stats = field(default_factory=Fp8Stats)
+    """FP8 rollout: tiles re-quantized, FP8 values and scales changed."""
     seconds: dict[str, float] = field(default_factory=dict)
 
     def add_time(self, stage: str, dt: float) -> None:
@@ -124,6 +127,8 @@ class BuildStats:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.seconds.items():
             self.add_time(k, v)
+        for f in ("tiles", "tiles_touched", "fp8_changed", "scales_changed"):
+            setattr(self.fp8, f, getattr(self.fp8, f) + getattr(other.fp8, f))
 
 
 @dataclass(slots=True, kw_only=True)

@@ -20,7 +20,7 @@ cut through tiles is refused (:class:`~dcr.errors.LayoutError`, ``check="fp8-til
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,41 @@ from dcr.tensors.fp8 import (
 )
 from dcr.tensors.records import Encoding, Item, Span, TensorSpec
 
-__all__ = ["Fp8Region", "Fp8Rollout", "Fp8Stats", "overwrite_item"]
+__all__ = ["Fp8Region", "Fp8Rollout", "Fp8Stats", "RegionBlock", "overwrite_item"]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionBlock:
+    """One shard's rectangle of a quantized weight: canonical ``rows`` x ``cols``, found in
+    shard ``key`` at ``offset`` with ``strides`` (elements; the shard is contiguous)."""
+
+    key: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    offset: int
+    strides: tuple[int, int]
+
+    @classmethod
+    def of(cls, key: str, canonical: torch.Tensor, shard: torch.Tensor) -> list[RegionBlock]:
+        """From a ``(canonical view, shard view)`` pair of an affine mapping's blocks (views
+        of meta tensors: only their geometry is read); a block of several matrices (fused
+        QKV's query groups) gives one per matrix."""
+        if canonical.dim() == 3 and shard.dim() == 3:
+            return [
+                b for i in range(canonical.shape[0]) for b in cls.of(key, canonical[i], shard[i])
+            ]
+        if canonical.dim() != 2 or canonical.stride(1) != 1 or shard.dim() != 2:
+            raise LayoutError("a quantized weight's shard block is not a rectangle",
+                              tensor=key, check="fp8-tiles")  # fmt: skip
+        r0, c0 = divmod(int(canonical.storage_offset()), int(canonical.stride(0)))
+        h, w = int(canonical.shape[0]), int(canonical.shape[1])
+        return [cls(key, (r0, r0 + h), (c0, c0 + w), int(shard.storage_offset()),
+                    (int(shard.stride(0)), int(shard.stride(1))))]  # fmt: skip
+
+    def view(self, shard: torch.Tensor) -> torch.Tensor:
+        """The rectangle's values in (contiguous) ``shard``."""
+        shape = (self.rows[1] - self.rows[0], self.cols[1] - self.cols[0])
+        return torch.as_strided(shard, shape, self.strides, self.offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +108,22 @@ class Fp8Region:
             )  # fmt: skip
         if scheme.block is None:
             cut = (c0, c1) != (0, cols)
-            why = "per-output-channel scales need whole rows, and this owner holds columns "
-            why += f"[{c0}, {c1}) of {cols} (a row-parallel split)"
+            why = (
+                "per-output-channel scales need whole rows, and this owner holds columns "
+                f"[{c0}, {c1}) of {cols} (a row-parallel split): every row must lie in one "
+                "owner's shard (use block scales, or a layout that keeps rows whole)"
+            )
         else:
             b = scheme.block
             edges = [(r0, rows), (r1, rows), (c0, cols), (c1, cols)]
             cut = any(e % b and e != end for e, end in edges)
-            why = f"{b}x{b} tiles are cut by this owner's rows [{r0}, {r1}) x columns [{c0}, {c1})"
+            why = (
+                f"{b}x{b} tiles are cut by this owner's rows [{r0}, {r1}) x columns [{c0}, "
+                f"{c1}): every tile must lie in one owner's shard (choose a block size that "
+                "divides the shards)"
+            )
         if cut:
-            raise LayoutError(f"{why}: every tile must lie in one owner's shard (choose a "
-                              "block size that divides the shards)", tensor=self.name,
-                              check="fp8-tiles")  # fmt: skip
+            raise LayoutError(why, tensor=self.name, check="fp8-tiles")
 
 
 @dataclass(slots=True)
@@ -140,6 +179,34 @@ class Fp8Rollout:
             self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
             self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name)
         self._staged: dict[str, _Staged] = {}
+
+    @classmethod
+    def of_shards(
+        cls,
+        scheme: Fp8Scheme,
+        regions: Mapping[str, tuple[Fp8Region, Sequence[RegionBlock]]],
+        shards: Mapping[str, torch.Tensor],
+    ) -> Fp8Rollout:
+        """The rollout of an owner's ``regions`` (:meth:`TrainingPlan.fp8_regions`), its
+        mirror filled from the owner's committed ``shards``."""
+        return cls(scheme, {n: _assemble(r, b, shards) for n, (r, b) in regions.items()},
+                   {n: r for n, (r, _) in regions.items()})  # fmt: skip
+
+    def stage_shards(self, shards: Mapping[str, torch.Tensor], regions: Mapping[
+            str, tuple[Fp8Region, Sequence[RegionBlock]]], stats: Fp8Stats | None = None,
+    ) -> list[Item]:  # fmt: skip
+        """Stage the candidate from its ``shards`` directly (every region compared with the
+        mirror): for a commit that no build reached."""
+        self.discard()
+        items = []
+        for name, (region, blocks) in regions.items():
+            new = bits(_assemble(region, blocks, shards)).reshape(-1)
+            changed = np.flatnonzero(new != bits(self.mirror[name]).reshape(-1))
+            (r0, _), (c0, _) = region.rows, region.cols
+            lr, lc = np.divmod(changed, region.local_shape[1])
+            canonical = (lr + r0) * region.shape[1] + lc + c0
+            items += self.stage(name, canonical, new[changed], stats)
+        return items
 
     def specs(self) -> dict[str, TensorSpec]:
         """The rollout catalog entries of these weights: FP8 values and scales, canonical
@@ -271,6 +338,18 @@ class Fp8Rollout:
                 s_span = _rect_span(tc, r0 // b, c0 // b, tcl)
             out.append(_item(specs[scale], s_span, bits(self.s[name]).reshape(-1).copy()))
         return out
+
+
+def _assemble(
+    region: Fp8Region, blocks: Sequence[RegionBlock], shards: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """A region's BF16 values, copied from the shard blocks that fill it."""
+    out = torch.empty(region.local_shape, dtype=torch.bfloat16)
+    (r0, _), (c0, _) = region.rows, region.cols
+    for b in blocks:
+        dst = out[b.rows[0] - r0 : b.rows[1] - r0, b.cols[0] - c0 : b.cols[1] - c0]
+        dst.copy_(b.view(shards[b.key]))
+    return out
 
 
 def _rect_span(cols: int, r0: int, c0: int, w: int) -> Span:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcr.delta.fp8 import Fp8Region, RegionBlock
 from dcr.delta.mapping import (
     AffineMapping,
     ColumnParallel,
@@ -41,6 +42,7 @@ from dcr.delta.mapping import (
 from dcr.delta.residual import ResidualTask
 from dcr.errors import ConfigError, LayoutError
 from dcr.tensors.bits import bits
+from dcr.tensors.fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Scheme, quantized_names
 from dcr.tensors.records import TensorSpec
 
 __all__ = [
@@ -127,6 +129,11 @@ class TrainingPlan:
     catalog: Mapping[str, TensorSpec]
     shards: tuple[ShardSpec, ...]
     residual: tuple[ResidualTask, ...] = ()
+    fp8: Fp8Scheme | None = None
+    """The FP8 rollout scheme: receivers hold each weight of :attr:`quantized` as FP8 values
+    and scales (:mod:`dcr.delta.fp8`); ``None``: receivers hold the catalog as it is."""
+    quantized: frozenset[str] = frozenset()
+    """The canonical weights an FP8 rollout quantizes (:func:`~dcr.tensors.fp8.quantized_names`)."""
     _by_key: dict[str, ShardSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +154,54 @@ class TrainingPlan:
 
     def __getitem__(self, key: str) -> ShardSpec:
         return self._by_key[key]
+
+    @property
+    def wire_catalog(self) -> dict[str, TensorSpec]:
+        """What receivers hold: the catalog, with each quantized weight as its FP8 values (same
+        name) followed by its scales."""
+        if self.fp8 is None:
+            return dict(self.catalog)
+        out = {}
+        for name, spec in self.catalog.items():
+            if name not in self.quantized:
+                out[name] = spec
+                continue
+            out[name] = TensorSpec(name=name, shape=spec.shape, dtype=FP8_DTYPE)
+            scale = self.fp8.scale_name(name)
+            out[scale] = TensorSpec(name=scale, shape=self.fp8.scale_shape(spec.shape),
+                                    dtype=SCALE_DTYPE)  # fmt: skip
+        return out
+
+    def fp8_regions(self, rank: int) -> dict[str, tuple[Fp8Region, list[RegionBlock]]]:
+        """For each quantized weight that ``rank``'s shards project: the region of its tiles
+        this rank owns, and the shard blocks that fill it.  A region that is not one rectangle,
+        or whose edges cut through tiles, is refused (:class:`LayoutError`, ``check="fp8-tiles"``).
+        """
+        if self.fp8 is None:
+            return {}
+        found: dict[str, list[RegionBlock]] = {}
+        for s in self.owned_by(rank):
+            if s.mapping is None or not self.quantized.intersection(s.mapping.names):
+                continue
+            canon = {n: torch.empty(self.catalog[n].shape, dtype=s.dtype, device="meta")
+                     for n in s.mapping.names}  # fmt: skip
+            probe = torch.empty(s.shape, dtype=s.dtype, device="meta")
+            for name, cview, sview in s.mapping.blocks(canon, probe):
+                if name in self.quantized:
+                    found.setdefault(name, []).extend(RegionBlock.of(s.key, cview, sview))
+        out = {}
+        for name, blocks in found.items():
+            shape = self.catalog[name].shape
+            r0, r1 = min(b.rows[0] for b in blocks), max(b.rows[1] for b in blocks)
+            c0, c1 = min(b.cols[0] for b in blocks), max(b.cols[1] for b in blocks)
+            area = sum((b.rows[1] - b.rows[0]) * (b.cols[1] - b.cols[0]) for b in blocks)
+            if area != (r1 - r0) * (c1 - c0):
+                raise LayoutError(f"rank {rank}'s shards of this weight are not one rectangle of "
+                                  "tiles", tensor=name, check="fp8-tiles")  # fmt: skip
+            region = Fp8Region(name, (int(shape[0]), int(shape[1])), (r0, r1), (c0, c1))
+            region.check(self.fp8)
+            out[name] = (region, blocks)
+        return out
 
     def residual_owner(self, name: str) -> int:
         """The rank that holds the residual baseline of canonical tensor ``name``."""
@@ -361,13 +416,16 @@ def build_plan(
     *,
     family: str | None = None,
     config: Mapping[str, Any] | None = None,
+    fp8: Fp8Scheme | None = None,
 ) -> TrainingPlan:
     """The training shards of ``layout`` for a canonical ``catalog``.
 
     ``family`` selects Megatron's fused layouts (see the module docstring); canonical tensors
     that no family rule claims are replicated whole.  A tied-embedding model may omit
     ``lm_head.weight``; when both are present and ``tie_word_embeddings`` is set, the embedding
-    shard projects to both.
+    shard projects to both.  ``fp8`` makes the rollout checkpoint FP8: its BF16 projection
+    weights reach receivers as FP8 values and scales (:attr:`TrainingPlan.wire_catalog`), and
+    every owner's regions of them are checked here (:meth:`TrainingPlan.fp8_regions`).
     """
     b = _Builder(layout, catalog)
     if family is None:
@@ -382,7 +440,18 @@ def build_plan(
         for name in catalog:
             if name not in b.used:
                 b.replicated(name, name)
-    return TrainingPlan(layout=layout, family=family, catalog=dict(catalog), shards=tuple(b.shards))
+    quantized: frozenset[str] = frozenset()
+    if fp8 is not None:
+        shapes = {n: s.shape for n, s in catalog.items() if s.dtype == torch.bfloat16}
+        quantized = frozenset(quantized_names(shapes))
+        if not quantized:
+            raise LayoutError("an FP8 rollout needs bfloat16 projection weights; the catalog "
+                              "has none", check="fp8")  # fmt: skip
+    plan = TrainingPlan(layout=layout, family=family, catalog=dict(catalog),
+                        shards=tuple(b.shards), fp8=fp8, quantized=quantized)  # fmt: skip
+    for rank in plan.owners:
+        plan.fp8_regions(rank)
+    return plan
 
 
 def _family(b: _Builder, family: str, config: Mapping[str, Any] | None) -> None:

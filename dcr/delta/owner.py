@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
+from dcr.delta.fp8 import Fp8Rollout
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.packing import DenseRun, Index, Packer, UInt, dense_spans
@@ -94,6 +95,15 @@ class Owner:
             if s.mapping is not None
         }
         self.residual_baseline: dict[str, torch.Tensor] = {}
+        # The FP8 rollout of the quantized weights whose tiles this rank owns (dcr.delta.fp8).
+        self._regions = plan.fp8_regions(rank)
+        self.fp8 = (
+            Fp8Rollout.of_shards(plan.fp8, self._regions, self.trackers)
+            if plan.fp8 is not None and self._regions
+            else None
+        )
+        self._fp8_staged = False
+        self._wire = plan.wire_catalog
         self._candidate: dict[str, torch.Tensor] | None = None
         self._donated = False
         self._residual_candidate: dict[str, torch.Tensor] = {}
@@ -131,6 +141,7 @@ class Owner:
             held[s.key] = t.detach() if t.is_contiguous() else t.detach().contiguous()
         self._candidate = held
         self._donated = donate
+        self._discard_fp8()
         self._residual_candidate = {}
         self._changed = None
         self._committed = False
@@ -156,6 +167,9 @@ class Owner:
         for job in residual:
             if job.spec.name not in self._residual_candidate:
                 self._residual_candidate[job.spec.name] = job.candidate()
+        if self.fp8 is not None and not self._fp8_staged:
+            self.fp8.stage_shards(cand, self._regions)  # no build reached the FP8 tiles
+            self._fp8_staged = True
         if not self._committed:
             self._epoch += 1
         changed = self._changed
@@ -177,15 +191,23 @@ class Owner:
                 np.copyto(dst, src)
         for name, t in self._residual_candidate.items():
             np.copyto(bits(self.residual_baseline[name]), bits(t))
+        if self.fp8 is not None:
+            self.fp8.commit()  # repeatable: the staged bits are absolute
         self._committed = True
 
     def discard(self) -> None:
         """Drop the staged candidate (transition aborted); the baseline is unchanged."""
         self._candidate = None
         self._donated = False
+        self._discard_fp8()
         self._residual_candidate = {}
         self._changed = None
         self._committed = False
+
+    def _discard_fp8(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.discard()
+        self._fp8_staged = False
 
     def _require_candidate(self) -> dict[str, torch.Tensor]:
         if self._candidate is None:
@@ -242,7 +264,7 @@ class Owner:
         """
         cand = self._require_candidate()
         stats = stats if stats is not None else BuildStats()
-        packer = Packer(self.plan.catalog)
+        packer = Packer(self._wire)
         self._changed = None
         records = self._delta_records(cand, packer, stats, mode, xor_allowed, residual, project)
         return self._buckets(records, packer, stats)
@@ -259,11 +281,11 @@ class Owner:
         :class:`DcrError` (``check="dense-stale"``) rather than mix two versions.
         """
         stats = stats if stats is not None else BuildStats()
-        packer = Packer(self.plan.catalog)
+        packer = Packer(self._wire)
         return self._buckets(self._dense_records(packer, stats), packer, stats)
 
     def _encoding_of(self, name: str, mode: Mode, xor_allowed: Container[str]) -> Encoding:
-        if mode is not Mode.MIXED or name not in xor_allowed:
+        if mode is not Mode.MIXED or name not in xor_allowed or name in self.plan.quantized:
             return Encoding.OVERWRITE
         if (
             self.config.relative_encoding is Encoding.ULP
@@ -329,6 +351,8 @@ class Owner:
         last = {block.key: i for i, (_, block) in enumerate(tasks)}
         shards = {s.key: s for c in chunks for s in c}
         held: list[tuple[Block, Hits]] = []
+        quantized = self.plan.quantized
+        fp8_hits: dict[str, list[tuple[Index, UInt]]] = {}
         emitted = [False] * len(chunks)
         finished = 0
         results = ordered_map(scan_block, [b for _, b in tasks], threads=self.config.worker_threads)
@@ -342,6 +366,10 @@ class Owner:
             if last[block.key] == i and held:
                 shard = shards[block.key]
                 count = sum(p.shape[0] for p, _ in changed[block.key])
+                for b, h in held:  # FP8 weights travel as their re-quantized tiles (below)
+                    for name, enc in zip(b.segment.names, b.encodings, strict=True):
+                        if name in quantized:
+                            fp8_hits.setdefault(name, []).append((h.canonical, h.values[enc]))  # type: ignore[arg-type]
                 if self._goes_dense(count, math.prod(shard.shape)):
                     t0 = time.thread_time()
                     self._add_dense(packer, stats, shard, bits(cand[shard.key]).reshape(-1))
@@ -349,7 +377,8 @@ class Owner:
                 else:
                     for b, h in held:
                         for name, enc in zip(b.segment.names, b.encodings, strict=True):
-                            packer.add(name, enc, h.canonical, h.values[enc])  # type: ignore[arg-type]
+                            if name not in quantized:
+                                packer.add(name, enc, h.canonical, h.values[enc])  # type: ignore[arg-type]
                 for b, h in held:
                     stats.changed_elements += h.count * len(b.segment.names)
                 held = []
@@ -363,6 +392,8 @@ class Owner:
                 finished += 1
         for chunk in chunks[finished:]:
             stats.source_bytes += sum(s.nbytes for s in chunk)
+        if self.fp8 is not None and project:
+            yield from self._fp8_records(packer, stats, fp8_hits)
         for job in residual:
             t0 = time.perf_counter()
             converted = job.candidate()
@@ -390,14 +421,34 @@ class Owner:
         if project:
             self._changed = changed
 
+    def _fp8_records(
+        self, packer: Packer, stats: BuildStats, hits: Mapping[str, list[tuple[Index, UInt]]]
+    ) -> Iterator[tuple[int, bool]]:
+        """Re-quantize the tiles the changed BF16 elements of each quantized weight touch and
+        add the FP8 values and scales that changed (overwrites); yield each region's bytes."""
+        assert self.fp8 is not None
+        self.fp8.discard()  # an earlier attempt of the same candidate staged it already
+        for name in sorted(hits):
+            index = np.concatenate([p for p, _ in hits[name]])
+            values = np.concatenate([v for _, v in hits[name]])
+            if index.shape[0] > 1 and bool((index[1:] < index[:-1]).any()):
+                order = np.argsort(index, kind="stable")
+                index, values = index[order], values[order]
+            t0 = time.thread_time()
+            items = self.fp8.stage(name, index, values, stats.fp8)
+            for item in items:
+                packer.add(item.name, Encoding.OVERWRITE, item.indices, item.values)
+            stats.add_time("convert", time.thread_time() - t0)
+            if items:
+                yield self.fp8.mirror[name].numel() * 2, False
+        self._fp8_staged = True
+
     def _goes_dense(self, changed: int, numel: int) -> bool:
         """Whether a tensor with ``changed`` of ``numel`` elements changed is sent dense."""
         above = self.config.dense_above
         return above is not None and numel >= DENSE_MIN_ELEMENTS and changed >= above * numel
 
-    def _add_dense(
-        self, packer: Packer, stats: BuildStats, shard: ShardSpec, flat: UInt
-    ) -> None:
+    def _add_dense(self, packer: Packer, stats: BuildStats, shard: ShardSpec, flat: UInt) -> None:
         """Add every element shard ``shard`` projects, from its words ``flat``, as span
         overwrites (what a dense build sends of it)."""
         assert shard.mapping is not None
@@ -407,9 +458,10 @@ class Owner:
             for lo, hi in run.pieces:
                 values[at : at + hi - lo] = flat[lo:hi]
                 at += hi - lo
-            for name in run.names:
+            names = [n for n in run.names if n not in self.plan.quantized]
+            for name in names:
                 packer.add(name, Encoding.OVERWRITE, run.span, values)
-            stats.dense_elements += run.count * len(run.names)
+            stats.dense_elements += run.count * len(names)
         stats.dense_tensors += 1
 
     def _dense_runs(self, shard: ShardSpec) -> list[DenseRun]:
@@ -435,6 +487,7 @@ class Owner:
 
         chunks = [[s for s in chunk if s.mapping is not None] for chunk in self.chunks()]
         residual = [t for t in self.plan.residual if t.name in self.residual_baseline]
+        fp8 = self.fp8.dense_items() if self.fp8 is not None else []
         emits = [any(self._dense_runs(s) for s in chunk) for chunk in chunks]
         for number, chunk in enumerate(chunks):
             chunk_bytes = 0
@@ -446,7 +499,12 @@ class Owner:
             stats.add_time("project", time.thread_time() - t0)
             stats.source_bytes += chunk_bytes
             if emits[number]:
-                yield chunk_bytes, bool(residual) or any(emits[number + 1 :])
+                yield chunk_bytes, bool(residual or fp8) or any(emits[number + 1 :])
+        for n, item in enumerate(fp8):
+            assert item.span is not None
+            packer.add(item.name, Encoding.OVERWRITE, item.span, item.values)
+            check_epoch()
+            yield item.values.nbytes, bool(residual) or n + 1 < len(fp8)
         for n, task in enumerate(residual):
             flat = bits(self.residual_baseline[task.name]).reshape(-1)
             packer.add(task.name, Encoding.OVERWRITE, Span(0), flat.copy())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from dcr.errors import CheckpointError, ConfigError
 from dcr.models.hf import CONFIG_FILE, INDEX_FILE, read_checkpoint, write_tensors
-from dcr.tensors.fp8 import Fp8Scheme, quantize
+from dcr.tensors.fp8 import QUANTIZED_WEIGHT, Fp8Scheme, quantize, quantized_names
 
 __all__ = [
     "QUANTIZED_WEIGHT",
@@ -34,15 +33,6 @@ __all__ = [
     "rollout_state_dict",
     "scheme_of_config",
 ]
-
-QUANTIZED_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
-"""Checkpoint names of the weights an FP8 rollout checkpoint quantizes (matrices only)."""
-
-
-def quantized_names(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """The names of ``shapes`` (checkpoint name -> shape) that an FP8 export quantizes, in
-    order."""
-    return [n for n, s in shapes.items() if len(s) == 2 and QUANTIZED_WEIGHT.search(n)]
 
 
 def rollout_names(

@@ -24,6 +24,8 @@ changed elements falls in and :func:`requantize` converts only those, against th
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +37,14 @@ from dcr.errors import ConfigError
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "QUANTIZED_WEIGHT",
     "SCALE_DTYPE",
     "SCALE_MIN",
     "Fp8Delta",
     "Fp8Scheme",
     "dequantize",
     "quantize",
+    "quantized_names",
     "requantize",
     "touched_tiles",
 ]
@@ -51,6 +55,18 @@ FP8_MAX = 448.0
 """The largest finite ``float8_e4m3fn`` magnitude."""
 SCALE_MIN = 2.0**-126
 """The smallest scale: the smallest normal ``float32``."""
+
+
+QUANTIZED_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+"""Checkpoint names of the weights an FP8 rollout quantizes (matrices only): the linear weights
+of attention and MLP blocks, the experts' included; norms, embeddings, the LM head and MoE
+routers (``mlp.gate``) stay BF16, as the DeepSeek-V3 and Qwen3-FP8 checkpoints keep them."""
+
+
+def quantized_names(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The names of ``shapes`` (checkpoint name -> shape) that an FP8 rollout quantizes, in
+    order."""
+    return [n for n, s in shapes.items() if len(s) == 2 and QUANTIZED_WEIGHT.search(n)]
 
 
 @dataclass(frozen=True, slots=True)

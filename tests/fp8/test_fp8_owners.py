@@ -1,0 +1,173 @@
+"""FP8 rollouts built by a BF16 trainer's owners (``build_plan(fp8=...)``): each owner scans its
+BF16 shards, re-quantizes only the tiles of its region that changed, and sends the FP8 values
+and scales that changed; a receiver holding the FP8 checkpoint then holds exactly the bits of
+``dcr fp8 export`` of each version -- for three families, TP 1 and 2, block and channel
+scales, retried attempts, commits that no build reached, and dense builds for joining
+receivers.  Layouts whose shards cut through tiles are refused when the plan is built."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pytest
+import torch
+
+from dcr.adapters.loaders.torch_module import TorchModuleLoader
+from dcr.apply.applier import Applier
+from dcr.delta.build import BuildStats
+from dcr.delta.group import BucketStreams, LocalTrainingGroup
+from dcr.delta.layout import TrainLayout, build_plan
+from dcr.errors import LayoutError
+from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
+from dcr.models.fp8 import rollout_state_dict
+from dcr.models.modules import module_from_state_dict
+from dcr.models.updates import adamw_update, perturb
+from dcr.tensors.bits import bits
+from dcr.tensors.fp8 import Fp8Scheme, quantized_names
+from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
+
+CASES = [
+    (family, tp, block)
+    for family in ("llama", "qwen3", "qwen3_moe")
+    for tp, block in ((1, 16), (1, None), (2, 16))
+]
+"""qwen3_moe's experts at TP 2 are 24 rows per rank: 8x8 tiles there (16 would be cut)."""
+
+
+def _block(family: str, tp: int, block: int | None) -> int | None:
+    return 8 if (family, tp, block) == ("qwen3_moe", 2, 16) else block
+
+
+def _catalog(sd: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {n: TensorSpec.of(n, t) for n, t in sd.items()}
+
+
+def _versions(family: str) -> list[dict[str, torch.Tensor]]:
+    cfg = tiny_config(family)
+    v0 = random_state_dict(cfg, family, seed=21)
+    v1 = perturb(v0, rate=0.03, seed=22)
+    for name in quantized_names({n: tuple(t.shape) for n, t in v1.items()}):
+        row = v1[name][0]  # the first row's largest weight grows: its scale moves
+        j = int(row.to(torch.float32).abs().argmax())
+        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
+    v2 = adamw_update(v1, lr=1e-4, seed=23)
+    v3 = perturb(v2, rate=0.01, seed=24)
+    return [v0, v1, v2, v3]
+
+
+def _receiver(
+    fp8: Mapping[str, torch.Tensor], scheme: Fp8Scheme
+) -> tuple[torch.nn.Module, Applier]:
+    scales = [n for n in fp8 if n.endswith(scheme.scale_name(""))]
+    module = module_from_state_dict(fp8, buffers=scales)
+    applier = Applier(TorchModuleLoader(module), _catalog(fp8))
+    applier.prewarm()
+    return module, applier
+
+
+def _mismatches(module: torch.nn.Module, reference: Mapping[str, torch.Tensor]) -> list[str]:
+    held = dict(module.named_parameters())
+    held.update(module.named_buffers())
+    return [n for n, t in reference.items()
+            if held[n].dtype != t.dtype or not np.array_equal(bits(held[n]), bits(t))]  # fmt: skip
+
+
+def _items(streams: BucketStreams) -> tuple[list[Item], BuildStats]:
+    items: list[Item] = []
+    total = BuildStats()
+    for it, stats in streams.values():
+        for bucket in it:
+            items += bucket.items
+        total.merge(stats)
+    return items, total
+
+
+@pytest.mark.parametrize(("family", "tp", "block"), CASES)
+def test_owners_refit_an_fp8_receiver_to_the_export_of_every_version(
+    family: str, tp: int, block: int | None
+) -> None:
+    scheme = Fp8Scheme(_block(family, tp, block))
+    versions = _versions(family)
+    plan = build_plan(_catalog(versions[0]), TrainLayout(tp=tp), family=family,
+                      config=tiny_config(family), fp8=scheme)  # fmt: skip
+    exports = [rollout_state_dict(v, scheme) for v in versions]
+    assert plan.wire_catalog == _catalog(exports[0])
+    group = LocalTrainingGroup(plan, plan.slice(versions[0]))
+    module, receiver = _receiver(exports[0], scheme)
+    for v in range(1, len(versions)):
+        assert _mismatches(module, exports[v]), "the versions must differ"
+        group.stage(plan.slice(versions[v]))
+        items, stats = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+        wire = {i.name for i in items}
+        assert all(i.encoding is Encoding.OVERWRITE for i in items if i.name in plan.quantized)
+        assert stats.fp8.tiles_touched > 0 and stats.fp8.fp8_changed > 0
+        assert stats.fp8.scales_changed > 0 or v != 1  # v1 moved every first row's scale
+        assert wire & plan.quantized and not wire - set(plan.wire_catalog)
+        receiver.apply_items(items, attempt=v)
+        group.commit()
+        assert _mismatches(module, exports[v]) == []
+
+
+def test_a_retried_attempt_and_a_commit_no_build_reached_stay_exact() -> None:
+    scheme = Fp8Scheme(16)
+    v0, v1, v2, v3 = _versions("qwen3")
+    plan = build_plan(_catalog(v0), TrainLayout(tp=2), family="qwen3",
+                      config=tiny_config("qwen3"), fp8=scheme)  # fmt: skip
+    group = LocalTrainingGroup(plan, plan.slice(v0))
+    module, receiver = _receiver(rollout_state_dict(v0, scheme), scheme)
+    # Attempt 1 applies half its items; attempt 2 (overwrite mode) of the same candidate all.
+    group.stage(plan.slice(v1))
+    first, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    receiver.apply_items(first[: len(first) // 2], attempt=1)
+    second, _ = _items(group.build(mode=Mode.OVERWRITE, xor_allowed=frozenset()))
+    receiver.apply_items(second, attempt=2)
+    group.commit()
+    assert _mismatches(module, rollout_state_dict(v1, scheme)) == []
+    # v2 commits on the owners without any build (this receiver is restored densely later).
+    group.stage(plan.slice(v2))
+    group.commit()
+    joined, fresh = _receiver({n: torch.zeros_like(t) for n, t in
+                               rollout_state_dict(v2, scheme).items()}, scheme)  # fmt: skip
+    dense, _ = _items(group.build_dense())
+    assert all(i.span is not None for i in dense)
+    fresh.apply_items(dense, attempt=3)
+    assert _mismatches(joined, rollout_state_dict(v2, scheme)) == []
+    # And the next delta refit, built against the baseline that commit moved, is exact.
+    group.stage(plan.slice(v3))
+    items, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=fresh.xor_allowed()))
+    fresh.apply_items(items, attempt=4)
+    group.commit()
+    assert _mismatches(joined, rollout_state_dict(v3, scheme)) == []
+
+
+def test_a_discarded_transition_leaves_the_fp8_baseline() -> None:
+    scheme = Fp8Scheme(None)
+    v0, v1, v2, _ = _versions("llama")
+    plan = build_plan(_catalog(v0), TrainLayout(tp=1), family="llama",
+                      config=tiny_config("llama"), fp8=scheme)  # fmt: skip
+    group = LocalTrainingGroup(plan, plan.slice(v0))
+    module, receiver = _receiver(rollout_state_dict(v0, scheme), scheme)
+    group.stage(plan.slice(v1))
+    _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    group.discard()
+    group.stage(plan.slice(v2))
+    items, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    receiver.apply_items(items, attempt=2)
+    group.commit()
+    assert _mismatches(module, rollout_state_dict(v2, scheme)) == []
+
+
+@pytest.mark.parametrize(("block", "match"), [(None, "whole rows"), (32, "tiles are cut")])
+def test_layouts_that_cut_tiles_are_refused_when_the_plan_is_built(
+    block: int | None, match: str
+) -> None:
+    cfg = tiny_config("qwen3")
+    catalog = {n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
+               for n, s in canonical_shapes(cfg, "qwen3").items()}  # fmt: skip
+    with pytest.raises(LayoutError, match=match) as err:
+        build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg, fp8=Fp8Scheme(block))
+    assert err.value.check == "fp8-tiles"
+    fp32 = {n: TensorSpec(name=n, shape=s.shape, dtype=torch.float32) for n, s in catalog.items()}
+    with pytest.raises(LayoutError, match="bfloat16 projection weights"):
+        build_plan(fp32, TrainLayout(tp=1), family="qwen3", config=cfg, fp8=Fp8Scheme(16))
