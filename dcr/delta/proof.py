@@ -69,10 +69,16 @@ class _Tally:
 
 
 def owner_proof(owner: Owner, request: ProofRequest) -> Proof:
-    """Owner ``owner``'s proof of its committed version (trackers and residual baseline)."""
-    catalog = owner.plan.catalog
+    """Owner ``owner``'s proof of its committed version (trackers and residual baseline; with
+    an FP8 rollout, its committed FP8 values and scales stand for the quantized weights)."""
+    catalog = owner.plan.wire_catalog
+    quantized = owner.plan.quantized
+    fp8 = owner.fp8
     tallies: dict[str, _Tally] = {}
-    held = [n for s in owner.shards if s.mapping is not None for n in s.mapping.names]
+    held = [n for s in owner.shards if s.mapping is not None for n in s.mapping.names
+            if n not in quantized]  # fmt: skip
+    if fp8 is not None:
+        held += [n for name in fp8.regions for n in (name, fp8.scheme.scale_name(name))]
     positions = sample_positions_of(
         request.seed,
         {n: catalog[n].numel for n in [*held, *owner.residual_baseline]},
@@ -92,7 +98,19 @@ def owner_proof(owner: Owner, request: ProofRequest) -> Proof:
             for n in s.mapping.names
         }
         for name, canon, local in s.mapping.blocks(canonical, owner.trackers[s.key]):
-            tally(name).add_view(canon, local)
+            if name not in quantized:
+                tally(name).add_view(canon, local)
+    if fp8 is not None:
+        for name, region in fp8.regions.items():
+            (r0, r1), (c0, c1) = region.rows, region.cols
+            canon = torch.empty(region.shape, dtype=catalog[name].dtype, device="meta")
+            tally(name).add_view(canon[r0:r1, c0:c1], fp8.q[name])
+            scale = fp8.scheme.scale_name(name)
+            grid = torch.empty(catalog[scale].shape, dtype=catalog[scale].dtype, device="meta")
+            b = fp8.scheme.block
+            rows = slice(r0, r1) if b is None else slice(r0 // b, -(-r1 // b))
+            cols = slice(0, 1) if b is None else slice(c0 // b, -(-c1 // b))
+            tally(scale).add_view(grid[rows, cols], fp8.s[name])
     for name, base in owner.residual_baseline.items():
         flat = base.reshape(-1)
         tally(name).add_view(torch.empty(flat.shape, dtype=flat.dtype, device="meta"), flat)

@@ -8,6 +8,7 @@ receivers.  Layouts whose shards cut through tiles are refused when the plan is 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,14 +16,17 @@ import torch
 
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
+from dcr.apply.proof import receiver_proof
 from dcr.delta.build import BuildStats
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
+from dcr.delta.proof import owner_proof
 from dcr.errors import LayoutError
 from dcr.models.families import canonical_shapes, random_state_dict, tiny_config
 from dcr.models.fp8 import rollout_state_dict
 from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import adamw_update, perturb
+from dcr.protocol.proof import ProofRequest, judge
 from dcr.tensors.bits import bits
 from dcr.tensors.fp8 import Fp8Scheme, quantized_names
 from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
@@ -171,3 +175,39 @@ def test_layouts_that_cut_tiles_are_refused_when_the_plan_is_built(
     fp32 = {n: TensorSpec(name=n, shape=s.shape, dtype=torch.float32) for n, s in catalog.items()}
     with pytest.raises(LayoutError, match="bfloat16 projection weights"):
         build_plan(fp32, TrainLayout(tp=1), family="qwen3", config=cfg, fp8=Fp8Scheme(16))
+
+
+@pytest.mark.parametrize(("tp", "block"), [(1, None), (2, 16)])
+def test_the_proof_of_the_base_version_covers_fp8_values_and_scales(
+    tp: int, block: int | None
+) -> None:
+    """Owners prove their committed FP8 values and scales; a receiver that holds them agrees,
+    and one flipped bit of an FP8 value or a scale fails it."""
+    scheme = Fp8Scheme(block)
+    v0, v1, *_ = _versions("qwen3")
+    plan = build_plan(_catalog(v0), TrainLayout(tp=tp), family="qwen3",
+                      config=tiny_config("qwen3"), fp8=scheme)  # fmt: skip
+    group = LocalTrainingGroup(plan, plan.slice(v0))
+    module, receiver = _receiver(rollout_state_dict(v0, scheme), scheme)
+    group.stage(plan.slice(v1))
+    items, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    receiver.apply_items(items, attempt=1)
+    group.commit()
+    request = ProofRequest(seed=5, samples=64, fingerprint=True)
+
+    def verdict() -> Any:
+        owners = {f"o{k}": owner_proof(o, request) for k, o in group.owners.items()}
+        return judge(request, owners, {"r0": receiver_proof(receiver, request)})
+
+    clean = verdict()
+    assert dict(clean.failed) == {} and clean.unchecked == ()
+    assert clean.fingerprinted == len(plan.wire_catalog)
+    held = dict(module.named_parameters())
+    held.update(module.named_buffers())
+    for name in ("model.layers.1.mlp.down_proj.weight", scheme.scale_name(
+            "model.layers.0.self_attn.q_proj.weight")):  # fmt: skip
+        flat = bits(held[name]).reshape(-1)
+        flat[3] ^= 1
+        assert set(verdict().failed) == {"r0"}, name
+        flat[3] ^= 1
+    assert dict(verdict().failed) == {}
