@@ -19,7 +19,13 @@ tensor-parallel size without vLLM:
 * ``qwen3_moe`` experts -> ``w13_weight [E/tp, 2f, h]`` and ``w2_weight [E/tp, h, f]``, rank
   ``r`` holding experts ``[r*E/tp, (r+1)*E/tp)`` (others are native skips); router replicated;
 * norms replicated; **transforming paths**: ``model.norm.weight`` is stored in float32 (a cast
-  on copy) and any extra tensor named ``*A_log`` is stored as ``A = -exp(A_log.float())``.
+  on copy) and any extra tensor named ``*A_log`` is stored as ``A = -exp(A_log.float())``;
+* with ``fp8`` (an FP8 rollout, :mod:`dcr.tensors.fp8`), the fused projection weights hold
+  ``float8_e4m3fn`` values and each has its ``float32`` scales beside it
+  (``qkv_proj.weight_scale_inv`` for block scales, ``..._scale`` for channel scales), fused
+  and split the way vLLM's FP8 linear layers hold them: block scales stacked along block rows,
+  column-parallel scales split with their rows, row-parallel block scales split with their
+  columns and channel scales of row-parallel weights whole on every rank.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from dcr.apply.loader import Loader
 from dcr.errors import LayoutError
 from dcr.models.families import canonical_shapes, head_dim
+from dcr.tensors.fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Scheme
 from dcr.tensors.records import TensorSpec
 
 __all__ = ["ShardedServingLoader", "ShardedServingModel", "padded_vocab"]
@@ -76,8 +83,10 @@ class ShardedServingModel(torch.nn.Module):
         tp_rank: int = 0,
         dtype: torch.dtype = torch.bfloat16,
         extra: Mapping[str, TensorSpec] | None = None,
+        fp8: Fp8Scheme | None = None,
     ) -> None:
         super().__init__()
+        self.fp8 = fp8
         if not 0 <= tp_rank < tp_size:
             raise LayoutError(f"tp_rank={tp_rank} is outside tp_size={tp_size}")
         self.config = dict(config)
@@ -113,8 +122,9 @@ class ShardedServingModel(torch.nn.Module):
             p = f"model.layers.{i}."
             self._add(p + "input_layernorm.weight", (h,))
             qkv_rows = (self.q_heads + 2 * self.kv_heads) * hd
-            self._add(p + "self_attn.qkv_proj.weight", (qkv_rows, h))
-            self._add(p + "self_attn.o_proj.weight", (h, self.q_heads * hd))
+            self._weight(p + "self_attn.qkv_proj.weight", (qkv_rows, h),
+                         (self.q_heads * hd, self.kv_heads * hd))  # fmt: skip
+            self._weight(p + "self_attn.o_proj.weight", (h, self.q_heads * hd), row_parallel=True)
             if p + "self_attn.q_norm.weight" in self.canonical:
                 self._add(p + "self_attn.q_norm.weight", (hd,))
                 self._add(p + "self_attn.k_norm.weight", (hd,))
@@ -122,11 +132,11 @@ class ShardedServingModel(torch.nn.Module):
             if p + "mlp.gate.weight" in self.canonical:
                 f = int(c["moe_intermediate_size"])
                 self._add(p + "mlp.gate.weight", (self.experts, h))
-                self._add(p + "mlp.experts.w13_weight", (self.local_experts, 2 * f, h))
-                self._add(p + "mlp.experts.w2_weight", (self.local_experts, h, f))
+                self._weight(p + "mlp.experts.w13_weight", (self.local_experts, 2 * f, h), (f,))
+                self._weight(p + "mlp.experts.w2_weight", (self.local_experts, h, f))
             else:
-                self._add(p + "mlp.gate_up_proj.weight", (2 * self.ffn, h))
-                self._add(p + "mlp.down_proj.weight", (h, self.ffn))
+                self._weight(p + "mlp.gate_up_proj.weight", (2 * self.ffn, h), (self.ffn,))
+                self._weight(p + "mlp.down_proj.weight", (h, self.ffn), row_parallel=True)
         self._add("model.norm.weight", (h,), torch.float32)
         if self.tied:
             self.lm_head = torch.nn.Module()
@@ -151,6 +161,36 @@ class ShardedServingModel(torch.nn.Module):
                 module.add_module(part, child)
             module = child
         return module
+
+    def _weight(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        parts: tuple[int, ...] = (),
+        *,
+        row_parallel: bool = False,
+    ) -> None:
+        """A projection weight; with FP8, float8 values and the scales beside them (``parts``:
+        row counts of the fused pieces, each a whole number of scale tiles)."""
+        if self.fp8 is None:
+            self._add(name, shape)
+            return
+        self._add(name, shape, FP8_DTYPE)
+        *lead, rows, cols = shape
+        b = self.fp8.block
+        if b is None:
+            full_rows = rows  # channel scales: one per output row, never split by columns
+            scale = (*lead, full_rows, 1)
+        else:
+            for n in (*parts, rows):
+                if n % b:
+                    raise LayoutError(f"{n} rows of a fused piece of {name} are not whole "
+                                      f"{b}x{b} tiles", check="fp8-tiles")  # fmt: skip
+            if row_parallel and self.tp_size > 1 and cols % b:
+                raise LayoutError(f"{cols} columns of {name} per rank are not whole {b}x{b} "
+                                  "tiles", check="fp8-tiles")  # fmt: skip
+            scale = (*lead, rows // b, -(-cols // b))
+        self._add(name + ("_scale" if b is None else "_scale_inv"), scale, SCALE_DTYPE)
 
     def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
         parent, _, leaf = name.rpartition(".")
@@ -192,10 +232,11 @@ class ShardedServingLoader(Loader):
         tp_rank: int = 0,
         dtype: torch.dtype = torch.bfloat16,
         extra: Mapping[str, TensorSpec] | None = None,
+        fp8: Fp8Scheme | None = None,
     ) -> ShardedServingLoader:
         """Build one rank and dense-load ``state_dict`` into it."""
         model = ShardedServingModel(
-            config, family, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, extra=extra
+            config, family, tp_size=tp_size, tp_rank=tp_rank, dtype=dtype, extra=extra, fp8=fp8
         )
         loader = cls(model)
         loader.dense_load(state_dict)
@@ -250,26 +291,35 @@ class ShardedServingLoader(Loader):
         if rest.endswith("norm.weight") or rest == "mlp.gate.weight":
             self._param(prefix + rest).copy_(w)
             return prefix + rest
+        # FP8 scales land like their weights, rows (and columns) counted in scale tiles.
+        suffix, unit, channel = "", 1, False
+        if m.fp8 is not None:
+            for end in ("_scale_inv", "_scale"):
+                if rest.endswith(".weight" + end):
+                    rest, suffix = rest.removesuffix(end), end
+                    unit, channel = m.fp8.block or 1, m.fp8.block is None
         if rest in _QKV:
-            target = prefix + "self_attn.qkv_proj.weight"
-            q_rows, kv_rows = m.q_heads * hd, m.kv_heads * hd
+            target = prefix + "self_attn.qkv_proj.weight" + suffix
+            q_rows, kv_rows = m.q_heads * hd // unit, m.kv_heads * hd // unit
             if rest.startswith("self_attn.q"):
                 src, dst = w.narrow(0, r * q_rows, q_rows), (0, q_rows)
             else:
                 nkv = int(m.config.get("num_key_value_heads", m.config["num_attention_heads"]))
                 head = r * m.kv_heads if nkv >= m.tp_size else r * nkv // m.tp_size
-                src = w.narrow(0, head * hd, kv_rows)
+                src = w.narrow(0, head * hd // unit, kv_rows)
                 dst = (q_rows if rest.startswith("self_attn.k") else q_rows + kv_rows, kv_rows)
             self._param(target)[dst[0] : dst[0] + dst[1]].copy_(src)
             return target
         if rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-            cols = self._param(prefix + rest).shape[1]
-            self._param(prefix + rest).copy_(w.narrow(1, r * cols, cols))
-            return prefix + rest
+            target = prefix + rest + suffix
+            cols = self._param(target).shape[1]
+            self._param(target).copy_(w if channel else w.narrow(1, r * cols, cols))
+            return target
         if rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-            target = prefix + "mlp.gate_up_proj.weight"
-            offset = 0 if rest == "mlp.gate_proj.weight" else m.ffn
-            self._param(target)[offset : offset + m.ffn].copy_(w.narrow(0, r * m.ffn, m.ffn))
+            target = prefix + "mlp.gate_up_proj.weight" + suffix
+            ffn = m.ffn // unit
+            offset = 0 if rest == "mlp.gate_proj.weight" else ffn
+            self._param(target)[offset : offset + ffn].copy_(w.narrow(0, r * ffn, ffn))
             return target
         expert = _EXPERT.fullmatch(rest)
         if expert is None:
@@ -279,10 +329,10 @@ class ShardedServingLoader(Loader):
             return None
         kind = expert.group(2)
         if kind == "down_proj":
-            target = prefix + "mlp.experts.w2_weight"
+            target = prefix + "mlp.experts.w2_weight" + suffix
             self._param(target)[local].copy_(w)
             return target
-        target = prefix + "mlp.experts.w13_weight"
+        target = prefix + "mlp.experts.w13_weight" + suffix
         f = w.shape[0]
         offset = 0 if kind == "gate_proj" else f
         self._param(target)[local, offset : offset + f].copy_(w)
