@@ -52,10 +52,11 @@ def test_a_dense_fp8_load_holds_the_quantization_of_the_bf16_rank(
             scale = held[name + ("_scale_inv" if block else "_scale")]
             if block is None and tp > 1 and name.endswith(ROW_PARALLEL):
                 continue  # channel scales of a column slice are the whole rows' (below)
-            pieces = t.unbind(0) if t.dim() == 3 else [t]
-            scales = scale.unbind(0) if t.dim() == 3 else [scale]
-            for piece, s_held, q_held in zip(pieces, scales, held[name].unbind(0)
-                                             if t.dim() == 3 else [held[name]], strict=True):  # fmt: skip
+            stacked = t.dim() == 3  # experts: one matrix each
+            pieces = t.unbind(0) if stacked else [t]
+            scales = scale.unbind(0) if stacked else [scale]
+            values = held[name].unbind(0) if stacked else [held[name]]
+            for piece, s_held, q_held in zip(pieces, scales, values, strict=True):
                 q, s = quantize(piece, scheme)
                 assert _same(q_held, q) and _same(s_held, s), name
                 checked += 1
