@@ -47,6 +47,7 @@ class TrainingGroup(ABC):
 
     def __init__(self, plan: TrainingPlan, config: BuildConfig | None) -> None:
         self.plan = plan
+        self._wire: Mapping[str, TensorSpec] | None = None
         self.config = config or BuildConfig()
         self.owners: dict[int, Owner] = {}
         self._candidate: Mapping[str, torch.Tensor] | None = None
@@ -55,7 +56,11 @@ class TrainingGroup(ABC):
 
     @property
     def catalog(self) -> Mapping[str, TensorSpec]:
-        return self.plan.catalog
+        """What receivers hold (:attr:`TrainingPlan.wire_catalog`): the canonical catalog, or
+        with an FP8 rollout its FP8 values and scales in place of the quantized weights."""
+        if self._wire is None:
+            self._wire = self.plan.wire_catalog
+        return self._wire
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -266,7 +266,7 @@ def _model(raw: Any, base: Path, trainer: TrainerSection) -> ModelSection:
     Only the synthetic trainer trains ``[model]``; with another trainer the section may only
     name the ``checkpoint`` whose catalog the fleet serves (or be left out)."""
     if not trainer.synthetic and isinstance(raw, dict):
-        extra = sorted(set(raw) - {"checkpoint"})
+        extra = sorted(set(raw) - {"checkpoint", "rollout_dtype", "fp8_block"})
         if extra:
             raise ConfigError(
                 f"[model] keys {extra} describe the synthetic trainer's model; trainer "
@@ -278,6 +278,13 @@ def _model(raw: Any, base: Path, trainer: TrainerSection) -> ModelSection:
         if not isinstance(model.rates, list):
             raise ConfigError("[model] rates must be a list of numbers")
         model = replace(model, rates=tuple(model.rates))
+    if model.rollout_dtype not in ("bf16", "fp8"):
+        raise ConfigError(f"[model] rollout_dtype must be 'bf16' or 'fp8', got "
+                          f"{model.rollout_dtype!r}")  # fmt: skip
+    block = model.fp8_block
+    if block != "channel" and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ConfigError(f"[model] fp8_block must be a positive integer or 'channel', got "
+                          f"{block!r}")  # fmt: skip
     if model.checkpoint is not None:
         if not isinstance(model.checkpoint, str) or not model.checkpoint:
             raise ConfigError("[model] checkpoint must be the path of a checkpoint directory")

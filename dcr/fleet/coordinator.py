@@ -330,7 +330,7 @@ class FleetCoordinator:
             # A trainer of another kind trains a model that [model] need not describe.
             if self.config.model.checkpoint is not None or self.config.trainer.synthetic:
                 with contextlib.suppress(DcrError, OSError, KeyError, TypeError, ValueError):
-                    names = frozenset(FleetModel(self.config).catalog)
+                    names = frozenset(FleetModel(self.config).wire_catalog)
             self._catalog_names = (names,)
         return self._catalog_names[0]
 

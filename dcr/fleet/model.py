@@ -34,6 +34,7 @@ from dcr.errors import CheckpointError, ConfigError
 from dcr.fleet.config import FleetConfig
 from dcr.fleet.sections import ReceiverSpec
 from dcr.models.families import FAMILIES, canonical_shapes, tiny_config
+from dcr.models.fp8 import rollout_state_dict
 from dcr.models.synthetic import SyntheticRun
 from dcr.tensors.bits import bits, dtype_name
 from dcr.tensors.records import TensorSpec
@@ -166,7 +167,21 @@ class FleetModel:
         tp, ep, dp = self.fleet.trainer.layout
         layout = TrainLayout(tp=tp, ep=ep, dp=dp)
         family = self.family if self.family in FAMILIES else None
-        return build_plan(self.catalog, layout, family=family, config=self.config)
+        return build_plan(self.catalog, layout, family=family, config=self.config,
+                          fp8=self.fleet.model.fp8)  # fmt: skip
+
+    @cached_property
+    def wire_catalog(self) -> dict[str, TensorSpec]:
+        """What receivers hold: the catalog, or with ``[model] rollout_dtype = "fp8"`` its FP8
+        quantization (float8 projection weights followed by their scales)."""
+        if self.fleet.model.fp8 is None:
+            return self.catalog
+        return self.plan.wire_catalog
+
+    def rollout(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors receivers hold of a version whose canonical tensors are ``state``."""
+        scheme = self.fleet.model.fp8
+        return dict(state) if scheme is None else rollout_state_dict(state, scheme)
 
     @property
     def build(self) -> BuildConfig:
@@ -181,8 +196,9 @@ class FleetModel:
         refit over the fleet."""
         self.require_synthetic()
         return ShardedServingModel(
-            self.config, self.family, tp_size=spec.tp, tp_rank=spec.rank, dtype=self.dtype
-        )
+            self.config, self.family, tp_size=spec.tp, tp_rank=spec.rank, dtype=self.dtype,
+            fp8=self.fleet.model.fp8,
+        )  # fmt: skip
 
     @cached_property
     def xor_names(self) -> frozenset[str]:
@@ -222,7 +238,7 @@ class FleetModel:
 
     def integration(self) -> Integration:
         return Integration(
-            catalog=self.catalog,
+            catalog=self.wire_catalog,
             xor_names=self.xor_names,
             owner_ids={f"o{rank}": rank for rank in range(self.plan.layout.world_size)},
         )
@@ -230,12 +246,15 @@ class FleetModel:
     def expected_digests(
         self, state: Mapping[str, torch.Tensor], specs: Iterable[ReceiverSpec]
     ) -> dict[tuple[int, int], dict[str, str]]:
-        """Digests of a dense load of ``state`` into each serving rank layout."""
+        """Digests of a dense load of ``state`` (canonical tensors; the rollout's conversion of
+        them, :meth:`rollout`) into each serving rank layout."""
         self.require_synthetic()
         out = {}
+        served = self.rollout(state)
         for tp, rank in sorted({(s.tp, s.rank) for s in specs}):
             loader = ShardedServingLoader.dense(
-                self.config, self.family, state, tp_size=tp, tp_rank=rank, dtype=self.dtype
-            )
+                self.config, self.family, served, tp_size=tp, tp_rank=rank, dtype=self.dtype,
+                fp8=self.fleet.model.fp8,
+            )  # fmt: skip
             out[(tp, rank)] = digests(loader.module)
         return out

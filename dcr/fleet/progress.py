@@ -226,7 +226,8 @@ class FleetProgress:
         if set(reported) != set(engine.receivers):
             return
         del self._fingerprints[(engine.name, version)]
-        failed = check_fingerprints(version, self._canonical(version), reported)
+        served = self.model.rollout(self._canonical(version))
+        failed = check_fingerprints(version, served, reported)
         for name in engine.receivers:
             if version > 0:
                 self._row(version).checks[name] = name not in failed

@@ -79,7 +79,9 @@ async def _preload(
     loader = ShardedServingLoader(rank)
     run = model.run
     await anyio.to_thread.run_sync(
-        lambda: loader.load_weights((n, run.tensor(n, 0)) for n in model.catalog)
+        lambda: loader.load_weights(
+            pair for n in model.catalog for pair in model.rollout({n: run.tensor(n, 0)}).items()
+        )
     )
     return record
 
@@ -195,7 +197,7 @@ async def run_receiver(
         rank = model.receiver_model(spec)
         if cfg.model.preloaded and held is None:
             held = preloaded = await _preload(cfg, model, rank)
-        receiver = Applier(ShardedServingLoader(rank), model.catalog)
+        receiver = Applier(ShardedServingLoader(rank), model.wire_catalog)
         await anyio.to_thread.run_sync(receiver.prewarm)
     elif receiver is None:
         receiver = await anyio.to_thread.run_sync(runtime_receiver, cfg, spec)

@@ -54,7 +54,7 @@ def payload_bound(cfg: FleetConfig) -> int | None:
             default=1,
         )  # fmt: skip
     return largest_payload(
-        model.catalog,
+        model.wire_catalog,
         bucket_bytes=build.bucket_bytes,
         chunk_bytes=build.chunk_bytes,
         largest_shard_bytes=shard,

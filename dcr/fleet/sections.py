@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dcr.protocol.types import Timeouts
+from dcr.tensors.fp8 import Fp8Scheme
 
 if TYPE_CHECKING:
     from dcr.delta.build import BuildConfig
@@ -53,6 +54,20 @@ class ModelSection:
     instead of ``family``, ``size_mb`` and ``overrides``: the catalog (names, shapes, dtypes)
     from its safetensors headers (:func:`dcr.catalog.read_catalog`), the config from its
     ``config.json``.  The synthetic trainer trains synthetic weights of that catalog."""
+    rollout_dtype: str = "bf16"
+    """What receivers serve: ``"bf16"``, the trainer's weights as they are, or ``"fp8"``, their
+    FP8 quantization (``docs/fp8.md``): the projection weights as float8 values and float32
+    scales, everything else as it is; owners send only the tiles that changed."""
+    fp8_block: int | str = 128
+    """With ``rollout_dtype = "fp8"``: scale tiles of this many rows and columns, or
+    ``"channel"`` for one scale per output row."""
+
+    @property
+    def fp8(self) -> Fp8Scheme | None:
+        """The FP8 rollout scheme, or ``None`` for a BF16 rollout."""
+        if self.rollout_dtype != "fp8":
+            return None
+        return Fp8Scheme(None if self.fp8_block == "channel" else int(self.fp8_block))
 
 
 SYNTHETIC = "synthetic"

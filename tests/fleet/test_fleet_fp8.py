@@ -1,0 +1,65 @@
+"""A fleet whose receivers serve FP8 (``[model] rollout_dtype = "fp8"``): the trainer's owners
+send only the re-quantized tiles that changed, every role is SIGKILLed mid-refit once, and
+every receiver -- serving TP 1 and 2 -- holds exactly a dense load of the FP8 export of each
+version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fleet_helpers import alive, small_fleet
+
+from dcr.errors import ConfigError
+from dcr.fleet.config import FleetConfig, load_fleet
+from dcr.fleet.faults import default_faults
+from dcr.fleet.launcher import Launcher
+from dcr.fleet.model import FleetModel
+from dcr.tensors.fp8 import FP8_DTYPE, Fp8Scheme
+
+
+def _fp8(cfg: FleetConfig, block: int | str) -> FleetConfig:
+    path = cfg.path
+    text = path.read_text()
+    model = "[model]\n"
+    block_text = f'"{block}"' if isinstance(block, str) else str(block)
+    path.write_text(
+        text.replace(model, f'{model}rollout_dtype = "fp8"\nfp8_block = {block_text}\n', 1)
+    )
+    return load_fleet(path)
+
+
+def test_an_fp8_fleet_recovers_every_sigkill_bit_exactly(tmp_path: Path) -> None:
+    cfg = _fp8(small_fleet(tmp_path, refits=4), 32)
+    model = FleetModel(cfg)
+    assert cfg.model.fp8 == Fp8Scheme(32)
+    fp8 = {n for n, s in model.wire_catalog.items() if s.dtype == FP8_DTYPE}
+    assert fp8 == set(model.plan.quantized) and len(model.wire_catalog) == len(model.catalog) + len(
+        fp8
+    )
+    faults = default_faults(cfg)
+    launcher = Launcher(cfg, faults=faults, deadline_s=600)
+    report = launcher.run()
+    assert report["bit_exact"] is True, report["mismatches"]
+    rows = report["refits"]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["receivers_checked"] == ["r0", "r1", "r2"] and r["bit_exact"] for r in rows)
+    killed = {k["process"].split("-")[0] for k in report["sigkills"]}
+    assert {"r1", "o1", "coordinator"} <= killed
+    pids = [p.popen.pid for p in launcher.procs.values() if p.popen is not None]
+    assert pids and not [pid for pid in pids if alive(pid)]
+
+
+def test_fp8_settings_are_checked(tmp_path: Path) -> None:
+    cfg = small_fleet(tmp_path, refits=1)
+    text = cfg.path.read_text()
+    for bad, match in (('rollout_dtype = "int4"', "rollout_dtype"), ("fp8_block = 0", "fp8_block"),
+                       ('fp8_block = "rows"', "fp8_block")):  # fmt: skip
+        cfg.path.write_text(text.replace("[model]\n", f"[model]\n{bad}\n", 1))
+        with pytest.raises(ConfigError, match=match):
+            load_fleet(cfg.path)
+    # The trainer's TP 2 splits o_proj by columns: channel scales need whole rows.
+    cfg.path.write_text(text)
+    channel = _fp8(load_fleet(cfg.path), "channel")
+    with pytest.raises(ConfigError, match="whole rows"):
+        _ = FleetModel(channel).plan
