@@ -14,8 +14,9 @@ constructions of the rollout refit are timed (median of ``repeats``):
 
 Each row reports the tiles touched (the fraction of all tiles of the quantized weights), the
 FP8 values and scales that changed, payload bytes of both (zstd, byte-planed values, one
-payload per tensor), the adaptive bytes (per tensor the smaller of the two, as an owner's
-``dense_above`` picks), construction seconds, and whether the delta applied to the committed
+payload per tensor), construction seconds, the same for the owners' adaptive choice
+(``dense_above``, :data:`~dcr.delta.build.DENSE_ABOVE` by default: a region whose FP8 values
+changed that much goes whole, one span item), and whether the delta applied to the committed
 FP8 checkpoint gives exactly the bits of the new version's full quantization.
 """
 
@@ -32,6 +33,7 @@ import torch
 
 from dcr.bench.construct import synthetic_config
 from dcr.bench.workloads import Workload, changed_fraction, label_of, new_version, workloads
+from dcr.delta.build import DENSE_ABOVE
 from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
 from dcr.models.families import random_state_dict
 from dcr.models.fp8 import quantized_names
@@ -65,11 +67,15 @@ def _dense(
 
 
 def _delta(
-    base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    rollout: Fp8Rollout,
+    dense_above: float | None = None,
 ) -> tuple[dict[str, int], Fp8Stats]:
     """Scan, re-quantize the touched tiles, encode the changes: bytes per canonical tensor and
-    what changed.  The candidate stays staged in ``rollout`` (discarded first, so repeats
-    start from the committed version)."""
+    what changed.  ``dense_above``: a tensor (BF16) or region (FP8) changed at least that much
+    goes whole, as owners choose.  The candidate stays staged in ``rollout`` (discarded first,
+    so repeats start from the committed version)."""
     rollout.discard()
     stats = Fp8Stats()
     sizes: dict[str, int] = {}
@@ -77,7 +83,9 @@ def _delta(
         new_bits = bits(t).reshape(-1)
         changed = np.flatnonzero(bits(base[name]).reshape(-1) != new_bits)
         if name in rollout.mirror:
-            items = rollout.stage(name, changed, new_bits[changed], stats)
+            items = rollout.stage(name, changed, new_bits[changed], stats, dense_above=dense_above)
+        elif dense_above is not None and changed.shape[0] >= dense_above * t.numel():
+            items = [overwrite_item(name, t, None, new_bits)]
         elif changed.shape[0]:
             items = [overwrite_item(name, t, changed, new_bits[changed])]
         else:
@@ -136,6 +144,9 @@ def run_fp8_bench(
             delta_s, (delta_sizes, stats) = _median_seconds(
                 partial(_delta, base, new, rollout), repeats
             )
+            adaptive_s, (adaptive_sizes, adaptive) = _median_seconds(
+                partial(_delta, base, new, rollout, DENSE_ABOVE), repeats
+            )
             q_total = sum(int(np.prod(shapes[n])) for n in names)
             rows.append({
                 "workload": workload.label,
@@ -150,7 +161,10 @@ def run_fp8_bench(
                 "scales_changed": stats.scales_changed,
                 "delta_payload_bytes": sum(delta_sizes.values()),
                 "dense_payload_bytes": sum(dense_sizes.values()),
-                "adaptive_payload_bytes": sum(min(delta_sizes[n], dense_sizes[n]) for n in new),
+                "adaptive_payload_bytes": sum(adaptive_sizes.values()),
+                "adaptive_construct_seconds": adaptive_s,
+                "adaptive_dense_regions": adaptive.dense,
+                "dense_above": DENSE_ABOVE,
                 "delta_construct_seconds": delta_s,
                 "dense_construct_seconds": dense_s,
                 "exact": _exact(rollout, fresh),
@@ -169,7 +183,8 @@ def format_fp8_table(result: Mapping[str, Any]) -> str:
         f"model {result['model_bytes'] / 1e9:.2f} GB bf16, {result['quantized_tensors']} of "
         f"{result['tensors']} tensors quantized, medians of {result['repeats']}",
         f"{'workload':<16} {'changed':>8} {'scales':<18} {'tiles touched':>14} {'fp8 chg':>8} "
-        f"{'delta MB':>9} {'dense MB':>9} {'adapt MB':>9} {'delta s':>8} {'dense s':>8} exact",
+        f"{'delta MB':>9} {'dense MB':>9} {'adapt MB':>9} {'delta s':>8} {'dense s':>8} "
+        f"{'adapt s':>8} exact",
     ]
     for r in result["rows"]:
         lines.append(
@@ -177,6 +192,7 @@ def format_fp8_table(result: Mapping[str, Any]) -> str:
             f"{100 * r['tiles_touched_fraction']:13.1f}% {100 * r['fp8_changed_fraction']:7.2f}% "
             f"{r['delta_payload_bytes'] / 1e6:9.2f} {r['dense_payload_bytes'] / 1e6:9.2f} "
             f"{r['adaptive_payload_bytes'] / 1e6:9.2f} {r['delta_construct_seconds']:8.3f} "
-            f"{r['dense_construct_seconds']:8.3f} {'yes' if r['exact'] else 'NO'}"
+            f"{r['dense_construct_seconds']:8.3f} {r['adaptive_construct_seconds']:8.3f} "
+            f"{'yes' if r['exact'] else 'NO'}"
         )
     return "\n".join(lines)

@@ -213,8 +213,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "makes the next version. Reports the tiles its changed elements touch, the FP8 "
             "values and scales that change, payload bytes of the delta (only touched tiles "
             "re-quantized, changes sent as overwrites), of a dense FP8 refit and of the "
-            "per-tensor smaller of the two (adaptive), construction seconds of both (median "
-            "of --repeats), and whether the delta gives the full quantization's bits (exact)."
+            "owners' adaptive choice (a region or tensor changed by at least dense_above, "
+            "8%, goes whole), construction seconds of each (median of --repeats), and "
+            "whether the delta gives the full quantization's bits (exact)."
         ),
     )
     fp8.add_argument("--size-mb", type=_positive, default=512, help="model size (default 512)")

@@ -127,7 +127,7 @@ class BuildStats:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.seconds.items():
             self.add_time(k, v)
-        for f in ("tiles", "tiles_touched", "fp8_changed", "scales_changed"):
+        for f in ("tiles", "tiles_touched", "fp8_changed", "scales_changed", "dense"):
             setattr(self.fp8, f, getattr(self.fp8, f) + getattr(other.fp8, f))
 
 

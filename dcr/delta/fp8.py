@@ -134,10 +134,13 @@ class Fp8Stats:
     tiles_touched: int = 0
     fp8_changed: int = 0
     scales_changed: int = 0
+    dense: int = 0
+    """Regions sent whole (``dense_above``)."""
 
     def as_dict(self) -> dict[str, int]:
         return {"tiles": self.tiles, "tiles_touched": self.tiles_touched,
-                "fp8_changed": self.fp8_changed, "scales_changed": self.scales_changed}  # fmt: skip
+                "fp8_changed": self.fp8_changed, "scales_changed": self.scales_changed,
+                "dense": self.dense}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -259,11 +262,16 @@ class Fp8Rollout:
         index: npt.NDArray[np.int64],
         values: npt.NDArray[np.uint16],
         stats: Fp8Stats | None = None,
+        *,
+        dense_above: float | None = None,
     ) -> list[Item]:
         """Write the changed BF16 elements ``index`` (canonical flat indices, increasing) and
         their new bits ``values`` into the mirror of ``name``; re-quantize the tiles they touch
         and return the overwrite items of the FP8 values and scales that changed (none when
-        nothing did).  Staging a name again before commit or discard is refused."""
+        nothing did).  With ``dense_above``, a region whose FP8 values changed at least that
+        much (as a fraction of its elements) sends them whole instead: one span item, no index
+        per entry (the owners' choice between sparse and dense, ``BuildConfig.dense_above``).
+        Staging a name again before commit or discard is refused."""
         mirror = self.mirror.get(name)
         if mirror is None:
             raise LayoutError("not a quantized weight of this rollout", tensor=name, check="fp8")
@@ -290,7 +298,24 @@ class Fp8Rollout:
             stats.tiles_touched += delta.tiles
             stats.fp8_changed += int(delta.q_index.shape[0])
             stats.scales_changed += int(delta.s_index.shape[0])
+        if dense_above is not None and delta.q_index.shape[0] >= dense_above * mirror.numel():
+            if stats is not None:
+                stats.dense += 1
+            return self._dense_staged(name, delta, out)
         return self._items(name, out)
+
+    def _dense_staged(self, name: str, local: Fp8Delta, out: Fp8Delta) -> list[Item]:
+        """The staged FP8 values of ``name``'s region whole (a span item), with its changed
+        scales listed."""
+        region = self.regions[name]
+        candidate = bits(self.q[name]).reshape(-1).copy()
+        candidate[local.q_index] = local.q_values
+        (r0, _), (c0, _) = region.rows, region.cols
+        span = _rect_span(region.shape[1], r0, c0, region.local_shape[1])
+        items = [_item(self.specs()[name], span, candidate)]
+        empty = Fp8Delta(np.empty(0, np.int64), np.empty(0, np.uint8), out.s_index,
+                         out.s_values, out.tiles)  # fmt: skip
+        return items + self._items(name, empty)
 
     def _items(self, name: str, delta: Fp8Delta) -> list[Item]:
         specs = self.specs()

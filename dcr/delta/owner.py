@@ -435,9 +435,12 @@ class Owner:
                 order = np.argsort(index, kind="stable")
                 index, values = index[order], values[order]
             t0 = time.thread_time()
-            items = self.fp8.stage(name, index, values, stats.fp8)
+            numel = self.fp8.mirror[name].numel()
+            above = self.config.dense_above if numel >= DENSE_MIN_ELEMENTS else None
+            items = self.fp8.stage(name, index, values, stats.fp8, dense_above=above)
             for item in items:
-                packer.add(item.name, Encoding.OVERWRITE, item.indices, item.values)
+                where = item.span if item.span is not None else item.indices
+                packer.add(item.name, Encoding.OVERWRITE, where, item.values)
             stats.add_time("convert", time.thread_time() - t0)
             if items:
                 yield self.fp8.mirror[name].numel() * 2, False

@@ -234,6 +234,10 @@ def requantize(
     if n == 0:
         return Fp8Delta(empty_i, empty_u8, empty_i, np.empty(0, np.float32), 0)
     s_flat = s.reshape(-1)
+    if n * 2 > s_flat.shape[0]:
+        # Most tiles: quantizing the whole matrix costs no more, and its row-major result
+        # compares in one pass, already in index order.
+        return _requantize_all(w, q, s, n, scheme, name=name, update=update)
     if scheme.block is None:
         new_q, new_s = _quantize_tiles(w.detach()[t].reshape(n, 1, cols), name)
         new_q = new_q.reshape(n, cols)
@@ -269,3 +273,25 @@ def requantize(
         s_flat[t[s_changed]] = new_s[s_changed]
     order = np.argsort(q_index, kind="stable")
     return Fp8Delta(q_index[order], q_values[order], s_index, s_values, n)
+
+
+def _requantize_all(
+    w: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    tiles: int,
+    scheme: Fp8Scheme,
+    *,
+    name: str | None,
+    update: bool,
+) -> Fp8Delta:
+    new_q, new_s = quantize(w, scheme, name=name)
+    new_bits = new_q.view(torch.uint8).numpy().reshape(-1)
+    q_index = np.flatnonzero(new_bits != q.view(torch.uint8).numpy().reshape(-1))
+    new_scales = new_s.numpy().reshape(-1)
+    s_index = np.flatnonzero(new_scales.view(np.uint32) != s.numpy().reshape(-1).view(np.uint32))
+    delta = Fp8Delta(q_index, new_bits[q_index], s_index, new_scales[s_index], tiles)
+    if update:
+        q.copy_(new_q)
+        s.copy_(new_s)
+    return delta

@@ -17,7 +17,7 @@ import torch
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
 from dcr.apply.proof import receiver_proof
-from dcr.delta.build import BuildStats
+from dcr.delta.build import BuildConfig, BuildStats
 from dcr.delta.group import BucketStreams, LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.delta.proof import owner_proof
@@ -211,3 +211,30 @@ def test_the_proof_of_the_base_version_covers_fp8_values_and_scales(
         assert set(verdict().failed) == {"r0"}, name
         flat[3] ^= 1
     assert dict(verdict().failed) == {}
+
+
+def test_regions_whose_fp8_values_change_a_lot_go_dense_and_stay_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``dense_above`` at 5%, a real AdamW step at lr 1e-4 (most FP8 values of most
+    regions change) sends those regions' FP8 values whole, as span items; the rest stays
+    sparse; the receiver ends at the export either way."""
+    import dcr.delta.owner as owner_module
+
+    monkeypatch.setattr(owner_module, "DENSE_MIN_ELEMENTS", 0)  # tiny weights may go dense
+    scheme = Fp8Scheme(16)
+    v0, v1, v2, _ = _versions("qwen3")
+    plan = build_plan(_catalog(v0), TrainLayout(tp=2), family="qwen3",
+                      config=tiny_config("qwen3"), fp8=scheme)  # fmt: skip
+    group = LocalTrainingGroup(plan, plan.slice(v1), config=BuildConfig(dense_above=0.05))
+    module, receiver = _receiver(rollout_state_dict(v1, scheme), scheme)
+    group.stage(plan.slice(v2))
+    items, stats = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    spans = [i for i in items if i.name in plan.quantized and i.span is not None]
+    listed = [i for i in items if i.name in plan.quantized and i.span is None]
+    assert spans and stats.fp8.dense == len(spans)
+    assert all(i.count == plan.wire_catalog[i.name].numel // 2 for i in spans)  # a TP 2 region
+    receiver.apply_items(items, attempt=1)
+    group.commit()
+    assert _mismatches(module, rollout_state_dict(v2, scheme)) == []
+    assert listed or stats.fp8.dense == len(plan.quantized) * 2
