@@ -171,15 +171,17 @@ def touched_tiles(
 ) -> npt.NDArray[np.int64]:
     """Flat indices into the tile grid (:meth:`Fp8Scheme.tile_grid`, row-major) of the tiles
     that hold at least one of the ``changed`` flat element indices of a matrix of ``shape``;
-    sorted, unique."""
+    sorted, unique (one pass over the indices and a mask over the grid: no sort)."""
     _, cols = _matrix(shape)
     idx = np.asarray(changed, dtype=np.int64).reshape(-1)
-    row = idx // cols
+    tr, tc = scheme.tile_grid(shape)
+    mask = np.zeros(tr * tc, dtype=np.bool_)
     if scheme.block is None:
-        return np.unique(row)
-    b = scheme.block
-    _, tc = scheme.tile_grid(shape)
-    return np.unique((row // b) * tc + (idx % cols) // b)
+        mask[idx // cols] = True
+    else:
+        b = scheme.block
+        mask[(idx // (cols * b)) * tc + (idx % cols) // b] = True
+    return np.flatnonzero(mask)
 
 
 @dataclass(frozen=True, slots=True)
