@@ -115,7 +115,7 @@ def _median_seconds(run: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 
 def run_fp8_bench(
     *,
-    size_bytes: int = 512 << 20,
+    size_bytes: int = 1024 << 20,
     rates: Sequence[float | Workload] = (0.01, 0.03, 0.05),
     blocks: Sequence[int | None] = (128, None),
     repeats: int = 3,

@@ -218,7 +218,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "whether the delta gives the full quantization's bits (exact)."
         ),
     )
-    fp8.add_argument("--size-mb", type=_positive, default=512, help="model size (default 512)")
+    fp8.add_argument("--size-mb", type=_positive, default=1024, help="model size (default 1024)")
     fp8.add_argument(
         "--rates", type=_workloads, default=[0.01, 0.03, 0.05], metavar="WORKLOADS",
         help=_WORKLOADS_HELP,

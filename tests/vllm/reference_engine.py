@@ -19,13 +19,22 @@ import argparse
 import gc
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def _one(
-    checkpoint: str, tp: int, prompts: list[list[int]], max_tokens: int
+    checkpoint: str,
+    tp: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    before: Callable[[Any], None] | None = None,
+    load_format: str | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One fresh engine's parameters and generations (``before(llm)`` runs first: a refit
+    of the engine in place, for an engine under test; ``load_format``: the plain-weights one
+    unless given)."""
     from vllm import LLM, SamplingParams
 
     from dcr.integrations.vllm import EXTENSION, PLAIN_WEIGHTS
@@ -37,11 +46,13 @@ def _one(
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
-        load_format=PLAIN_WEIGHTS,
+        load_format=load_format or PLAIN_WEIGHTS,
         worker_extension_cls=EXTENSION,
         distributed_executor_backend="external_launcher",
     )
     try:
+        if before is not None:
+            before(llm)
         (raw,) = llm.collective_rpc("dcr_parameters")
         params = parameter_bits(raw)
         sampling = SamplingParams(

@@ -37,8 +37,12 @@ pytestmark = pytest.mark.vllm
 
 Build = Callable[[Path], torch.nn.Module]
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
-    "qwen3": {}, "qwen3_moe": {}, "llama": {"head_dim": 32},
-}  # fmt: skip
+    "qwen3": {"max_position_embeddings": 16384},
+    "qwen3_moe": {"max_position_embeddings": 16384},
+    "llama": {"head_dim": 32, "max_position_embeddings": 16384},
+}
+"""As the engine tests' models: CPU attention needs head_dim >= 32, the fixed prompts reach 270
+tokens."""
 
 
 def _grow_first_row_max(sd: dict[str, torch.Tensor]) -> None:
@@ -129,3 +133,48 @@ def test_block_scaled_fp8_refits_or_a_clear_refusal(tmp_path: Path, build_model:
     items, _ = _refit(bf16, versions[1]["bf16"], rollout)
     receiver.apply_items(items, attempt=1)
     assert bit_mismatches(model, build_model(versions[1]["path"])) == []
+
+
+def test_an_fp8_engine_refitted_in_place_equals_a_fresh_fp8_engine(tmp_path: Path) -> None:
+    """A running CPU engine on the channel-scaled export (plain-weights load format: the FP8
+    weights stay the tensors their loaders wrote, the kernel reads them transposed) takes an
+    FP8 refit in place through its native loader; its parameters, greedy tokens and log
+    probabilities equal those of an engine started fresh on the next export.  Without the
+    plain-weights format a receiver refuses the engine's FP8 layers: their weights were
+    re-wrapped after loading."""
+    import json
+    import subprocess
+    import sys
+
+    from engine_helpers import ReferenceRuns, engine_env, fixed_prompts
+
+    from dcr.fleet.config import free_port
+
+    scheme = Fp8Scheme(None)
+    versions = _versions("qwen3", tmp_path, scheme, count=2)
+    bf16 = [tmp_path / f"bf16-v{v}" for v in range(2)]
+    reference = ReferenceRuns.start(tmp_path / "reference", [versions[1]["path"]], tp=1,
+                                    max_tokens=8)  # fmt: skip
+    ((want_params, want_outputs),) = reference.result()
+    out = tmp_path / "refit"
+    out.mkdir()
+    (out / "prompts.json").write_text(json.dumps(fixed_prompts()))
+    script = Path(__file__).parent / "fp8_refit_engine.py"
+    for plain in ("yes", "no"):
+        argv = [sys.executable, str(script), "--out", str(out), "--prompts",
+                str(out / "prompts.json"), "--max-tokens", "8", "--port", str(free_port()),
+                "--plain", plain, *map(str, bf16), str(versions[0]["path"])]  # fmt: skip
+        done = subprocess.run(argv, env=engine_env(), capture_output=True, timeout=900,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    with np.load(out / "refit-r0.npz") as f:
+        mine = {f"r0/{k}": f[k] for k in f.files}
+    assert set(mine) == set(want_params)
+    assert [n for n in want_params if not np.array_equal(mine[n], want_params[n])] == []
+    got = json.loads((out / "refit.json").read_text())
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want_outputs]
+    assert [o["logprobs"] for o in got] == [o["logprobs"] for o in want_outputs]
+    repacked = json.loads((out / "repacked.json").read_text())
+    fp8_layers = [n for n in repacked if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+                                                     "down_proj"))]  # fmt: skip
+    assert fp8_layers and all("FP8 weight replaced" in repacked[n] for n in fp8_layers)

@@ -149,13 +149,16 @@ class VllmLoader(Loader):
 def find_repacked(model: torch.nn.Module) -> dict[str, str]:
     """Modules whose compute weights are no longer their plain parameters, with the reason.
 
-    Three signs, one per CPU repacking in vLLM's ``process_weights_after_loading``:
+    Four signs, one per CPU repacking in vLLM's ``process_weights_after_loading``:
 
     * ``cpu_linear`` that captures state: the GEMM dispatch binds a oneDNN handle, SGL packed
       weight or zentorch weight in a closure; only ``F.linear`` itself or a closure-free
       function computes with the parameter that is passed in;
     * a linear-like module (one with a ``quant_method``) whose weight is an empty parameter
       (the dispatch drops the dense weight after packing it);
+    * an FP8 linear layer whose weight is no longer the parameter its loader wrote (the FP8
+      kernels' processing re-wraps it transposed, or packs it into the kernel's layout) --
+      unless the plain-weights load format kept it;
     * an MoE module whose quant method has built its kernel (``moe_kernel``) on CPU weights:
       the CPU experts rewrite ``w13_weight``/``w2_weight`` into their packed layout when the
       kernel is set up -- unless the kernel carries :data:`PLAIN_EXPERTS` (the plain-weights
@@ -173,6 +176,13 @@ def find_repacked(model: torch.nn.Module) -> dict[str, str]:
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.numel() == 0:
             found[name] = "weight replaced by an empty parameter after loading"
+            continue
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            and not hasattr(weight, "weight_loader")
+        ):
+            found[name] = "FP8 weight replaced after loading (transposed or packed for the kernel)"
             continue
         kernel = getattr(quant_method, "moe_kernel", None)
         if (

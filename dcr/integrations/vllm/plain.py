@@ -16,7 +16,11 @@ every parameter the plain tensor that ``load_weights`` writes:
   which vLLM uses for MLA's ``kv_b_proj``) and compute with ``F.linear`` on their weight;
 * embedding tables used as the output head compute with ``F.linear`` on the table;
 * MoE experts skip the prepacking after loading and pad and prepack the plain expert weights
-  inside every forward call, so the kernel always sees the current bits.
+  inside every forward call, so the kernel always sees the current bits;
+* FP8 linear layers with per-channel scales (compressed-tensors, ``dcr fp8 export --block
+  channel``) keep the ``[out, in]`` float8 weight and the scales their loaders wrote -- the
+  weight processing would replace the weight by a transposed view of the same storage, which
+  carries no weight loader -- and their kernel reads that transposed view per call.
 
 Outputs are those of the same kernels on the same bits, so an engine refitted in place and an
 engine started fresh on the new checkpoint, both under this option, agree bit for bit.  It
@@ -65,6 +69,8 @@ class PlainWeightsLoader(DefaultModelLoader):  # type: ignore[misc]
                 module._cpu_skip_gemm_dispatch = True  # type: ignore[assignment]
             elif isinstance(method, UnquantizedFusedMoEMethod):
                 _pack_experts_per_call(method)
+            elif _is_fp8_channel(module):
+                _keep_fp8_plain(module)
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
         model = super().load_model(vllm_config, model_config, prefix)
@@ -77,6 +83,53 @@ class PlainWeightsLoader(DefaultModelLoader):  # type: ignore[misc]
                 # The output head reads the table itself, not a packed copy of it.
                 module.cpu_linear = torch.nn.functional.linear
         return model
+
+
+def _is_fp8_channel(module: torch.nn.Module) -> bool:
+    """A compressed-tensors FP8 linear layer with per-channel weight scales."""
+    scheme = getattr(module, "scheme", None)
+    if type(scheme).__name__ != "CompressedTensorsW8A8Fp8":
+        return False
+    return str(getattr(scheme, "strategy", "")).lower().endswith("channel")
+
+
+class _TransposedWeight:
+    """A layer as an FP8 channel kernel reads it after weight processing: ``weight`` as the
+    ``[in, out]`` (transposed) view of the layer's own ``[out, in]`` weight, every other
+    attribute the layer's."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self._layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._layer, name)
+        return value.t() if name == "weight" else value
+
+
+def _keep_fp8_plain(layer: torch.nn.Module) -> None:
+    """Run the layer's weight processing, then give it back the parameters its loaders wrote
+    (same storage: the processing only re-wraps them), and let the kernel read the weight
+    transposed per call."""
+    scheme = layer.scheme
+    process, apply = scheme.process_weights_after_loading, scheme.apply_weights
+
+    def process_plain(layer: torch.nn.Module) -> None:
+        weight, scale = layer.weight, layer.weight_scale
+        process(layer)
+        same = (layer.weight.data_ptr(), layer.weight_scale.data_ptr()) == (
+            weight.data_ptr(), scale.data_ptr(),
+        )  # fmt: skip
+        if same:  # otherwise the processing moved the bits: check_ready refuses the model
+            layer.weight, layer.weight_scale = weight, scale
+            layer._dcr_plain_fp8 = True
+
+    def apply_plain(layer: torch.nn.Module, x: torch.Tensor, bias: Any = None) -> Any:
+        if getattr(layer, "_dcr_plain_fp8", False):
+            return apply(_TransposedWeight(layer), x, bias)
+        return apply(layer, x, bias)
+
+    scheme.process_weights_after_loading = process_plain
+    scheme.apply_weights = apply_plain
 
 
 def _pack_experts_per_call(method: Any) -> None:
