@@ -106,14 +106,14 @@ class _TransposedWeight:
         return value.t() if name == "weight" else value
 
 
-def _keep_fp8_plain(layer: torch.nn.Module) -> None:
+def _keep_fp8_plain(layer: Any) -> None:
     """Run the layer's weight processing, then give it back the parameters its loaders wrote
     (same storage: the processing only re-wraps them), and let the kernel read the weight
     transposed per call."""
     scheme = layer.scheme
     process, apply = scheme.process_weights_after_loading, scheme.apply_weights
 
-    def process_plain(layer: torch.nn.Module) -> None:
+    def process_plain(layer: Any) -> None:
         weight, scale = layer.weight, layer.weight_scale
         process(layer)
         same = (layer.weight.data_ptr(), layer.weight_scale.data_ptr()) == (
@@ -123,7 +123,7 @@ def _keep_fp8_plain(layer: torch.nn.Module) -> None:
             layer.weight, layer.weight_scale = weight, scale
             layer._dcr_plain_fp8 = True
 
-    def apply_plain(layer: torch.nn.Module, x: torch.Tensor, bias: Any = None) -> Any:
+    def apply_plain(layer: Any, x: torch.Tensor, bias: Any = None) -> Any:
         if getattr(layer, "_dcr_plain_fp8", False):
             return apply(_TransposedWeight(layer), x, bias)
         return apply(layer, x, bias)
