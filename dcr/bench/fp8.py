@@ -82,7 +82,9 @@ def _delta(
     for i, (name, t) in enumerate(new.items()):
         new_bits = bits(t).reshape(-1)
         changed = np.flatnonzero(bits(base[name]).reshape(-1) != new_bits)
-        if name in rollout.mirror:
+        if name in rollout.mirror and changed.shape[0] * 4 >= t.numel():
+            items = rollout.stage_region(name, t, stats, dense_above=dense_above)  # as owners do
+        elif name in rollout.mirror:
             items = rollout.stage(name, changed, new_bits[changed], stats, dense_above=dense_above)
         elif dense_above is not None and changed.shape[0] >= dense_above * t.numel():
             items = [overwrite_item(name, t, None, new_bits)]

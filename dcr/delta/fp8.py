@@ -41,7 +41,14 @@ from dcr.tensors.fp8 import (
 )
 from dcr.tensors.records import Encoding, Item, Span, TensorSpec
 
-__all__ = ["Fp8Region", "Fp8Rollout", "Fp8Stats", "RegionBlock", "overwrite_item"]
+__all__ = [
+    "Fp8Region",
+    "Fp8Rollout",
+    "Fp8Stats",
+    "RegionBlock",
+    "overwrite_item",
+    "region_values",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +150,32 @@ class Fp8Stats:
                 "dense": self.dense}  # fmt: skip
 
 
+def _changed_tiles(
+    new: npt.NDArray[np.uint16], old: npt.NDArray[np.uint16], shape: tuple[int, int],
+    scheme: Fp8Scheme,
+) -> npt.NDArray[np.int64]:  # fmt: skip
+    """The tiles of a matrix of ``shape`` where the words ``new`` and ``old`` differ."""
+    rows, cols = shape
+    diff = (new != old).reshape(rows, cols)
+    if scheme.block is None:
+        return np.flatnonzero(diff.any(axis=1))
+    b = scheme.block
+    tr, tc = scheme.tile_grid(shape)
+    if rows % b or cols % b:
+        padded = np.zeros((tr * b, tc * b), dtype=np.bool_)
+        padded[:rows, :cols] = diff
+        diff = padded
+    return np.flatnonzero(diff.reshape(tr, b, tc, b).any(axis=(1, 3)))
+
+
+_NO_DELTA = Fp8Delta(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64),
+                     np.empty(0, np.float32), 0)  # fmt: skip
+
+
 @dataclass(slots=True)
 class _Staged:
-    index: npt.NDArray[np.int64]
+    index: npt.NDArray[np.int64] | None
+    """The mirror elements the candidate wrote (``None``: all of them, ``old`` is a copy)."""
     old: npt.NDArray[np.uint16]
     delta: Fp8Delta
 
@@ -192,23 +222,21 @@ class Fp8Rollout:
     ) -> Fp8Rollout:
         """The rollout of an owner's ``regions`` (:meth:`TrainingPlan.fp8_regions`), its
         mirror filled from the owner's committed ``shards``."""
-        return cls(scheme, {n: _assemble(r, b, shards) for n, (r, b) in regions.items()},
+        return cls(scheme, {n: region_values(r, b, shards) for n, (r, b) in regions.items()},
                    {n: r for n, (r, _) in regions.items()})  # fmt: skip
 
-    def stage_shards(self, shards: Mapping[str, torch.Tensor], regions: Mapping[
-            str, tuple[Fp8Region, Sequence[RegionBlock]]], stats: Fp8Stats | None = None,
-    ) -> list[Item]:  # fmt: skip
+    def stage_shards(
+        self,
+        shards: Mapping[str, torch.Tensor],
+        regions: Mapping[str, tuple[Fp8Region, Sequence[RegionBlock]]],
+        stats: Fp8Stats | None = None,
+    ) -> list[Item]:
         """Stage the candidate from its ``shards`` directly (every region compared with the
         mirror): for a commit that no build reached."""
         self.discard()
         items = []
         for name, (region, blocks) in regions.items():
-            new = bits(_assemble(region, blocks, shards)).reshape(-1)
-            changed = np.flatnonzero(new != bits(self.mirror[name]).reshape(-1))
-            (r0, _), (c0, _) = region.rows, region.cols
-            lr, lc = np.divmod(changed, region.local_shape[1])
-            canonical = (lr + r0) * region.shape[1] + lc + c0
-            items += self.stage(name, canonical, new[changed], stats)
+            items += self.stage_region(name, region_values(region, blocks, shards), stats)
         return items
 
     def specs(self) -> dict[str, TensorSpec]:
@@ -286,12 +314,56 @@ class Fp8Rollout:
         old = flat[index].copy()
         flat[index] = values
         tiles = touched_tiles(index, tuple(mirror.shape), self.scheme)
+        return self._requantize(name, tiles, _Staged(index, old, _NO_DELTA), stats, dense_above)
+
+    def stage_region(
+        self,
+        name: str,
+        values: torch.Tensor,
+        stats: Fp8Stats | None = None,
+        *,
+        dense_above: float | None = None,
+    ) -> list[Item]:
+        """:meth:`stage` from the candidate's BF16 values of the whole region (its shape):
+        compared with the mirror in one pass, no index per changed element -- for a weight
+        whose elements mostly changed."""
+        mirror = self.mirror.get(name)
+        if mirror is None:
+            raise LayoutError("not a quantized weight of this rollout", tensor=name, check="fp8")
+        if name in self._staged:
+            raise LayoutError("staged twice in one refit", tensor=name, check="fp8")
+        if tuple(values.shape) != tuple(mirror.shape) or values.dtype != mirror.dtype:
+            raise LayoutError(
+                f"region values are {values.dtype}{list(values.shape)}, expected "
+                f"{mirror.dtype}{list(mirror.shape)}", tensor=name, check="fp8",
+            )  # fmt: skip
+        flat = bits(mirror).reshape(-1)
+        old = flat.copy()
+        np.copyto(flat, bits(values).reshape(-1))
+        tiles = _changed_tiles(flat, old, self.regions[name].local_shape, self.scheme)
+        return self._requantize(name, tiles, _Staged(None, old, _NO_DELTA), stats, dense_above)
+
+    def _requantize(
+        self,
+        name: str,
+        tiles: npt.NDArray[np.int64],
+        staged: _Staged,
+        stats: Fp8Stats | None,
+        dense_above: float | None,
+    ) -> list[Item]:
+        """Re-quantize ``tiles`` of the mirror (which holds the candidate) and stage it."""
+        mirror = self.mirror[name]
         try:
             delta = requantize(mirror, self.q[name], self.s[name], tiles, self.scheme, name=name)
         except ConfigError:
-            flat[index] = old
+            flat = bits(mirror).reshape(-1)
+            if staged.index is None:
+                flat[:] = staged.old
+            else:
+                flat[staged.index] = staged.old
             raise
-        self._staged[name] = _Staged(index, old, delta)
+        staged.delta = delta
+        self._staged[name] = staged
         out = self._canonical(name, delta)
         if stats is not None:
             stats.tiles += int(np.prod(self.scheme.tile_grid(tuple(mirror.shape))))
@@ -339,7 +411,11 @@ class Fp8Rollout:
     def discard(self) -> None:
         """Drop the staged candidate: the mirror gets its committed bits back."""
         for name, st in self._staged.items():
-            bits(self.mirror[name]).reshape(-1)[st.index] = st.old
+            flat = bits(self.mirror[name]).reshape(-1)
+            if st.index is None:
+                flat[:] = st.old
+            else:
+                flat[st.index] = st.old
         self._staged = {}
 
     def dense_items(self, names: Iterable[str] | None = None) -> list[Item]:
@@ -365,10 +441,10 @@ class Fp8Rollout:
         return out
 
 
-def _assemble(
+def region_values(
     region: Fp8Region, blocks: Sequence[RegionBlock], shards: Mapping[str, torch.Tensor]
 ) -> torch.Tensor:
-    """A region's BF16 values, copied from the shard blocks that fill it."""
+    """A region's BF16 values, copied from the shard blocks (of ``shards``) that fill it."""
     out = torch.empty(region.local_shape, dtype=torch.bfloat16)
     (r0, _), (c0, _) = region.rows, region.cols
     for b in blocks:

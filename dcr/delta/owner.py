@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
-from dcr.delta.fp8 import Fp8Rollout
+from dcr.delta.fp8 import Fp8Rollout, region_values
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.packing import DenseRun, Index, Packer, UInt, dense_spans
@@ -428,22 +428,29 @@ class Owner:
         add the FP8 values and scales that changed (overwrites); yield each region's bytes."""
         assert self.fp8 is not None
         self.fp8.discard()  # an earlier attempt of the same candidate staged it already
+        cand = self._require_candidate()
         for name in sorted(hits):
-            index = np.concatenate([p for p, _ in hits[name]])
-            values = np.concatenate([v for _, v in hits[name]])
-            if index.shape[0] > 1 and bool((index[1:] < index[:-1]).any()):
-                order = np.argsort(index, kind="stable")
-                index, values = index[order], values[order]
-            t0 = time.thread_time()
             numel = self.fp8.mirror[name].numel()
             above = self.config.dense_above if numel >= DENSE_MIN_ELEMENTS else None
-            items = self.fp8.stage(name, index, values, stats.fp8, dense_above=above)
+            count = sum(p.shape[0] for p, _ in hits[name])
+            t0 = time.thread_time()
+            if count * 4 >= numel:  # most elements changed: compare the region whole
+                region, blocks = self._regions[name]
+                values = region_values(region, blocks, cand)
+                items = self.fp8.stage_region(name, values, stats.fp8, dense_above=above)
+            else:
+                index = np.concatenate([p for p, _ in hits[name]])
+                vals = np.concatenate([v for _, v in hits[name]])
+                if index.shape[0] > 1 and bool((index[1:] < index[:-1]).any()):
+                    order = np.argsort(index, kind="stable")
+                    index, vals = index[order], vals[order]
+                items = self.fp8.stage(name, index, vals, stats.fp8, dense_above=above)
             for item in items:
                 where = item.span if item.span is not None else item.indices
                 packer.add(item.name, Encoding.OVERWRITE, where, item.values)
             stats.add_time("convert", time.thread_time() - t0)
             if items:
-                yield self.fp8.mirror[name].numel() * 2, False
+                yield numel * 2, False
         self._fp8_staged = True
 
     def _goes_dense(self, changed: int, numel: int) -> bool:

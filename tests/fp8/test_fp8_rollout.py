@@ -246,3 +246,28 @@ def test_regions_that_cut_through_tiles_are_refused() -> None:
     rollout = Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:32]}, {"a.weight": region})
     with pytest.raises(LayoutError, match="outside this owner's tiles"):
         rollout.stage("a.weight", np.array([40 * 64]), np.array([1], np.uint16))
+
+
+@pytest.mark.parametrize("block", [16, 48, None], ids=["block", "partial-block", "channel"])
+def test_staging_a_whole_region_equals_staging_its_changed_elements(block: int | None) -> None:
+    """For a weight whose elements mostly changed, owners hand over the region's values
+    instead of an index per element: the items, the commit and a discard are the same."""
+    scheme = Fp8Scheme(block)
+    v0, _, v2, _ = _versions("qwen3", 4)  # v2: a real AdamW step, most words changed
+    name = "model.layers.1.mlp.down_proj.weight"
+    by_index = Fp8Rollout(scheme, {name: v0[name]})
+    by_region = Fp8Rollout(scheme, {name: v0[name]})
+    new_bits = bits(v2[name]).reshape(-1)
+    changed = np.flatnonzero(bits(v0[name]).reshape(-1) != new_bits)
+    assert changed.shape[0] * 2 > new_bits.shape[0]
+    want = _entries(by_index.stage(name, changed, new_bits[changed]))
+    assert _entries(by_region.stage_region(name, v2[name])) == want
+    by_region.discard()
+    assert np.array_equal(bits(by_region.mirror[name]), bits(v0[name]))
+    by_region.stage_region(name, v2[name])
+    by_region.commit()
+    by_index.commit()
+    assert np.array_equal(bits(by_region.q[name]), bits(by_index.q[name]))
+    assert np.array_equal(bits(by_region.s[name]), bits(by_index.s[name]))
+    with pytest.raises(LayoutError, match="region values"):
+        by_region.stage_region(name, v2[name].t())
