@@ -428,6 +428,7 @@ class Owner:
         add the FP8 values and scales that changed (overwrites); yield each region's bytes."""
         assert self.fp8 is not None
         self.fp8.discard()  # an earlier attempt of the same candidate staged it already
+        self._fp8_staged = False  # until every weight is staged again (commit completes it)
         cand = self._require_candidate()
         for name in sorted(hits):
             numel = self.fp8.mirror[name].numel()

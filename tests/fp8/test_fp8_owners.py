@@ -238,3 +238,31 @@ def test_regions_whose_fp8_values_change_a_lot_go_dense_and_stay_exact(
     group.commit()
     assert _mismatches(module, rollout_state_dict(v2, scheme)) == []
     assert listed or stats.fp8.dense == len(plan.quantized) * 2
+
+
+def test_a_retry_abandoned_while_it_re_quantizes_still_commits_the_whole_candidate() -> None:
+    """The second attempt of a candidate stops after its first FP8 payload (the coordinator
+    moved on); commit then converts what that build left unstaged, and the FP8 baseline is the
+    candidate's: the next refit is exact."""
+    scheme = Fp8Scheme(16)
+    v0, v1, v2, _ = _versions("qwen3")
+    plan = build_plan(_catalog(v0), TrainLayout(tp=1), family="qwen3",
+                      config=tiny_config("qwen3"), fp8=scheme)  # fmt: skip
+    group = LocalTrainingGroup(plan, plan.slice(v0), config=BuildConfig(bucket_bytes=1))
+    module, receiver = _receiver(rollout_state_dict(v0, scheme), scheme)
+    group.stage(plan.slice(v1))
+    items, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    receiver.apply_items(items, attempt=1)
+    ((it, _),) = group.build(mode=Mode.OVERWRITE, xor_allowed=frozenset()).values()
+    for bucket in it:
+        if any(i.name in plan.quantized for i in bucket.items):
+            break
+    else:
+        raise AssertionError("no FP8 payload")
+    it.close()  # type: ignore[attr-defined]
+    group.commit()
+    group.stage(plan.slice(v2))
+    items, _ = _items(group.build(mode=Mode.MIXED, xor_allowed=receiver.xor_allowed()))
+    receiver.apply_items(items, attempt=3)
+    group.commit()
+    assert _mismatches(module, rollout_state_dict(v2, scheme)) == []
