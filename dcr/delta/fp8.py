@@ -212,6 +212,12 @@ class Fp8Rollout:
             self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
             self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name)
         self._staged: dict[str, _Staged] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for name, region in self.regions.items():
+            self._specs[name] = TensorSpec(name=name, shape=region.shape, dtype=FP8_DTYPE)
+            scale = scheme.scale_name(name)
+            self._specs[scale] = TensorSpec(name=scale, shape=scheme.scale_shape(region.shape),
+                                            dtype=SCALE_DTYPE)  # fmt: skip
 
     @classmethod
     def of_shards(
@@ -242,13 +248,7 @@ class Fp8Rollout:
     def specs(self) -> dict[str, TensorSpec]:
         """The rollout catalog entries of these weights: FP8 values and scales, canonical
         shapes."""
-        out = {}
-        for name, region in self.regions.items():
-            out[name] = TensorSpec(name=name, shape=region.shape, dtype=FP8_DTYPE)
-            scale = self.scheme.scale_name(name)
-            out[scale] = TensorSpec(name=scale, shape=self.scheme.scale_shape(region.shape),
-                                    dtype=SCALE_DTYPE)  # fmt: skip
-        return out
+        return dict(self._specs)
 
     def _local(self, name: str, index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Canonical flat indices of ``name`` -> flat indices of its region (refused outside)."""
@@ -384,13 +384,13 @@ class Fp8Rollout:
         candidate[local.q_index] = local.q_values
         (r0, _), (c0, _) = region.rows, region.cols
         span = _rect_span(region.shape[1], r0, c0, region.local_shape[1])
-        items = [_item(self.specs()[name], span, candidate)]
+        items = [_item(self._specs[name], span, candidate)]
         empty = Fp8Delta(np.empty(0, np.int64), np.empty(0, np.uint8), out.s_index,
                          out.s_values, out.tiles)  # fmt: skip
         return items + self._items(name, empty)
 
     def _items(self, name: str, delta: Fp8Delta) -> list[Item]:
-        specs = self.specs()
+        specs = self._specs
         scale = self.scheme.scale_name(name)
         items = []
         if delta.q_index.shape[0]:
@@ -424,7 +424,7 @@ class Fp8Rollout:
         out = []
         for name in self.mirror if names is None else names:
             region = self.regions[name]
-            specs = self.specs()
+            specs = self._specs
             scale = self.scheme.scale_name(name)
             (r0, _), (c0, _) = region.rows, region.cols
             h, w = region.local_shape
