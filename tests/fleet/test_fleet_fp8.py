@@ -5,6 +5,7 @@ version."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from fleet_helpers import alive, small_fleet
 
 from dcr.errors import ConfigError
 from dcr.fleet.config import FleetConfig, load_fleet
-from dcr.fleet.faults import default_faults
+from dcr.fleet.faults import Fault, default_faults
 from dcr.fleet.launcher import Launcher
 from dcr.fleet.model import FleetModel
 from dcr.tensors.fp8 import FP8_DTYPE, Fp8Scheme
@@ -63,3 +64,31 @@ def test_fp8_settings_are_checked(tmp_path: Path) -> None:
     channel = _fp8(load_fleet(cfg.path), "channel")
     with pytest.raises(ConfigError, match="whole rows"):
         _ = FleetModel(channel).plan
+
+
+def test_preloaded_fp8_receivers_are_fingerprinted_and_a_flipped_fp8_bit_is_restored(
+    tmp_path: Path,
+) -> None:
+    """FP8 receivers that start holding the export of version 0 (``[model] preloaded``) claim
+    the record without a dense refit; r0 flips one stored bit of a float8 projection weight
+    right after loading.  The owners' proof covers their committed FP8 values and scales: the
+    first transition disproves r0 alone, restores it by a dense FP8 refit, and every receiver
+    ends bit-exact."""
+    cfg = _fp8(small_fleet(tmp_path, refits=2), 32)
+    text = cfg.path.read_text().replace("refits = 2\n", "refits = 2\npreloaded = true\n", 1)
+    cfg.path.write_text(text)
+    cfg = load_fleet(cfg.path)
+    assert cfg.model.preloaded and cfg.model.fp8 == Fp8Scheme(32)
+    launcher = Launcher(cfg, faults=[Fault(version=0, target="r0", after="flip")], deadline_s=600)
+    report = launcher.run()
+    assert report["bit_exact"] is True, report["mismatches"]
+    assert [r["disproved"] for r in report["refits"]] == [["r0"], []]
+    events = [
+        json.loads(line)
+        for path in sorted((cfg.run_dir / "events").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+    (flipped,) = [e for e in events if e["event"] == "flipped"]
+    assert flipped["who"] == "r0" and "proj" in flipped["tensor"]
+    restored = [e["receiver"] for e in events if e["event"] == "restored" and e["version"] == 0]
+    assert restored == ["r0"]
