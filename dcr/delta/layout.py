@@ -42,7 +42,7 @@ from dcr.delta.mapping import (
 from dcr.delta.residual import ResidualTask
 from dcr.errors import ConfigError, LayoutError
 from dcr.tensors.bits import bits
-from dcr.tensors.fp8 import FP8_DTYPE, SCALE_DTYPE, Fp8Scheme, quantized_names
+from dcr.tensors.fp8 import Fp8Scheme, quantized_names, rollout_catalog
 from dcr.tensors.records import TensorSpec
 
 __all__ = [
@@ -158,19 +158,10 @@ class TrainingPlan:
     @property
     def wire_catalog(self) -> dict[str, TensorSpec]:
         """What receivers hold: the catalog, with each quantized weight as its FP8 values (same
-        name) followed by its scales."""
+        name) followed by its scales (:func:`~dcr.tensors.fp8.rollout_catalog`)."""
         if self.fp8 is None:
             return dict(self.catalog)
-        out = {}
-        for name, spec in self.catalog.items():
-            if name not in self.quantized:
-                out[name] = spec
-                continue
-            out[name] = TensorSpec(name=name, shape=spec.shape, dtype=FP8_DTYPE)
-            scale = self.fp8.scale_name(name)
-            out[scale] = TensorSpec(name=scale, shape=self.fp8.scale_shape(spec.shape),
-                                    dtype=SCALE_DTYPE)  # fmt: skip
-        return out
+        return rollout_catalog(self.catalog, self.fp8, self.quantized)
 
     def fp8_regions(self, rank: int) -> dict[str, tuple[Fp8Region, list[RegionBlock]]]:
         """For each quantized weight that ``rank``'s shards project: the region of its tiles

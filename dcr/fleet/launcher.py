@@ -282,6 +282,7 @@ class Launcher(FleetProgress):
         from dcr.adapters.registry import load_factory
         from dcr.catalog import check_catalog, read_catalog
         from dcr.fleet.trainer import trainer_kind
+        from dcr.tensors.fp8 import rollout_catalog
 
         trainer = trainer_kind(self.cfg)
         trained = self._trainer_catalog(trainer)
@@ -303,16 +304,32 @@ class Launcher(FleetProgress):
         served = [(f"[model] checkpoint = {fleet_checkpoint!r}", fleet_checkpoint)]
         served += [(f"[[engine]] {e.name!r} model = {e.model!r}", e.model)
                    for e in self.cfg.engines]  # fmt: skip
+        scheme = self.cfg.model.fp8
+
+        def served_by(catalog: Mapping[str, Any], engine: bool) -> Mapping[str, Any]:
+            # An FP8 rollout: engines serve the FP8 export of the trained (BF16) catalog.
+            return rollout_catalog(catalog, scheme) if engine and scheme is not None else catalog
+
         for where, checkpoint in served:
             if checkpoint is None:
                 continue
             found = read_catalog(checkpoint)
+            engine = where.startswith("[[engine]]")
+            if engine and scheme is not None and checkpoint == fleet_checkpoint:
+                raise ConfigError(
+                    f"{self.cfg.path}: {where} serves the BF16 [model] checkpoint, but [model] "
+                    'rollout_dtype = "fp8": give it the FP8 export (dcr fp8 export) as model',
+                    check="catalog",
+                )
             if trained is not None:
-                check_catalog(trained[1], found, expected_from=trained[0], found_from=where)
+                check_catalog(served_by(trained[1], engine), found, expected_from=trained[0],
+                              found_from=where)  # fmt: skip
             elif fleet_checkpoint is not None and checkpoint != fleet_checkpoint:
                 check_catalog(
-                    read_catalog(fleet_checkpoint), found,
-                    expected_from=f"[model] checkpoint = {fleet_checkpoint!r}", found_from=where,
+                    served_by(read_catalog(fleet_checkpoint), engine), found,
+                    expected_from=f"[model] checkpoint = {fleet_checkpoint!r}"
+                    + (" (its FP8 rollout)" if engine and scheme is not None else ""),
+                    found_from=where,
                 )  # fmt: skip
 
     def _trainer_catalog(self, trainer: Any) -> tuple[str, Mapping[str, Any]] | None:

@@ -37,6 +37,7 @@ from dcr.models.families import FAMILIES, canonical_shapes, tiny_config
 from dcr.models.fp8 import rollout_state_dict
 from dcr.models.synthetic import SyntheticRun
 from dcr.tensors.bits import bits, dtype_name
+from dcr.tensors.fp8 import rollout_catalog
 from dcr.tensors.records import TensorSpec
 
 __all__ = ["FleetModel", "digests", "sized_config"]
@@ -174,9 +175,8 @@ class FleetModel:
     def wire_catalog(self) -> dict[str, TensorSpec]:
         """What receivers hold: the catalog, or with ``[model] rollout_dtype = "fp8"`` its FP8
         quantization (float8 projection weights followed by their scales)."""
-        if self.fleet.model.fp8 is None:
-            return self.catalog
-        return self.plan.wire_catalog
+        scheme = self.fleet.model.fp8
+        return self.catalog if scheme is None else rollout_catalog(self.catalog, scheme)
 
     def rollout(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors receivers hold of a version whose canonical tensors are ``state``."""

@@ -25,7 +25,7 @@ changed elements falls in and :func:`requantize` converts only those, against th
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,7 @@ import numpy.typing as npt
 import torch
 
 from dcr.errors import ConfigError
+from dcr.tensors.records import TensorSpec
 
 __all__ = [
     "FP8_DTYPE",
@@ -46,6 +47,7 @@ __all__ = [
     "quantize",
     "quantized_names",
     "requantize",
+    "rollout_catalog",
     "touched_tiles",
 ]
 
@@ -67,6 +69,27 @@ def quantized_names(shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """The names of ``shapes`` (checkpoint name -> shape) that an FP8 rollout quantizes, in
     order."""
     return [n for n, s in shapes.items() if len(s) == 2 and QUANTIZED_WEIGHT.search(n)]
+
+
+def rollout_catalog(
+    catalog: Mapping[str, TensorSpec], scheme: Fp8Scheme, quantized: Iterable[str] | None = None
+) -> dict[str, TensorSpec]:
+    """The catalog an FP8 rollout's receivers hold, from the canonical (BF16) ``catalog``: each
+    weight of ``quantized`` (default: :func:`quantized_names` of its BF16 matrices) as its
+    ``float8_e4m3fn`` values under the same name, followed by its ``float32`` scales."""
+    if quantized is None:
+        bf16 = {n: s.shape for n, s in catalog.items() if s.dtype == torch.bfloat16}
+        quantized = quantized_names(bf16)
+    chosen = set(quantized)
+    out: dict[str, TensorSpec] = {}
+    for name, spec in catalog.items():
+        if name not in chosen:
+            out[name] = spec
+            continue
+        out[name] = TensorSpec(name=name, shape=spec.shape, dtype=FP8_DTYPE)
+        scale = scheme.scale_name(name)
+        out[scale] = TensorSpec(name=scale, shape=scheme.scale_shape(spec.shape), dtype=SCALE_DTYPE)
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,3 +178,66 @@ def test_an_fp8_engine_refitted_in_place_equals_a_fresh_fp8_engine(tmp_path: Pat
     fp8_layers = [n for n in repacked if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
                                                      "down_proj"))]  # fmt: skip
     assert fp8_layers and all("FP8 weight replaced" in repacked[n] for n in fp8_layers)
+
+
+def test_an_fp8_engine_started_by_the_launcher_takes_refits_from_a_bf16_trainer(
+    tmp_path: Path,
+) -> None:
+    """``dcr fleet`` with ``[model] rollout_dtype = "fp8"``: the trainer steps a synthetic run of
+    the BF16 checkpoint (``[model] checkpoint``), the engine serves ``dcr fp8 export`` of its
+    version 0 (``[[engine]] model``, plain weights), joins without a dense restore (the
+    owners' proof covers their FP8 values and scales), takes the FP8 refit in place, and equals
+    an engine started fresh on the export of version 1: parameters, tokens, log probabilities."""
+    from engine_helpers import OVERRIDES, EngineServer, ReferenceRuns, fixed_prompts, same_floats
+    from engine_helpers import bit_mismatches as param_mismatches
+    from test_vllm_catalog import ENGINE, _events, _fleet_file
+
+    from dcr.fleet.launcher import Launcher
+    from dcr.fleet.model import FleetModel, sized_config
+    from dcr.models.synthetic import SyntheticRun
+
+    family, seed, rate = "qwen3", 3, 0.05
+    config = sized_config(family, 0, **OVERRIDES[family])
+    run = SyntheticRun(config=config, family=family, seed=seed, rate=rate)
+    scheme = Fp8Scheme(None)
+    bf16 = [write_checkpoint(tmp_path / f"bf16-v{v}", config, family, run.state(v)) for v in (0, 1)]
+    fp8 = [tmp_path / f"fp8-v{v}" for v in (0, 1)]
+    for src, dst in zip(bf16, fp8, strict=True):
+        export_checkpoint(src, dst, scheme)
+    engine = ENGINE.replace("plain_weights = true\n", f'plain_weights = true\nmodel = "{fp8[0]}"\n')
+    path = _fleet_file(tmp_path / "fleet", bf16[0], engine=engine)
+    path.write_text(path.read_text().replace(
+        "[model]\n", '[model]\nrollout_dtype = "fp8"\nfp8_block = "channel"\n', 1))  # fmt: skip
+    from dcr.fleet.config import load_fleet
+
+    cfg = load_fleet(path)
+    assert FleetModel(cfg).wire_catalog == {
+        n: TensorSpec.of(n, t) for n, t in read_checkpoint(fp8[0]).items()
+    }
+    references = ReferenceRuns.start(tmp_path / "reference", fp8[1:], tp=1, max_tokens=8)
+    launcher = Launcher(cfg, deadline_s=900)
+    seen: dict[str, Any] = {}
+
+    def inspect() -> None:
+        proc = launcher.procs["engine-e0"]
+        assert proc.popen is not None
+        server = EngineServer(popen=proc.popen, ready_file=cfg.run_dir / "engine-e0.ready.json",
+                              log=cfg.run_dir / "logs" / "engine-e0.log").wait_ready()  # fmt: skip
+        seen["state"] = server.state()
+        seen["parameters"] = server.parameters()
+        seen["outputs"] = [server.generate(p, 8) for p in fixed_prompts()]
+
+    try:
+        report = launcher.run(before_stop=inspect)
+        ((params, outputs),) = references.result()
+    finally:
+        references.stop()
+    assert report["bit_exact"] is True, report["mismatches"]
+    (row,) = report["refits"]
+    assert row["receivers_checked"] == ["r0"]
+    assert not [e for e in _events(cfg.run_dir) if e["event"] in ("dense", "restored")]
+    assert seen["state"]["workers"][0]["applied_payloads"] > 0
+    assert param_mismatches(seen["parameters"], params) == []
+    for out, want in zip(seen["outputs"], outputs, strict=True):
+        assert out["token_ids"] == want["token_ids"] and out["version"] == 1
+        assert same_floats(out["logprobs"], want["logprobs"])

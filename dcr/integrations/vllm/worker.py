@@ -345,7 +345,9 @@ class DcrWorkerExtension:
             "checkpoint in the fleet file, join_fleet(checkpoint=...) or --catalog DIR"
         )
         config = ApplyConfig() if threads is None else ApplyConfig(threads=threads)
-        receiver = Applier(VllmLoader(self._dcr_model()), FleetModel(cfg).catalog, config)
+        if cfg.model.fp8 is not None:
+            source = f"{source} as FP8 ([model] rollout_dtype)"
+        receiver = Applier(VllmLoader(self._dcr_model()), FleetModel(cfg).wire_catalog, config)
         try:
             report = receiver.prewarm()
         except LoaderPathUnsupported as exc:
