@@ -28,8 +28,9 @@ from dcr.models.modules import module_from_state_dict
 from dcr.models.updates import adamw_update, perturb
 from dcr.protocol.proof import ProofRequest, judge
 from dcr.tensors.bits import bits
-from dcr.tensors.fp8 import Fp8Scheme, quantized_names
+from dcr.tensors.fp8 import Fp8Scheme
 from dcr.tensors.records import Encoding, Item, Mode, TensorSpec
+from dcr.testing.fp8 import grow_first_row_max
 
 CASES = [
     (family, tp, block)
@@ -50,11 +51,7 @@ def _catalog(sd: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
 def _versions(family: str) -> list[dict[str, torch.Tensor]]:
     cfg = tiny_config(family)
     v0 = random_state_dict(cfg, family, seed=21)
-    v1 = perturb(v0, rate=0.03, seed=22)
-    for name in quantized_names({n: tuple(t.shape) for n, t in v1.items()}):
-        row = v1[name][0]  # the first row's largest weight grows: its scale moves
-        j = int(row.to(torch.float32).abs().argmax())
-        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
+    v1 = grow_first_row_max(perturb(v0, rate=0.03, seed=22))  # first rows' scales move
     v2 = adamw_update(v1, lr=1e-4, seed=23)
     v3 = perturb(v2, rate=0.01, seed=24)
     return [v0, v1, v2, v3]

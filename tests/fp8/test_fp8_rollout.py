@@ -26,18 +26,9 @@ from dcr.models.updates import adamw_update, perturb
 from dcr.tensors.bits import bits
 from dcr.tensors.fp8 import Fp8Scheme
 from dcr.tensors.records import Item, TensorSpec
+from dcr.testing.fp8 import grow_first_row_max, refit_items
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe")
-
-
-def _grow_first_row_max(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Scale the largest weight of each quantized weight's first row by 1.25: its tile's (and
-    row's) scale changes, and with it the FP8 bits of weights that did not change."""
-    for name in quantized_names({n: tuple(t.shape) for n, t in sd.items()}):
-        row = sd[name][0]
-        j = int(row.to(torch.float32).abs().argmax())
-        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
-    return sd
 
 
 def _versions(family: str, count: int) -> list[dict[str, torch.Tensor]]:
@@ -45,7 +36,7 @@ def _versions(family: str, count: int) -> list[dict[str, torch.Tensor]]:
     cfg = tiny_config(family)
     out = [random_state_dict(cfg, family, seed=7)]
     steps = [
-        lambda sd: _grow_first_row_max(perturb(sd, rate=0.03, seed=1)),
+        lambda sd: grow_first_row_max(perturb(sd, rate=0.03, seed=1)),
         lambda sd: adamw_update(sd, lr=1e-4, seed=2),
         lambda sd: perturb(sd, rate=0.01, seed=3),
     ]
@@ -59,22 +50,6 @@ def _export(tmp: Path, family: str, sd: Mapping[str, torch.Tensor], scheme: Fp8S
     src = write_checkpoint(tmp / f"bf16-{tag}", tiny_config(family), family, sd)
     export_checkpoint(src, tmp / f"fp8-{tag}", scheme)
     return read_checkpoint(tmp / f"fp8-{tag}")
-
-
-def _refit_items(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout,
-    stats: Fp8Stats,
-) -> list[Item]:  # fmt: skip
-    """What the owners send: FP8 overwrites of quantized weights, BF16 overwrites elsewhere."""
-    items = []
-    for name, t in new.items():
-        new_bits = bits(t).reshape(-1)
-        changed = np.flatnonzero(bits(old[name]).reshape(-1) != new_bits)
-        if name in rollout.mirror:
-            items += rollout.stage(name, changed, new_bits[changed], stats)
-        elif changed.shape[0]:
-            items.append(overwrite_item(name, t, changed, new_bits[changed]))
-    return items
 
 
 def _mismatches(module: torch.nn.Module, reference: Mapping[str, torch.Tensor]) -> list[str]:
@@ -110,7 +85,7 @@ def test_fp8_refits_equal_fresh_loads_of_the_export(
         stale = _mismatches(module, exports[v])
         assert stale, "the versions must differ for the comparison to mean anything"
         stats = Fp8Stats()
-        items = _refit_items(versions[v - 1], versions[v], rollout, stats)
+        items = refit_items(versions[v - 1], versions[v], rollout, stats)
         assert stats.tiles_touched > 0 and stats.fp8_changed > 0
         assert stats.scales_changed > 0 or v != 1  # v1 moved every first row's scale
         receiver.apply_items(items, attempt=v)
@@ -125,12 +100,12 @@ def test_a_discarded_refit_leaves_the_baseline_and_the_next_one_is_exact(tmp_pat
     rollout = Fp8Rollout(scheme, {n: v0[n] for n in names})
     before = {n: bits(t).copy() for n, t in rollout.mirror.items()}
     q_before = {n: bits(t).copy() for n, t in rollout.q.items()}
-    _refit_items(v0, v1, rollout, Fp8Stats())
+    refit_items(v0, v1, rollout, Fp8Stats())
     rollout.discard()
     assert all(np.array_equal(bits(rollout.mirror[n]), before[n]) for n in names)
     assert all(np.array_equal(bits(rollout.q[n]), q_before[n]) for n in names)
     # Straight from v0 to v2, as a retried transition would.
-    _refit_items(v0, v2, rollout, Fp8Stats())
+    refit_items(v0, v2, rollout, Fp8Stats())
     rollout.commit()
     fresh = Fp8Rollout(scheme, {n: v2[n] for n in names})
     for n in names:
@@ -150,7 +125,7 @@ def test_dense_items_restore_a_receiver_that_holds_nothing(tmp_path: Path) -> No
     v0, v1 = _versions("llama", 2)
     names = quantized_names({n: tuple(t.shape) for n, t in v0.items()})
     rollout = Fp8Rollout(scheme, {n: v0[n] for n in names})
-    _refit_items(v0, v1, rollout, Fp8Stats())
+    refit_items(v0, v1, rollout, Fp8Stats())
     rollout.commit()
     want = _export(tmp_path, "llama", v1, scheme, "v1")
     module = _module({n: torch.zeros_like(t) for n, t in want.items()}, scheme)

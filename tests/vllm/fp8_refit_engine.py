@@ -24,25 +24,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _items(bf16_v0: str, bf16_v1: str, block: int | None) -> list[Any]:
-    import numpy as np
-
-    from dcr.delta.fp8 import Fp8Rollout, overwrite_item
+    from dcr.delta.fp8 import Fp8Rollout
     from dcr.models.hf import read_checkpoint
-    from dcr.tensors.bits import bits
     from dcr.tensors.fp8 import Fp8Scheme, quantized_names
+    from dcr.testing.fp8 import refit_items
 
     v0, v1 = read_checkpoint(bf16_v0), read_checkpoint(bf16_v1)
     names = quantized_names({n: tuple(t.shape) for n, t in v0.items()})
-    rollout = Fp8Rollout(Fp8Scheme(block), {n: v0[n] for n in names})
-    items = []
-    for name, t in v1.items():
-        new = bits(t).reshape(-1)
-        changed = np.flatnonzero(bits(v0[name]).reshape(-1) != new)
-        if name in rollout.mirror:
-            items += rollout.stage(name, changed, new[changed])
-        elif changed.shape[0]:
-            items.append(overwrite_item(name, t, changed, new[changed]))
-    return items
+    return refit_items(v0, v1, Fp8Rollout(Fp8Scheme(block), {n: v0[n] for n in names}))
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ on CPU: where the build refuses it, the refusal is a clear :class:`LoaderPathUns
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +23,15 @@ from vllm_helpers import bit_mismatches
 
 from dcr.adapters.loaders.vllm import VllmLoader
 from dcr.apply.applier import Applier
-from dcr.delta.fp8 import Fp8Rollout, Fp8Stats, overwrite_item
+from dcr.delta.fp8 import Fp8Rollout, Fp8Stats
 from dcr.errors import LoaderPathUnsupported
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.fp8 import export_checkpoint, quantized_names
 from dcr.models.hf import read_checkpoint, write_checkpoint
 from dcr.models.updates import adamw_update, perturb
-from dcr.tensors.bits import bits
 from dcr.tensors.fp8 import FP8_DTYPE, Fp8Scheme
-from dcr.tensors.records import Item, TensorSpec
+from dcr.tensors.records import TensorSpec
+from dcr.testing.fp8 import grow_first_row_max, refit_items
 
 pytestmark = pytest.mark.vllm
 
@@ -45,22 +45,13 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 tokens."""
 
 
-def _grow_first_row_max(sd: dict[str, torch.Tensor]) -> None:
-    """Scale the largest weight of each quantized weight's first row by 1.25: its tile's (and
-    row's) scale changes, and with it the FP8 bits of weights that did not change."""
-    for name in quantized_names({n: tuple(t.shape) for n, t in sd.items()}):
-        row = sd[name][0]
-        j = int(row.to(torch.float32).abs().argmax())
-        row[j] = (row[j].to(torch.float32) * 1.25).to(torch.bfloat16)
-
-
 def _versions(family: str, tmp: Path, scheme: Fp8Scheme, count: int = 3) -> list[dict[str, Any]]:
     """BF16 versions (3% perturbed with moved scales, then a real AdamW step) and their FP8
     exports."""
     cfg = tiny_config(family, **FAMILY_OVERRIDES[family])
     sds = [random_state_dict(cfg, family, seed=11)]
     sds.append(perturb(sds[0], rate=0.03, seed=12))
-    _grow_first_row_max(sds[1])
+    grow_first_row_max(sds[1])
     sds.append(adamw_update(sds[1], lr=1e-4, seed=13))
     out = []
     for v, sd in enumerate(sds[:count]):
@@ -69,21 +60,6 @@ def _versions(family: str, tmp: Path, scheme: Fp8Scheme, count: int = 3) -> list
         export_checkpoint(src, path, scheme)
         out.append({"bf16": sd, "path": path, "fp8": read_checkpoint(path)})
     return out
-
-
-def _refit(
-    old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], rollout: Fp8Rollout
-) -> tuple[list[Item], Fp8Stats]:
-    stats = Fp8Stats()
-    items = []
-    for name, t in new.items():
-        new_bits = bits(t).reshape(-1)
-        changed = np.flatnonzero(bits(old[name]).reshape(-1) != new_bits)
-        if name in rollout.mirror:
-            items += rollout.stage(name, changed, new_bits[changed], stats)
-        elif changed.shape[0]:
-            items.append(overwrite_item(name, t, changed, new_bits[changed]))
-    return items, stats
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama"])
@@ -106,7 +82,8 @@ def test_channel_scaled_fp8_refits_equal_vllms_fresh_loads(
     for v in range(1, len(versions)):
         reference = build_model(versions[v]["path"])
         assert bit_mismatches(model, reference), "the versions must differ"
-        items, stats = _refit(versions[v - 1]["bf16"], versions[v]["bf16"], rollout)
+        stats = Fp8Stats()
+        items = refit_items(versions[v - 1]["bf16"], versions[v]["bf16"], rollout, stats)
         assert stats.fp8_changed > 0
         assert stats.scales_changed > 0 or v != 1  # v1 moved every first row's scale
         receiver.apply_items(items, attempt=v)
@@ -130,7 +107,7 @@ def test_block_scaled_fp8_refits_or_a_clear_refusal(tmp_path: Path, build_model:
     bf16 = versions[0]["bf16"]
     names = quantized_names({n: tuple(t.shape) for n, t in bf16.items()})
     rollout = Fp8Rollout(scheme, {n: bf16[n] for n in names})
-    items, _ = _refit(bf16, versions[1]["bf16"], rollout)
+    items = refit_items(bf16, versions[1]["bf16"], rollout)
     receiver.apply_items(items, attempt=1)
     assert bit_mismatches(model, build_model(versions[1]["path"])) == []
 
