@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dcr.cli.arguments import _err, _positive
+from dcr.cli.arguments import _err, _fp8_block, _positive
 
 
 def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,6 +52,14 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "Needs Ray (`pip install 'dcr[ray]'`); on a shared machine run it in a "
         "private network namespace (`unshare -n python -m dcr.ray.netns ...`)",
     )
+    rl.add_argument("--rollout-dtype", choices=["bf16", "fp8"], default="bf16",
+                    help="fp8: the engine serves the FP8 export of every version (dcr fp8 "
+                    "export: float8_e4m3fn weights, float32 scales) while the trainer stays "
+                    "BF16; delta refits re-quantize only what changed, dense refits load each "
+                    "version's export")  # fmt: skip
+    rl.add_argument("--fp8-block", type=_fp8_block, default=None, metavar="N|channel",
+                    help="FP8 scale tiles of N x N, or 'channel' (default: per output "
+                    "channel, the FP8 format vLLM's CPU build computes with)")  # fmt: skip
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
     rl.add_argument("--against", default=None,
@@ -84,6 +92,7 @@ def run_rl_command(args: argparse.Namespace) -> int:
             steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
             tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
             directory=Path(args.dir), keys=args.keys, backend=args.backend,
+            rollout_dtype=args.rollout_dtype, fp8_block=args.fp8_block,
         )  # fmt: skip
         result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
     except ConfigError as exc:

@@ -17,6 +17,7 @@ so data-parallel copies are compared once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -193,6 +194,24 @@ class TrainingPlan:
             region.check(self.fp8)
             out[name] = (region, blocks)
         return out
+
+    def with_fp8(self, fp8: Fp8Scheme | None) -> TrainingPlan:
+        """This plan with the FP8 rollout ``fp8`` (``None``: receivers hold the catalog as it
+        is).  Every owner's regions are checked (:meth:`fp8_regions`): a layout whose shards cut
+        tiles raises :class:`LayoutError` here, before anything is built."""
+        if fp8 == self.fp8:
+            return self
+        quantized: frozenset[str] = frozenset()
+        if fp8 is not None:
+            shapes = {n: s.shape for n, s in self.catalog.items() if s.dtype == torch.bfloat16}
+            quantized = frozenset(quantized_names(shapes))
+            if not quantized:
+                raise LayoutError("an FP8 rollout needs bfloat16 projection weights; the "
+                                  "catalog has none", check="fp8")  # fmt: skip
+        plan = dataclasses.replace(self, fp8=fp8, quantized=quantized)
+        for rank in plan.owners:
+            plan.fp8_regions(rank)
+        return plan
 
     def residual_owner(self, name: str) -> int:
         """The rank that holds the residual baseline of canonical tensor ``name``."""
@@ -431,18 +450,9 @@ def build_plan(
         for name in catalog:
             if name not in b.used:
                 b.replicated(name, name)
-    quantized: frozenset[str] = frozenset()
-    if fp8 is not None:
-        shapes = {n: s.shape for n, s in catalog.items() if s.dtype == torch.bfloat16}
-        quantized = frozenset(quantized_names(shapes))
-        if not quantized:
-            raise LayoutError("an FP8 rollout needs bfloat16 projection weights; the catalog "
-                              "has none", check="fp8")  # fmt: skip
     plan = TrainingPlan(layout=layout, family=family, catalog=dict(catalog),
-                        shards=tuple(b.shards), fp8=fp8, quantized=quantized)  # fmt: skip
-    for rank in plan.owners:
-        plan.fp8_regions(rank)
-    return plan
+                        shards=tuple(b.shards))  # fmt: skip
+    return plan.with_fp8(fp8)
 
 
 def _family(b: _Builder, family: str, config: Mapping[str, Any] | None) -> None:

@@ -59,6 +59,7 @@ from dcr.fleet.config import FleetConfig, fleet_secret_of, load_fleet
 from dcr.fleet.eventlog import EventLog, FaultPoints, install_metrics
 from dcr.fleet.runtime import make_control, make_store, make_transport
 from dcr.protocol.types import CommitRecord, PayloadKey
+from dcr.tensors.fp8 import Fp8Scheme
 
 __all__ = [
     "PublishReport",
@@ -209,13 +210,16 @@ async def committed_version(fleet: str | os.PathLike[str] | FleetConfig) -> Comm
 def _group(
     source: Source | TrainingGroup, cfg: FleetConfig, build: BuildConfig, timeout_s: float
 ) -> TrainingGroup:
-    """This process's training group: one owner rank of the fleet's trainer."""
+    """This process's training group: one owner rank of the fleet's trainer; in an FP8
+    fleet (``[model] rollout_dtype = "fp8"``) its plan quantizes for the receivers."""
+    fp8 = cfg.model.fp8
     if isinstance(source, TrainingGroup):
         group = source
     elif callable(getattr(source, "training_group", None)):
-        group = source.training_group(config=build, timeout_s=timeout_s)  # type: ignore[attr-defined]
+        extra = {"fp8": fp8} if fp8 is not None else {}
+        group = source.training_group(config=build, timeout_s=timeout_s, **extra)  # type: ignore[attr-defined]
     else:
-        plan = source.plan
+        plan = source.plan.with_fp8(fp8)
         if plan.layout.world_size != 1:
             raise ConfigError(
                 f"this source lays out {plan.layout.world_size} training ranks in one process; "
@@ -224,6 +228,17 @@ def _group(
                 check="training-group",
             )
         group = LocalTrainingGroup(plan, source.base_shards(), config=build)
+    if group.plan.fp8 != fp8:
+
+        def said(s: Fp8Scheme | None) -> str:
+            return "BF16" if s is None else f"FP8 with {s.describe()} scales"
+
+        raise ConfigError(
+            f"the fleet file {cfg.path} serves {said(fp8)} ([model] rollout_dtype), the "
+            f"training group's plan {said(group.plan.fp8)}: build it with "
+            "build_plan(..., fp8=cfg.model.fp8) or plan.with_fp8(cfg.model.fp8)",
+            check="fp8",
+        )
     if len(group.ranks) != 1:
         raise ConfigError(
             f"a trainer process joins as one rank; this group hosts ranks {list(group.ranks)}",

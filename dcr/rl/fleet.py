@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,15 +94,22 @@ class _DenseRefit(_Refit):
         start = time.monotonic()
         target = self.directory / f"v{version:06d}"
         await anyio.to_thread.run_sync(self.policy.export_checkpoint, target)
+        # What the engine serves: the checkpoint, or its FP8 export (as `dcr fp8 export`).
+        fp8 = self.spec.fp8
+        served = target if fp8 is None else target.with_name(target.name + "-fp8")
         result: dict[str, Any] = {}
         if self.rank == 0:
-            result = await anyio.to_thread.run_sync(self.engine.load, target, version)
+            if fp8 is not None:
+                from dcr.models.fp8 import export_checkpoint
+
+                await anyio.to_thread.run_sync(partial(export_checkpoint, target, served, fp8))
+            result = await anyio.to_thread.run_sync(self.engine.load, served, version)
         seconds = time.monotonic() - start
         await anyio.to_thread.run_sync(_barrier)
         gate = None
         if self.rank == 0:
             gate = await anyio.to_thread.run_sync(self.engine.gate_closed_s, version)
-        size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in served.glob("*.safetensors"))
         return {
             "refit_s": seconds,
             "gate_closed_s": gate,

@@ -45,11 +45,22 @@ from dcr.fleet.eventlog import EventLog
 from dcr.rl.config import RLConfig
 from dcr.rl.engine import EngineClient, tokens_digest
 from dcr.rl.files import atomic_write
+from dcr.tensors.fp8 import Fp8Scheme
 
-__all__ = ["MODES", "REFITS", "Batches", "RunSpec", "restore", "rollout_version", "run_rank"]
+__all__ = [
+    "MODES",
+    "REFITS",
+    "ROLLOUT_DTYPES",
+    "Batches",
+    "RunSpec",
+    "restore",
+    "rollout_version",
+    "run_rank",
+]
 
 REFITS = ("delta", "dense")
 MODES = ("sync", "async")
+ROLLOUT_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,8 +81,18 @@ class RunSpec:
     events_dir: str
     rl: dict[str, Any] = field(default_factory=dict)
     """:class:`~dcr.rl.config.RLConfig` fields."""
+    rollout_dtype: str = "bf16"
+    """What the engine serves: ``bf16`` (the trainer's weights) or ``fp8`` (their FP8 export:
+    dense refits quantize each version's checkpoint with ``fp8_block``)."""
+    fp8_block: int | None = None
+    """FP8 scale tiles (``block x block``), ``None``: one scale per output channel."""
 
     def __post_init__(self) -> None:
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ConfigError(
+                f"rollout_dtype must be one of {ROLLOUT_DTYPES}, got {self.rollout_dtype!r}"
+            )
+        _ = self.fp8
         if self.refit not in REFITS:
             raise ConfigError(f"refit must be one of {REFITS}, got {self.refit!r}")
         if self.mode not in MODES:
@@ -90,6 +111,11 @@ class RunSpec:
     @property
     def config(self) -> RLConfig:
         return RLConfig.from_dict(dict(self.rl))
+
+    @property
+    def fp8(self) -> Fp8Scheme | None:
+        """The FP8 scheme the engine serves, ``None`` for BF16."""
+        return Fp8Scheme(self.fp8_block) if self.rollout_dtype == "fp8" else None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

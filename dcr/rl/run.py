@@ -36,7 +36,8 @@ from dcr.errors import ConfigError
 from dcr.fleet.eventlog import EventReader
 from dcr.fleet.runtime import LAUNCHED
 from dcr.rl.config import RLConfig
-from dcr.rl.loop import MODES, REFITS, RunSpec
+from dcr.rl.loop import MODES, REFITS, ROLLOUT_DTYPES, RunSpec
+from dcr.tensors.fp8 import Fp8Scheme
 
 __all__ = [
     "BACKENDS",
@@ -54,8 +55,8 @@ RAY_NAMESPACE = "dcr-rl"
 
 MARKER = ".dcr-rl-run"
 """A file in every run directory ``dcr rl`` made: only such a directory is cleared."""
-RUN_ENTRIES = frozenset({MARKER, "checkpoint-v0", "fleet.toml", "run", "trainer", "objects",
-                         "seaweed", "keys"})  # fmt: skip
+RUN_ENTRIES = frozenset({MARKER, "checkpoint-v0", "checkpoint-v0-fp8", "fleet.toml", "run",
+                         "trainer", "objects", "seaweed", "keys"})  # fmt: skip
 """What a run writes in its directory: the only entries the next run removes."""
 
 ENGINE_ENV = {
@@ -94,6 +95,12 @@ class RLOptions:
     keys: bool = True
     """The delta fleet's key directory (``<dir>/keys``, made per run): CURVE on every socket,
     sealed payloads.  ``False``: no keys (loopback only)."""
+    rollout_dtype: str = "bf16"
+    """``fp8``: the engine serves the FP8 export of every version (``dcr fp8 export``) while
+    the trainer stays BF16; delta refits re-quantize only what changed."""
+    fp8_block: int | None = None
+    """FP8 scale tiles (``block x block``); ``None`` (default): per output channel, the FP8
+    format vLLM's CPU build computes with."""
 
     def __post_init__(self) -> None:
         if self.refit not in REFITS:
@@ -115,6 +122,19 @@ class RLOptions:
             )
         if self.faults and self.steps < 4:
             raise ConfigError("--faults needs at least 4 steps (three kills from step 2 on)")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ConfigError(
+                f"--rollout-dtype is one of {ROLLOUT_DTYPES}, got {self.rollout_dtype!r}"
+            )
+        if self.fp8_block is not None and self.rollout_dtype != "fp8":
+            raise ConfigError(
+                "--fp8-block sets the scales of an FP8 rollout: add --rollout-dtype fp8"
+            )
+
+    @property
+    def fp8(self) -> Fp8Scheme | None:
+        """The engine's FP8 scheme, ``None`` when it serves BF16."""
+        return Fp8Scheme(self.fp8_block) if self.rollout_dtype == "fp8" else None
 
     @property
     def staleness(self) -> int:
@@ -178,7 +198,8 @@ def _fleet_file(
     opts: RLOptions, spec: RunSpec, checkpoint: Path, directory: Path, s3: dict[str, Any] | None
 ) -> Path:
     """The fleet of ``--refit delta``: one rollout node with the engine's receivers; on Ray a
-    relay-only root node first (on a rollout node of its own) and ``[ray]`` placement."""
+    relay-only root node first (on a rollout node of its own) and ``[ray]`` placement.  An FP8
+    rollout serves the FP8 export of version 0 (``[model] rollout_dtype``)."""
     receivers = [f"r{r}" for r in range(opts.tp)]
     transport: dict[str, Any] = {"kind": opts.transport}
     if opts.transport == "directory":
@@ -186,7 +207,8 @@ def _fleet_file(
     elif opts.transport == "s3":
         assert s3 is not None
         transport.update(s3)
-    options = spec.to_dict()
+    # TOML has no null: fields left at None take their defaults when the ranks read them.
+    options = {k: v for k, v in spec.to_dict().items() if v is not None}
     rl = options.pop("rl")
     trainer = {"kind": "fsdp", "ranks": 2, "chunk_mb": 4.0, "bucket_mb": 4.0, "timeout_s": 1800.0}
     coordinator = {
@@ -210,8 +232,13 @@ def _fleet_file(
         nodes.insert(0, _table("[rollout]", {"name": "root", "receivers": []}))
         nodes.insert(0, _table("ray", {"namespace": RAY_NAMESPACE, "coordinators": 2}))
     fleet = {"name": "rl", "run_dir": "run", **({"keys": "keys"} if opts.keys else {})}
-    engine = {
-        "name": "e0",
+    model: dict[str, Any] = {"checkpoint": str(checkpoint)}
+    engine: dict[str, Any] = {"name": "e0"}
+    if opts.fp8 is not None:
+        block = "channel" if opts.fp8.block is None else opts.fp8.block
+        model.update(rollout_dtype="fp8", fp8_block=block)
+        engine["model"] = str(_served(checkpoint, opts))
+    engine |= {
         "receivers": receivers,
         "plain_weights": True,
         "checkpoint_version": 0,
@@ -226,7 +253,7 @@ def _fleet_file(
         [
             "# The fleet of `dcr rl --refit delta`: written and run by dcr rl.",
             _table("fleet", fleet),
-            _table("model", {"checkpoint": str(checkpoint)}),
+            _table("model", model),
             _table("trainer", trainer),
             _table("trainer.options", options),
             _table("trainer.options.rl", rl),
@@ -257,7 +284,14 @@ def _spec(opts: RLOptions, directory: Path, checkpoint: Path, ready: Path | str)
         state_dir=str(directory / "trainer"),
         events_dir=str(directory / "run" / "events"),
         rl=opts.rl.to_dict(),
+        rollout_dtype=opts.rollout_dtype,
+        fp8_block=opts.fp8_block,
     )
+
+
+def _served(checkpoint: Path, opts: RLOptions) -> Path:
+    """The checkpoint of version 0 the engine serves: ``checkpoint``, or its FP8 export."""
+    return checkpoint if opts.fp8 is None else checkpoint.with_name(checkpoint.name + "-fp8")
 
 
 @contextlib.contextmanager
@@ -439,7 +473,8 @@ def _run_dense(
     start = time.monotonic()
     try:
         engine_argv = [
-            sys.executable, "-m", "dcr.integrations.vllm", "--model", str(checkpoint),
+            sys.executable, "-m", "dcr.integrations.vllm", "--model",
+            str(_served(checkpoint, opts)),
             "--tp", str(opts.tp), "--plain-weights", "--checkpoint-version", "0",
             "--max-model-len", "64", "--no-prefix-cache", "--no-chunked-prefill",
             "--stop-with-parent", "--ready-file", str(ready),
@@ -482,6 +517,12 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
     write_initial_checkpoint(checkpoint, seed=opts.seed, config=opts.rl)
     say(f"version 0: {checkpoint} ({opts.refit} refits, {opts.mode}, TP {opts.tp}, "
         f"{opts.transport if opts.refit == 'delta' else 'full checkpoints'})")  # fmt: skip
+    if opts.fp8 is not None:
+        from dcr.models.fp8 import export_checkpoint
+
+        export_checkpoint(checkpoint, _served(checkpoint, opts), opts.fp8)
+        say(f"the engine serves FP8 with {opts.fp8.describe()} scales: "
+            f"{_served(checkpoint, opts)} (dcr fp8 export of version 0)")  # fmt: skip
     start = time.monotonic()
     runner = _run_delta if opts.refit == "delta" else _run_dense
     out = runner(opts, directory, checkpoint, say)
@@ -491,6 +532,10 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
         "mode": opts.mode,
         "transport": opts.transport if opts.refit == "delta" else None,
         "tp": opts.tp,
+        "rollout_dtype": opts.rollout_dtype,
+        "fp8_block": "channel"
+        if opts.fp8 is not None and opts.fp8_block is None
+        else opts.fp8_block,
         "seed": opts.seed,
         "steps": out["rows"],
         "killed": out["killed"],
@@ -514,14 +559,22 @@ def compare_runs(result: dict[str, Any], against: dict[str, Any]) -> dict[str, A
         if any(theirs.get(r["step"], {}).get(k) != r[k] or r[k] is None for k in COMPARED)
     ]  # fmt: skip
     final = result["final_weights_sha256"] == against["final_weights_sha256"]
+    # Runs serving different rollouts (BF16, FP8 of other scales) are different runs.
+    serving = _serving(result) == _serving(against)
     return {
         "refit": against.get("refit"),
         "steps_compared": len(result["steps"]),
         "steps_differing": differ,
         "final_weights_equal": final,
-        "equal": final and not differ and len(theirs) == len(result["steps"]),
+        "same_rollout_dtype": serving,
+        "equal": serving and final and not differ and len(theirs) == len(result["steps"]),
         "refit_s": [theirs.get(r["step"], {}).get("refit_s") for r in result["steps"]],
     }
+
+
+def _serving(result: dict[str, Any]) -> tuple[str, Any]:
+    """What a run's engine served: its rollout dtype and FP8 scale tiles."""
+    return str(result.get("rollout_dtype", "bf16")), result.get("fp8_block")
 
 
 def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = None) -> str:
@@ -531,7 +584,10 @@ def format_rl_table(result: dict[str, Any], against: dict[str, Any] | None = Non
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"dcr rl: {result['refit']} refits, {result['mode']}, TP {result['tp']}")
+    dtype, block = _serving(result)
+    served = "" if dtype == "bf16" else f", FP8 rollouts ({block} scales)"
+    table = Table(title=f"dcr rl: {result['refit']} refits, {result['mode']}, TP {result['tp']}"
+                  f"{served}")  # fmt: skip
     for col in ("step", "reward", "KL", "loss", "refit s", "gate s", "payload B", "changed",
                 "stale", "tokens"):  # fmt: skip
         table.add_column(col, justify="right")

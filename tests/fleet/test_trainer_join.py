@@ -169,3 +169,45 @@ def test_a_one_process_source_of_several_ranks_is_refused(
 
     with pytest.raises(ConfigError, match="lays out 2 training ranks in one process"):
         anyio.run(join, backend="asyncio")
+
+
+def test_a_trainer_joining_an_fp8_fleet_quantizes_for_its_receivers(
+    tmp_path: Path, plugins_on_path: None
+) -> None:
+    """``[model] rollout_dtype = "fp8"``: the rank's plan takes the fleet's FP8 scheme (its
+    receivers' catalog holds float8 values and scales); a group built for another rollout is
+    refused before it joins."""
+    from dataclasses import replace
+
+    from dcr.adapters.sources.state_dict import StateDictSource
+    from dcr.delta.build import BuildConfig
+    from dcr.delta.group import LocalTrainingGroup
+    from dcr.delta.layout import TrainLayout, build_plan
+    from dcr.fleet.trainer import _group
+    from dcr.tensors.fp8 import FP8_DTYPE, Fp8Scheme
+
+    base = load_fleet(_fleet(tmp_path))
+    base = replace(base, trainer=replace(base.trainer, ranks=1))
+    fp8 = replace(base, model=replace(base.model, rollout_dtype="fp8", fp8_block="channel"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    weights = {q: torch.randn(8, 16).to(torch.bfloat16), "model.norm.weight": torch.ones(16)}
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.bfloat16)
+
+    group = _group(StateDictSource(weights), fp8, BuildConfig(), 60.0)
+    assert group.plan.fp8 == Fp8Scheme(None) and group.plan.quantized == {q}
+    assert group.catalog[q].dtype == FP8_DTYPE
+    assert group.catalog[q + "_scale"].dtype == torch.float32
+    assert group.catalog["model.norm.weight"].dtype == torch.bfloat16
+    # The BF16 fleet keeps the catalog as it is.
+    assert _group(StateDictSource(weights), base, BuildConfig(), 60.0).catalog[q].dtype == (
+        torch.bfloat16
+    )
+
+    catalog = StateDictSource(weights).plan.catalog
+    bf16_group = LocalTrainingGroup(build_plan(catalog, TrainLayout()), weights)
+    with pytest.raises(ConfigError, match="serves FP8 with per-output-channel scales") as caught:
+        _group(bf16_group, fp8, BuildConfig(), 60.0)
+    assert caught.value.check == "fp8"
+    fp8_group = LocalTrainingGroup(build_plan(catalog, TrainLayout(), fp8=Fp8Scheme(4)), weights)
+    with pytest.raises(ConfigError, match="serves BF16"):
+        _group(fp8_group, base, BuildConfig(), 60.0)

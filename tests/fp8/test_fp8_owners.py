@@ -172,6 +172,27 @@ def test_layouts_that_cut_tiles_are_refused_when_the_plan_is_built(
     fp32 = {n: TensorSpec(name=n, shape=s.shape, dtype=torch.float32) for n, s in catalog.items()}
     with pytest.raises(LayoutError, match="bfloat16 projection weights"):
         build_plan(fp32, TrainLayout(tp=1), family="qwen3", config=cfg, fp8=Fp8Scheme(16))
+    # A plan built without FP8 (a trainer's source) takes it later, with the same checks.
+    bf16 = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg)
+    with pytest.raises(LayoutError, match=match):
+        bf16.with_fp8(Fp8Scheme(block))
+
+
+def test_a_plan_takes_an_fp8_rollout_later_as_if_built_with_it() -> None:
+    cfg = tiny_config("qwen3")
+    catalog = {n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
+               for n, s in canonical_shapes(cfg, "qwen3").items()}  # fmt: skip
+    bf16 = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg)
+    built = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg, fp8=Fp8Scheme(16))
+    later = bf16.with_fp8(Fp8Scheme(16))
+    assert later.fp8 == built.fp8 and later.quantized == built.quantized
+    assert later.wire_catalog == built.wire_catalog != bf16.wire_catalog
+    assert [later.fp8_regions(r).keys() for r in later.owners] == [
+        built.fp8_regions(r).keys() for r in built.owners
+    ]
+    assert bf16.with_fp8(None) is bf16 and later.with_fp8(Fp8Scheme(16)) is later
+    back = later.with_fp8(None)
+    assert back.fp8 is None and not back.quantized and back.wire_catalog == bf16.wire_catalog
 
 
 @pytest.mark.parametrize(("tp", "block"), [(1, None), (2, 16)])

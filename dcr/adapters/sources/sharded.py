@@ -36,6 +36,7 @@ from dcr.delta.mapping import AffineMapping, Direct
 from dcr.delta.residual import ResidualPart, ResidualTask
 from dcr.errors import ConfigError, LayoutError
 from dcr.tensors.bits import DTYPE_CODES, dtype_name
+from dcr.tensors.fp8 import Fp8Scheme
 from dcr.tensors.records import TensorSpec
 
 __all__ = ["CONVERTED", "LocalShard", "RankSource", "decode_mapping", "encode_mapping"]
@@ -248,14 +249,19 @@ class RankSource(Source):
         return out
 
     def training_group(
-        self, *, config: BuildConfig | None = None, timeout_s: float = 300.0
+        self,
+        *,
+        config: BuildConfig | None = None,
+        timeout_s: float = 300.0,
+        fp8: Fp8Scheme | None = None,
     ) -> DistTrainingGroup:
-        """The owner of this rank in the trainer's process group, at :meth:`base_shards`.
+        """The owner of this rank in the trainer's process group, at :meth:`base_shards`;
+        ``fp8``: receivers serve the FP8 rollout of the catalog (``[model] rollout_dtype``).
 
         Collective: every rank calls it (it gathers the residual baseline).
         """
         return DistTrainingGroup(
-            self.plan,
+            self.plan.with_fp8(fp8),
             self.rank,
             self.base_shards(),
             group=self.group,
