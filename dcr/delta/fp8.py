@@ -13,9 +13,18 @@ moves the baseline to the candidate, :meth:`Fp8Rollout.discard` restores the mir
 
 An owner holds the tiles of its :class:`Fp8Region` of each weight: the rectangle of canonical
 rows and columns its shards project (a tensor-parallel row or column slice, or the whole
-weight).  A region's edges must fall on tile edges (or the weight's own edge), so that every
-tile belongs to exactly one owner: the one whose shard holds all of it; a layout whose shards
-cut through tiles is refused (:class:`~dcr.errors.LayoutError`, ``check="fp8-tiles"``).
+weight).  With block scales a region's edges must fall on tile edges (or the weight's own
+edge), so that every tile belongs to exactly one owner: the one whose shard holds all of it; a
+layout whose shards cut through tiles is refused (:class:`~dcr.errors.LayoutError`,
+``check="fp8-tiles"``).
+
+Per-channel scales of a row-parallel weight are *shared*: each owner holds a column slice of
+every row.  A row's scale depends only on the row's ``max |w|``, which is the maximum of the
+owners' partial maxima, exactly; so the owners exchange one ``float32`` per shared row at
+staging (the training group's collective), and each quantizes its own
+columns with the row's scale -- no BF16 value crosses ranks (:mod:`dcr.delta.fp8_rows`).  Each
+owner sends the FP8 values of its columns; the owner of a row's first column (``cols[0] == 0``)
+sends its scale.
 """
 
 from __future__ import annotations
@@ -104,8 +113,18 @@ class Fp8Region:
     def local_shape(self) -> tuple[int, int]:
         return self.rows[1] - self.rows[0], self.cols[1] - self.cols[0]
 
+    def shares_rows(self, scheme: Fp8Scheme) -> bool:
+        """Per-channel scales of a column slice: each row's scale is shared with the owners
+        of the row's other columns."""
+        return scheme.block is None and self.cols != (0, self.shape[1])
+
+    def sends_scales(self, scheme: Fp8Scheme) -> bool:
+        """Whether this region's owner sends its scales: always, but for shared rows only the
+        owner of the rows' first column does (a shared scale is sent once)."""
+        return not self.shares_rows(scheme) or self.cols[0] == 0
+
     def check(self, scheme: Fp8Scheme) -> None:
-        """Refuse a region whose edges cut through tiles."""
+        """Refuse a region outside the weight, or whose edges cut through block tiles."""
         rows, cols = self.shape
         (r0, r1), (c0, c1) = self.rows, self.cols
         if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols):
@@ -113,24 +132,17 @@ class Fp8Region:
                 f"region rows {self.rows} x cols {self.cols} outside {list(self.shape)}",
                 tensor=self.name, check="fp8-tiles",
             )  # fmt: skip
-        if scheme.block is None:
-            cut = (c0, c1) != (0, cols)
-            why = (
-                "per-output-channel scales need whole rows, and this owner holds columns "
-                f"[{c0}, {c1}) of {cols} (a row-parallel split): every row must lie in one "
-                "owner's shard (use block scales, or a layout that keeps rows whole)"
-            )
-        else:
-            b = scheme.block
-            edges = [(r0, rows), (r1, rows), (c0, cols), (c1, cols)]
-            cut = any(e % b and e != end for e, end in edges)
-            why = (
+        b = scheme.block
+        if b is None:
+            return  # one scale per row: rows are never cut; a column slice shares its rows
+        edges = [(r0, rows), (r1, rows), (c0, cols), (c1, cols)]
+        if any(e % b and e != end for e, end in edges):
+            raise LayoutError(
                 f"{b}x{b} tiles are cut by this owner's rows [{r0}, {r1}) x columns [{c0}, "
                 f"{c1}): every tile must lie in one owner's shard (choose a block size that "
-                "divides the shards)"
-            )
-        if cut:
-            raise LayoutError(why, tensor=self.name, check="fp8-tiles")
+                "divides the shards, or per-channel scales)",
+                tensor=self.name, check="fp8-tiles",
+            )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -184,19 +196,27 @@ class Fp8Rollout:
     """The mirror and FP8 baseline of quantized weights: ``base`` maps each canonical name to
     the committed BF16 values of its region (``regions``; by default the whole weight, and
     ``base`` the whole matrix).  The scheme's scales are named by :meth:`Fp8Scheme.scale_name`;
-    indices in and out are canonical."""
+    indices in and out are canonical.
+
+    A region that shares its rows' scales (:meth:`Fp8Region.shares_rows`) needs its rows'
+    ``max |w|`` over every owner: ``amax`` at the committed version, and :meth:`share` of the
+    candidate's before it is staged."""
 
     def __init__(
         self,
         scheme: Fp8Scheme,
         base: Mapping[str, torch.Tensor],
         regions: Mapping[str, Fp8Region] | None = None,
+        amax: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.scheme = scheme
         self.mirror: dict[str, torch.Tensor] = {}
         self.regions: dict[str, Fp8Region] = {}
         self.q: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
+        self.amax: dict[str, torch.Tensor] = {}
+        """The committed row maxima of the shared regions."""
+        self._next: dict[str, torch.Tensor] | None = None
         for name, t in base.items():
             if t.dtype != torch.bfloat16 or t.dim() != 2:
                 raise LayoutError(f"an FP8 rollout quantizes bfloat16 matrices, got {t.dtype}"
@@ -210,7 +230,12 @@ class Fp8Rollout:
                 )  # fmt: skip
             self.regions[name] = region
             self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
-            self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name)
+            shared = None
+            if region.shares_rows(scheme):
+                shared = self._checked_amax(name, (amax or {}).get(name))
+                self.amax[name] = shared
+            self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name,
+                                                  amax=shared)  # fmt: skip
         self._staged: dict[str, _Staged] = {}
         self._specs: dict[str, TensorSpec] = {}
         for name, region in self.regions.items():
@@ -225,11 +250,57 @@ class Fp8Rollout:
         scheme: Fp8Scheme,
         regions: Mapping[str, tuple[Fp8Region, Sequence[RegionBlock]]],
         shards: Mapping[str, torch.Tensor],
+        amax: Mapping[str, torch.Tensor] | None = None,
     ) -> Fp8Rollout:
         """The rollout of an owner's ``regions`` (:meth:`TrainingPlan.fp8_regions`), its
         mirror filled from the owner's committed ``shards``."""
         return cls(scheme, {n: region_values(r, b, shards) for n, (r, b) in regions.items()},
-                   {n: r for n, (r, _) in regions.items()})  # fmt: skip
+                   {n: r for n, (r, _) in regions.items()}, amax)  # fmt: skip
+
+    def _checked_amax(self, name: str, amax: torch.Tensor | None) -> torch.Tensor:
+        rows = self.regions[name].local_shape[0]
+        if amax is None:
+            raise LayoutError(
+                "this owner holds a column slice of the weight's rows: their per-channel "
+                "scales need the rows' max |w| over every owner (the training group's "
+                "exchange, SharedRows)", tensor=name, check="fp8-amax",
+            )  # fmt: skip
+        if tuple(amax.shape) != (rows,) or amax.dtype != torch.float32:
+            raise LayoutError(f"row maxima are {amax.dtype}{list(amax.shape)}, expected "
+                              f"float32[{rows}]", tensor=name, check="fp8-amax")  # fmt: skip
+        return amax.detach().to("cpu", copy=True).contiguous()
+
+    @property
+    def shared(self) -> list[str]:
+        """The regions whose rows' scales are shared with other owners."""
+        return list(self.amax)
+
+    def share(self, amax: Mapping[str, torch.Tensor]) -> None:
+        """The candidate's row maxima of every shared region, over every owner (from the
+        training group's exchange at staging); needed before a shared region is staged."""
+        self._next = {name: self._checked_amax(name, amax.get(name)) for name in self.amax}
+
+    def unshare(self) -> None:
+        """Forget the candidate's row maxima (a new candidate, or none)."""
+        self._next = None
+
+    def moved(self) -> list[str]:
+        """The shared regions whose row maxima the candidate changes: their scales move,
+        so they are re-quantized even where this owner's values did not change."""
+        if self._next is None:
+            return []
+        return [n for n, a in self.amax.items() if not np.array_equal(bits(a), bits(self._next[n]))]
+
+    def _staged_amax(self, name: str) -> tuple[torch.Tensor | None, npt.NDArray[np.int64]]:
+        """A shared region's candidate row maxima and the rows whose maximum moved (none
+        for a region that shares nothing)."""
+        if name not in self.amax:
+            return None, np.empty(0, np.int64)
+        if self._next is None:
+            raise LayoutError("the candidate's shared row maxima were not given (share())",
+                              tensor=name, check="fp8-amax")  # fmt: skip
+        new = self._next[name]
+        return new, np.flatnonzero(bits(new) != bits(self.amax[name])).astype(np.int64)
 
     def stage_shards(
         self,
@@ -310,11 +381,15 @@ class Fp8Rollout:
         if index.shape[0] and (int(index.min()) < 0 or int(index.max()) >= numel):
             raise ConfigError("changed index outside the weight", tensor=name, check="bounds")
         index = self._local(name, index)
+        amax, moved = self._staged_amax(name)
         flat = bits(mirror).reshape(-1)
         old = flat[index].copy()
         flat[index] = values
         tiles = touched_tiles(index, tuple(mirror.shape), self.scheme)
-        return self._requantize(name, tiles, _Staged(index, old, _NO_DELTA), stats, dense_above)
+        if moved.shape[0]:
+            tiles = np.union1d(tiles, moved)
+        staged = _Staged(index, old, _NO_DELTA)
+        return self._requantize(name, tiles, staged, stats, dense_above, amax)
 
     def stage_region(
         self,
@@ -337,11 +412,15 @@ class Fp8Rollout:
                 f"region values are {values.dtype}{list(values.shape)}, expected "
                 f"{mirror.dtype}{list(mirror.shape)}", tensor=name, check="fp8",
             )  # fmt: skip
+        amax, moved = self._staged_amax(name)
         flat = bits(mirror).reshape(-1)
         old = flat.copy()
         np.copyto(flat, bits(values).reshape(-1))
         tiles = _changed_tiles(flat, old, self.regions[name].local_shape, self.scheme)
-        return self._requantize(name, tiles, _Staged(None, old, _NO_DELTA), stats, dense_above)
+        if moved.shape[0]:
+            tiles = np.union1d(tiles, moved)
+        staged = _Staged(None, old, _NO_DELTA)
+        return self._requantize(name, tiles, staged, stats, dense_above, amax)
 
     def _requantize(
         self,
@@ -350,11 +429,13 @@ class Fp8Rollout:
         staged: _Staged,
         stats: Fp8Stats | None,
         dense_above: float | None,
+        amax: torch.Tensor | None = None,
     ) -> list[Item]:
         """Re-quantize ``tiles`` of the mirror (which holds the candidate) and stage it."""
         mirror = self.mirror[name]
         try:
-            delta = requantize(mirror, self.q[name], self.s[name], tiles, self.scheme, name=name)
+            delta = requantize(mirror, self.q[name], self.s[name], tiles, self.scheme, name=name,
+                               amax=amax)  # fmt: skip
         except ConfigError:
             flat = bits(mirror).reshape(-1)
             if staged.index is None:
@@ -369,7 +450,8 @@ class Fp8Rollout:
             stats.tiles += int(np.prod(self.scheme.tile_grid(tuple(mirror.shape))))
             stats.tiles_touched += delta.tiles
             stats.fp8_changed += int(delta.q_index.shape[0])
-            stats.scales_changed += int(delta.s_index.shape[0])
+            if self.regions[name].sends_scales(self.scheme):  # a shared row's scale counts once
+                stats.scales_changed += int(delta.s_index.shape[0])
         if dense_above is not None and delta.q_index.shape[0] >= dense_above * mirror.numel():
             if stats is not None:
                 stats.dense += 1
@@ -395,7 +477,7 @@ class Fp8Rollout:
         items = []
         if delta.q_index.shape[0]:
             items.append(_item(specs[name], delta.q_index, delta.q_values))
-        if delta.s_index.shape[0]:
+        if delta.s_index.shape[0] and self.regions[name].sends_scales(self.scheme):
             items.append(_item(specs[scale], delta.s_index, delta.s_values.view(np.uint32)))
         return items
 
@@ -406,6 +488,9 @@ class Fp8Rollout:
             d = st.delta
             bits(self.q[name]).reshape(-1)[d.q_index] = d.q_values
             bits(self.s[name]).reshape(-1)[d.s_index] = d.s_values.view(np.uint32)
+            if name in self.amax:
+                assert self._next is not None  # staging a shared region needs it
+                self.amax[name] = self._next[name]
         self._staged = {}
 
     def discard(self) -> None:
@@ -430,6 +515,8 @@ class Fp8Rollout:
             h, w = region.local_shape
             q_span = _rect_span(region.shape[1], r0, c0, w)
             out.append(_item(specs[name], q_span, bits(self.q[name]).reshape(-1).copy()))
+            if not region.sends_scales(self.scheme):
+                continue  # the owner of the rows' first columns sends their scales
             if self.scheme.block is None:
                 s_span = Span(r0)
             else:

@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
+from dcr.delta.fp8_rows import shared_partials
 from dcr.delta.layout import TrainingPlan
 from dcr.delta.owner import Owner
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
@@ -53,6 +54,10 @@ class TrainingGroup(ABC):
         self._candidate: Mapping[str, torch.Tensor] | None = None
         # Per hosted rank: the residual jobs of the staged candidate (its required tensors).
         self._jobs: dict[int, list[ResidualJob]] = {}
+        # FP8 rows whose per-channel scales several owners share, and the staged candidate's
+        # maxima of them over every owner (exchanged at staging).
+        self._rows = plan.fp8_shared_rows()
+        self._next_amax: torch.Tensor | None = None
 
     @property
     def catalog(self) -> Mapping[str, TensorSpec]:
@@ -143,6 +148,7 @@ class TrainingGroup(ABC):
     def _unstage(self) -> None:
         self._candidate = None
         self._jobs = {}
+        self._next_amax = None
 
 
 class LocalTrainingGroup(TrainingGroup):
@@ -166,11 +172,29 @@ class LocalTrainingGroup(TrainingGroup):
         super().__init__(plan, config)
         plan.check_shards(base)
         self.full_conversion = full_conversion
-        self.owners = {r: self._fresh_owner(r, base) for r in range(plan.layout.world_size)}
+        amax = self._shared_amax(base)
+        self.owners = {r: self._fresh_owner(r, base, amax) for r in range(plan.layout.world_size)}
 
-    def _fresh_owner(self, rank: int, base: Mapping[str, torch.Tensor]) -> Owner:
-        """Owner ``rank`` at the committed shards ``base``, with its residual baseline."""
-        owner = Owner(rank, self.plan, base, config=self.config)
+    def _shared_amax(self, shards: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The row maxima of the shared FP8 rows in ``shards`` (every owner's partials,
+        maximised), or ``None`` without shared rows."""
+        if not self._rows:
+            return None
+        fp8 = self.plan.fp8
+        assert fp8 is not None
+        return self._rows.vector(shared_partials(fp8, self.plan.fp8_regions(r), shards)
+                                 for r in self.plan.owners)  # fmt: skip
+
+    def _fresh_owner(
+        self, rank: int, base: Mapping[str, torch.Tensor], amax: torch.Tensor | None
+    ) -> Owner:
+        """Owner ``rank`` at the committed shards ``base``, with its residual baseline (and
+        ``amax``, the committed maxima of the shared FP8 rows)."""
+        rows = None
+        if amax is not None:
+            regions = [region for region, _ in self.plan.fp8_regions(rank).values()]
+            rows = self._rows.rows(amax, regions)
+        owner = Owner(rank, self.plan, base, config=self.config, fp8_amax=rows)
         for task in self.plan.residual:
             if self.plan.residual_owner(task.name) == rank:
                 owner.set_residual_baseline(task.name, self._convert(task, base))
@@ -188,9 +212,11 @@ class LocalTrainingGroup(TrainingGroup):
         is handed to it so it can join the running transition.
         """
         self.plan.check_shards(committed)
-        owner = self._fresh_owner(rank, committed)
+        owner = self._fresh_owner(rank, committed, self._shared_amax(committed))
         if self._candidate is not None:
             owner.stage(self._candidate)
+            if self._next_amax is not None:
+                owner.fp8_share(self._rows, self._next_amax)
         self.owners[rank] = owner
         return owner
 
@@ -243,6 +269,11 @@ class LocalTrainingGroup(TrainingGroup):
         for owner in self.owners.values():
             owner.stage(candidate, donate=donate)
         self._candidate = candidate
+        if self._rows:  # the shared FP8 rows' maxima over every owner
+            owners = self.owners.values()
+            self._next_amax = self._rows.vector(o.fp8_partials(candidate) for o in owners)
+            for owner in owners:
+                owner.fp8_share(self._rows, self._next_amax)
         flagged = frozenset().union(*(o.flags() for o in self.owners.values()))
         jobs: dict[int, list[ResidualJob]] = {r: [] for r in self.owners}
         for task in required_tensors(self.plan.residual, flagged):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dcr.delta.fp8 import Fp8Region, RegionBlock
+from dcr.delta.fp8_rows import SharedRows
 from dcr.delta.mapping import (
     AffineMapping,
     ColumnParallel,
@@ -167,7 +168,9 @@ class TrainingPlan:
     def fp8_regions(self, rank: int) -> dict[str, tuple[Fp8Region, list[RegionBlock]]]:
         """For each quantized weight that ``rank``'s shards project: the region of its tiles
         this rank owns, and the shard blocks that fill it.  A region that is not one rectangle,
-        or whose edges cut through tiles, is refused (:class:`LayoutError`, ``check="fp8-tiles"``).
+        or whose edges cut through block tiles, is refused (:class:`LayoutError`,
+        ``check="fp8-tiles"``); per-channel scales of a column slice are shared
+        (:meth:`fp8_shared_rows`).
         """
         if self.fp8 is None:
             return {}
@@ -194,6 +197,17 @@ class TrainingPlan:
             region.check(self.fp8)
             out[name] = (region, blocks)
         return out
+
+    def fp8_shared_rows(self) -> SharedRows:
+        """The rows whose per-channel scales several owners share: those of every quantized
+        weight some owner holds a column slice of (row-parallel shards), in catalog order."""
+        rows: dict[str, int] = {}
+        if self.fp8 is not None and self.fp8.block is None:
+            for rank in self.owners:
+                for name, (region, _) in self.fp8_regions(rank).items():
+                    if region.shares_rows(self.fp8):
+                        rows[name] = region.shape[0]
+        return SharedRows({n: rows[n] for n in self.catalog if n in rows})
 
     def with_fp8(self, fp8: Fp8Scheme | None) -> TrainingPlan:
         """This plan with the FP8 rollout ``fp8`` (``None``: receivers hold the catalog as it

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
-from dcr.delta.fp8 import Fp8Rollout, region_values
+from dcr.delta.fp8 import Fp8Region, Fp8Rollout, region_values
+from dcr.delta.fp8_rows import SharedRows, shared_partials
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.packing import DenseRun, Index, Packer, UInt, dense_spans
@@ -72,6 +73,7 @@ class Owner:
         base: Mapping[str, torch.Tensor],
         *,
         config: BuildConfig | None = None,
+        fp8_amax: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.rank = rank
         self.plan = plan
@@ -98,7 +100,7 @@ class Owner:
         # The FP8 rollout of the quantized weights whose tiles this rank owns (dcr.delta.fp8).
         self._regions = plan.fp8_regions(rank)
         self.fp8 = (
-            Fp8Rollout.of_shards(plan.fp8, self._regions, self.trackers)
+            Fp8Rollout.of_shards(plan.fp8, self._regions, self.trackers, fp8_amax)
             if plan.fp8 is not None and self._regions
             else None
         )
@@ -207,7 +209,23 @@ class Owner:
     def _discard_fp8(self) -> None:
         if self.fp8 is not None:
             self.fp8.discard()
+            self.fp8.unshare()
         self._fp8_staged = False
+
+    def fp8_partials(
+        self, shards: Mapping[str, torch.Tensor]
+    ) -> dict[str, tuple[Fp8Region, torch.Tensor]]:
+        """This owner's partial row maxima of its shared FP8 regions (row-parallel weights
+        with per-channel scales) in ``shards``: what its training group exchanges at staging."""
+        if self.fp8 is None or not self.fp8.shared:
+            return {}
+        return shared_partials(self.fp8.scheme, self._regions, shards)
+
+    def fp8_share(self, rows: SharedRows, vector: torch.Tensor) -> None:
+        """Hand this owner the staged candidate's row maxima over every owner (``vector``,
+        the element-wise maximum of every owner's :meth:`fp8_partials` in ``rows``' slots)."""
+        if self.fp8 is not None and self.fp8.shared:
+            self.fp8.share(rows.rows(vector, self.fp8.regions.values()))
 
     def _require_candidate(self) -> dict[str, torch.Tensor]:
         if self._candidate is None:
@@ -430,15 +448,20 @@ class Owner:
         self.fp8.discard()  # an earlier attempt of the same candidate staged it already
         self._fp8_staged = False  # until every weight is staged again (commit completes it)
         cand = self._require_candidate()
-        for name in sorted(hits):
+        # A shared row's scale moves with another owner's columns: re-quantize those rows too.
+        for name in sorted({*hits, *self.fp8.moved()}):
             numel = self.fp8.mirror[name].numel()
             above = self.config.dense_above if numel >= DENSE_MIN_ELEMENTS else None
-            count = sum(p.shape[0] for p, _ in hits[name])
+            count = sum(p.shape[0] for p, _ in hits.get(name, ()))
             t0 = time.thread_time()
             if count * 4 >= numel:  # most elements changed: compare the region whole
                 region, blocks = self._regions[name]
                 values = region_values(region, blocks, cand)
                 items = self.fp8.stage_region(name, values, stats.fp8, dense_above=above)
+            elif count == 0:
+                empty = np.empty(0, np.int64)
+                items = self.fp8.stage(name, empty, empty.astype(np.uint16), stats.fp8,
+                                       dense_above=above)  # fmt: skip
             else:
                 index = np.concatenate([p for p, _ in hits[name]])
                 vals = np.concatenate([v for _, v in hits[name]])

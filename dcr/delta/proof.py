@@ -105,6 +105,8 @@ def owner_proof(owner: Owner, request: ProofRequest) -> Proof:
             (r0, r1), (c0, c1) = region.rows, region.cols
             canon = torch.empty(region.shape, dtype=catalog[name].dtype, device="meta")
             tally(name).add_view(canon[r0:r1, c0:c1], fp8.q[name])
+            if not region.sends_scales(fp8.scheme):
+                continue  # a shared row's scale is the first columns' owner's to prove
             scale = fp8.scheme.scale_name(name)
             grid = torch.empty(catalog[scale].shape, dtype=catalog[scale].dtype, device="meta")
             b = fp8.scheme.block

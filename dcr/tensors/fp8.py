@@ -24,6 +24,7 @@ changed elements falls in and :func:`requantize` converts only those, against th
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ __all__ = [
     "quantized_names",
     "requantize",
     "rollout_catalog",
+    "row_amax",
     "touched_tiles",
 ]
 
@@ -135,11 +137,19 @@ def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def _quantize_tiles(tiles: torch.Tensor, name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_tiles(
+    tiles: torch.Tensor, name: str | None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``tiles``: ``[n, r, c]`` of any float dtype whose values are ``float32``-exact (padding
-    zeros allowed) -> ``q [n, r, c]`` and ``s [n]``."""
+    zeros allowed) -> ``q [n, r, c]`` and ``s [n]``.  ``amax`` (``float32 [n]``): each tile's
+    ``max |w|`` taken over more than these values (a row split between owners, see
+    :func:`row_amax`) instead of over them."""
     x = tiles.to(torch.float32)
-    amax = x.abs().amax(dim=(1, 2)) if x.numel() else x.new_zeros(x.shape[0])
+    if amax is None:
+        amax = x.abs().amax(dim=(1, 2)) if x.numel() else x.new_zeros(x.shape[0])
+    elif tuple(amax.shape) != (x.shape[0],) or amax.dtype != torch.float32:
+        raise ConfigError(f"shared amax is {amax.dtype}{list(amax.shape)}, expected float32"
+                          f"[{x.shape[0]}]", tensor=name, check="fp8-amax")  # fmt: skip
     if not bool(torch.isfinite(amax).all()):
         raise ConfigError("a weight to quantize holds a value that is not finite",
                           tensor=name, check="fp8-finite")  # fmt: skip
@@ -164,19 +174,42 @@ def _tiles_view(w: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:
 
 
 def quantize(
-    w: torch.Tensor, scheme: Fp8Scheme, *, name: str | None = None
+    w: torch.Tensor,
+    scheme: Fp8Scheme,
+    *,
+    name: str | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, s)``: the ``float8_e4m3fn`` values of matrix ``w`` and its ``float32`` scales of
-    :meth:`Fp8Scheme.scale_shape`, by the rule in the module docstring."""
+    :meth:`Fp8Scheme.scale_shape`, by the rule in the module docstring.
+
+    ``amax`` (per-channel scales only, ``float32 [rows]``): ``w`` is a column slice of the
+    weight and ``amax`` each row's ``max |w|`` over the whole row (:func:`row_amax` of every
+    slice, maximised): the scales are the whole weight's and ``q`` the slice of its FP8
+    values, bit for bit."""
     rows, cols = _matrix(tuple(w.shape))
+    if amax is not None and scheme.block is not None:
+        raise ConfigError("a shared amax is for per-channel scales", tensor=name, check="fp8-amax")
     tiles = _tiles_view(w.detach(), scheme)
     if scheme.block is None:
-        q, s = _quantize_tiles(tiles, name)
+        q, s = _quantize_tiles(tiles, name, amax)
         return q.reshape(rows, cols), s.reshape(rows, 1)
     tr, b, tc, _ = tiles.shape
     q, s = _quantize_tiles(tiles.permute(0, 2, 1, 3).reshape(tr * tc, b, b), name)
     q = q.reshape(tr, tc, b, b).permute(0, 2, 1, 3).reshape(tr * b, tc * b)
     return q[:rows, :cols].contiguous(), s.reshape(tr, tc)
+
+
+def row_amax(w: torch.Tensor) -> torch.Tensor:
+    """``float32 [rows]``: each row's ``max |w|`` over this (column slice of a) matrix; the
+    maximum over every slice of a row is the row's own, exactly.  A row holding a value that
+    is not finite gives ``inf`` (never NaN, so a maximum over owners keeps it), which the
+    quantizer refuses (``check="fp8-finite"``) on every owner of the row."""
+    rows, cols = _matrix(tuple(w.shape))
+    if cols == 0:
+        return torch.zeros(rows, dtype=torch.float32)
+    amax = w.detach().abs().amax(dim=1).to(torch.float32)
+    return torch.nan_to_num(amax, nan=math.inf)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:
@@ -233,11 +266,13 @@ def requantize(
     *,
     name: str | None = None,
     update: bool = False,
+    amax: torch.Tensor | None = None,
 ) -> Fp8Delta:
     """Quantize only ``tiles`` (flat tile-grid indices, e.g. from :func:`touched_tiles`) of the
     new weight ``w`` and compare them bitwise with the committed ``q`` and ``s``; the result is
     the elements of ``q`` and ``s`` whose bits changed.  ``update`` writes the new bits into
-    ``q`` and ``s`` as well (the residual baseline moving to the new version).
+    ``q`` and ``s`` as well (the residual baseline moving to the new version).  ``amax``: the
+    whole rows' ``max |w|`` of a column slice ``w`` (per-channel scales, see :func:`quantize`).
 
     A tile whose BF16 values did not change gives the same bits, so the delta is the same as
     comparing a full :func:`quantize` of ``w`` with ``(q, s)``; the cost follows the tiles.
@@ -259,12 +294,16 @@ def requantize(
     if n == 0:
         return Fp8Delta(empty_i, empty_u8, empty_i, np.empty(0, np.float32), 0)
     s_flat = s.reshape(-1)
+    if amax is not None and (scheme.block is not None or tuple(amax.shape) != (rows,)):
+        raise ConfigError(f"a shared amax is float32[{rows}] for per-channel scales, got "
+                          f"{list(amax.shape)}", tensor=name, check="fp8-amax")  # fmt: skip
     if n * 2 > s_flat.shape[0]:
         # Most tiles: quantizing the whole matrix costs no more, and its row-major result
         # compares in one pass, already in index order.
-        return _requantize_all(w, q, s, n, scheme, name=name, update=update)
+        return _requantize_all(w, q, s, n, scheme, name=name, update=update, amax=amax)
     if scheme.block is None:
-        new_q, new_s = _quantize_tiles(w.detach()[t].reshape(n, 1, cols), name)
+        shared = None if amax is None else amax[t]
+        new_q, new_s = _quantize_tiles(w.detach()[t].reshape(n, 1, cols), name, shared)
         new_q = new_q.reshape(n, cols)
         old_q = q[t]
         qbits, obits = new_q.view(torch.uint8), old_q.view(torch.uint8)
@@ -309,8 +348,9 @@ def _requantize_all(
     *,
     name: str | None,
     update: bool,
+    amax: torch.Tensor | None,
 ) -> Fp8Delta:
-    new_q, new_s = quantize(w, scheme, name=name)
+    new_q, new_s = quantize(w, scheme, name=name, amax=amax)
     new_bits = new_q.view(torch.uint8).numpy().reshape(-1)
     q_index = np.flatnonzero(new_bits != q.view(torch.uint8).numpy().reshape(-1))
     new_scales = new_s.numpy().reshape(-1)

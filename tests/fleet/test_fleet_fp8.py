@@ -59,11 +59,12 @@ def test_fp8_settings_are_checked(tmp_path: Path) -> None:
         cfg.path.write_text(text.replace("[model]\n", f"[model]\n{bad}\n", 1))
         with pytest.raises(ConfigError, match=match):
             load_fleet(cfg.path)
-    # The trainer's TP 2 splits o_proj by columns: channel scales need whole rows.
+    # The trainer's TP 2 splits o_proj and down_proj by columns: their rows' channel scales
+    # are shared by the two ranks holding each row's halves.
     cfg.path.write_text(text)
-    channel = _fp8(load_fleet(cfg.path), "channel")
-    with pytest.raises(ConfigError, match="whole rows"):
-        _ = FleetModel(channel).plan
+    channel = FleetModel(_fp8(load_fleet(cfg.path), "channel")).plan
+    shared = set(channel.fp8_shared_rows().offsets)
+    assert shared and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in shared)
 
 
 def test_preloaded_fp8_receivers_are_fingerprinted_and_a_flipped_fp8_bit_is_restored(
@@ -73,12 +74,13 @@ def test_preloaded_fp8_receivers_are_fingerprinted_and_a_flipped_fp8_bit_is_rest
     the record without a dense refit; r0 flips one stored bit of a float8 projection weight
     right after loading.  The owners' proof covers their committed FP8 values and scales: the
     first transition disproves r0 alone, restores it by a dense FP8 refit, and every receiver
-    ends bit-exact."""
-    cfg = _fp8(small_fleet(tmp_path, refits=2), 32)
+    ends bit-exact.  Per-channel scales: the trainer's TP 2 splits the row-parallel weights'
+    rows, whose shared scales the owner processes agree on by an all-reduce at staging."""
+    cfg = _fp8(small_fleet(tmp_path, refits=2), "channel")
     text = cfg.path.read_text().replace("refits = 2\n", "refits = 2\npreloaded = true\n", 1)
     cfg.path.write_text(text)
     cfg = load_fleet(cfg.path)
-    assert cfg.model.preloaded and cfg.model.fp8 == Fp8Scheme(32)
+    assert cfg.model.preloaded and cfg.model.fp8 == Fp8Scheme(None)
     launcher = Launcher(cfg, faults=[Fault(version=0, target="r0", after="flip")], deadline_s=600)
     report = launcher.run()
     assert report["bit_exact"] is True, report["mismatches"]

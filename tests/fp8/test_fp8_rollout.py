@@ -17,7 +17,7 @@ import torch
 from dcr.adapters.loaders.torch_module import TorchModuleLoader
 from dcr.apply.applier import Applier
 from dcr.delta.fp8 import Fp8Region, Fp8Rollout, Fp8Stats, overwrite_item
-from dcr.errors import LayoutError
+from dcr.errors import ConfigError, LayoutError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.fp8 import export_checkpoint, quantized_names
 from dcr.models.hf import read_checkpoint, write_checkpoint
@@ -211,9 +211,11 @@ def test_regions_that_cut_through_tiles_are_refused() -> None:
         Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:24]},
                    {"a.weight": Fp8Region("a.weight", (64, 64), (0, 24), (0, 64))})  # fmt: skip
     assert err.value.check == "fp8-tiles"
-    with pytest.raises(LayoutError, match="whole rows"):
+    # A column slice with per-channel scales shares its rows' scales: it needs their maxima.
+    with pytest.raises(LayoutError, match="over every owner") as err:
         Fp8Rollout(Fp8Scheme(None), {"a.weight": w[:, :32]},
                    {"a.weight": Fp8Region("a.weight", (64, 64), (0, 64), (0, 32))})  # fmt: skip
+    assert err.value.check == "fp8-amax"
     # The weight's own edge may end a partial tile.
     Fp8Rollout(Fp8Scheme(48), {"a.weight": w[48:]},
                {"a.weight": Fp8Region("a.weight", (64, 64), (48, 64), (0, 64))})  # fmt: skip
@@ -246,3 +248,80 @@ def test_staging_a_whole_region_equals_staging_its_changed_elements(block: int |
     assert np.array_equal(bits(by_region.s[name]), bits(by_index.s[name]))
     with pytest.raises(LayoutError, match="region values"):
         by_region.stage_region(name, v2[name].t())
+
+
+def _apply(q: torch.Tensor, s: torch.Tensor, items: list[Item]) -> tuple[np.ndarray, np.ndarray]:
+    """The bits of FP8 values ``q`` and scales ``s`` after the overwrite ``items``."""
+    out = {"a.weight": bits(q).reshape(-1).copy(), "a.weight_scale": bits(s).reshape(-1).copy()}
+    for item in items:
+        assert item.indices is not None
+        out[item.name][item.indices] = item.values
+    return out["a.weight"], out["a.weight_scale"]
+
+
+def test_column_slices_share_their_rows_channel_scales() -> None:
+    """Per-channel scales of a row-parallel weight: two owners hold column slices of every row.
+    Given the rows' maxima over both (``SharedRows``), each quantizes its slice exactly as the
+    whole weight's quantization does; a change in one slice that moves a row's maximum makes
+    the other owner re-quantize that row without a change of its own; only the first
+    columns' owner sends the scales."""
+    from dcr.delta.fp8_rows import SharedRows
+    from dcr.tensors.fp8 import quantize, row_amax
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(32, 64, generator=g) * 0.05).to(torch.bfloat16)
+    w[3, 50] = 1.0  # row 3's maximum lies in the second slice
+    scheme, name, cut = Fp8Scheme(None), "a.weight", 40
+    regions = [Fp8Region(name, (32, 64), (0, 32), (0, cut)),
+               Fp8Region(name, (32, 64), (0, 32), (cut, 64))]  # fmt: skip
+    assert all(r.shares_rows(scheme) for r in regions)
+    assert [r.sends_scales(scheme) for r in regions] == [True, False]
+    assert regions[1].sends_scales(Fp8Scheme(8))  # block tiles are never shared
+    rows = SharedRows({name: 32})
+
+    def maxima(v: torch.Tensor) -> torch.Tensor:
+        parts = [{name: (r, row_amax(v[:, r.cols[0] : r.cols[1]]))} for r in regions]
+        return rows.vector(parts)
+
+    amax = maxima(w)
+    assert np.array_equal(bits(amax), bits(row_amax(w)))
+    owners = [Fp8Rollout(scheme, {name: w[:, r.cols[0] : r.cols[1]].contiguous()}, {name: r},
+                         rows.rows(amax, [r])) for r in regions]  # fmt: skip
+    q, s = quantize(w, scheme)
+    for r, owner in zip(regions, owners, strict=True):
+        assert np.array_equal(bits(owner.q[name]), bits(q[:, r.cols[0] : r.cols[1]].contiguous()))
+        assert np.array_equal(bits(owner.s[name]), bits(s))
+    assert [len(o.dense_items()) for o in owners] == [2, 1]  # values and scales, values only
+
+    new = w.clone()
+    new[3, 50] = 2.0  # row 3's maximum, and so its scale, doubles
+    changed = np.array([3 * 64 + 50], dtype=np.int64)
+    with pytest.raises(LayoutError, match="share"):
+        owners[0].stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
+    for owner in owners:
+        owner.share(rows.rows(maxima(new), owner.regions.values()))
+    assert [o.moved() for o in owners] == [[name], [name]]
+    first = owners[0].stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
+    second = owners[1].stage(name, changed, bits(new).reshape(-1)[changed])
+    assert {i.name for i in first} == {name, "a.weight_scale"}
+    assert {i.name for i in second} == {name}  # the first owner sent row 3's scale
+    assert all(int(i.indices[0]) // 64 == 3 for i in first + second if i.name == name)  # type: ignore[index]
+    new_q, new_s = quantize(new, scheme)
+    got_q, got_s = _apply(q, s, first + second)
+    assert np.array_equal(got_q, bits(new_q).reshape(-1))
+    assert np.array_equal(got_s, bits(new_s).reshape(-1))
+    for owner in owners:
+        owner.commit()
+        assert np.array_equal(bits(owner.amax[name]), bits(row_amax(new)))
+        assert owner.moved() == []
+
+    # A value that is not finite in one slice reaches every owner of its row as an infinite
+    # maximum (a NaN would be lost by a maximum), and each refuses to quantize the row.
+    bad = new.clone()
+    bad[5, 7] = float("nan")
+    assert bool(torch.isinf(maxima(bad)[5]))
+    for owner in owners:
+        owner.share(rows.rows(maxima(bad), owner.regions.values()))
+        with pytest.raises(ConfigError, match="not finite") as caught:
+            owner.stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
+        assert caught.value.check == "fp8-finite"
