@@ -87,7 +87,7 @@ def _catalog(sd: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
 
 
 @pytest.mark.parametrize(("tp_train", "tp_serve", "block"),
-                         [(1, 2, 8), (2, 1, 8), (2, 2, 8), (1, 2, None)])  # fmt: skip
+                         [(1, 2, 8), (2, 1, 8), (2, 2, 8), (1, 2, None), (2, 2, None)])  # fmt: skip
 def test_owners_refit_fp8_serving_ranks_to_the_dense_load_of_the_next_export(
     tp_train: int, tp_serve: int, block: int | None
 ) -> None:
