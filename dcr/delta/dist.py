@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dcr.delta.build import BuildConfig, BuildStats, ResidualJob
 from dcr.delta.fp8 import Fp8Region
-from dcr.delta.fp8_rows import shared_partials
+from dcr.delta.fp8_shared import shared_partials
 from dcr.delta.group import BucketStreams, TrainingGroup
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.owner import Owner
@@ -115,11 +115,11 @@ class DistTrainingGroup(TrainingGroup):
         """What the residual steps of the last :meth:`stage` did on this rank."""
         base = self._held(shards, "committed")
         amax = None
-        if self._rows:  # the committed maxima of the shared FP8 rows, over every rank
+        if self._shared:  # the committed maxima of the shared FP8 tiles, over every rank
             assert plan.fp8 is not None
             mine = shared_partials(plan.fp8, plan.fp8_regions(rank), base)
-            vector = self._step("fp8-rows-baseline", lambda: self._all_max(mine))
-            amax = self._rows.rows(vector, [r for r, _ in plan.fp8_regions(rank).values()])
+            vector = self._step("fp8-amax-baseline", lambda: self._all_max(mine))
+            amax = self._shared.tiles(vector, [r for r, _ in plan.fp8_regions(rank).values()])
         self.owners = {rank: Owner(rank, plan, base, config=self.config, fp8_amax=amax)}
         gathered, _ = self._step("residual-baseline", lambda: self._gather(plan.residual, base))
         for name, tensor in gathered.items():
@@ -150,10 +150,10 @@ class DistTrainingGroup(TrainingGroup):
         # Peers are entering the collectives: a rank that fails before them breaks the group.
         held = self._step("stage", stage_held)
         self._candidate = held
-        if self._rows:  # the candidate's maxima of the shared FP8 rows, over every rank
+        if self._shared:  # the candidate's maxima of the shared FP8 tiles, over every rank
             mine = owner.fp8_partials(held)
-            self._next_amax = self._step("fp8-rows", lambda: self._all_max(mine))
-            owner.fp8_share(self._rows, self._next_amax)
+            self._next_amax = self._step("fp8-amax", lambda: self._all_max(mine))
+            owner.fp8_share(self._shared, self._next_amax)
         flagged = self._step("residual-flags", lambda: self._flags(owner))
         required = required_tensors(self.plan.residual, flagged)
         assembled, moved = self._step("residual-gather", lambda: self._gather(required, held))
@@ -242,9 +242,9 @@ class DistTrainingGroup(TrainingGroup):
         return wait
 
     def _all_max(self, partials: Mapping[str, tuple[Fp8Region, torch.Tensor]]) -> torch.Tensor:
-        """The shared FP8 rows' maxima: this rank's ``partials`` in their slots, maximised
+        """The shared FP8 tiles' maxima: this rank's ``partials`` in their slots, maximised
         element-wise over every rank (``all_reduce`` MAX of one ``float32`` per shared row)."""
-        vector = self._rows.vector([partials])
+        vector = self._shared.vector([partials])
         wait = self._waiter()
         work = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         assert work is not None

@@ -13,18 +13,13 @@ moves the baseline to the candidate, :meth:`Fp8Rollout.discard` restores the mir
 
 An owner holds the tiles of its :class:`Fp8Region` of each weight: the rectangle of canonical
 rows and columns its shards project (a tensor-parallel row or column slice, or the whole
-weight).  With block scales a region's edges must fall on tile edges (or the weight's own
-edge), so that every tile belongs to exactly one owner: the one whose shard holds all of it; a
-layout whose shards cut through tiles is refused (:class:`~dcr.errors.LayoutError`,
-``check="fp8-tiles"``).
-
-Per-channel scales of a row-parallel weight are *shared*: each owner holds a column slice of
-every row.  A row's scale depends only on the row's ``max |w|``, which is the maximum of the
-owners' partial maxima, exactly; so the owners exchange one ``float32`` per shared row at
-staging (the training group's collective), and each quantizes its own
-columns with the row's scale -- no BF16 value crosses ranks (:mod:`dcr.delta.fp8_rows`).  Each
-owner sends the FP8 values of its columns; the owner of a row's first column (``cols[0] == 0``)
-sends its scale.
+weight), widened to tile edges (its *frame*).  A tile whose elements lie in several owners'
+shards -- a row-parallel weight's rows under per-channel scales, a block tile a shard edge
+cuts -- is *shared*: its scale depends on the whole tile's ``max |w|``, the maximum of its
+owners' partial maxima, which the owners exchange at staging (:mod:`dcr.delta.fp8_shared`).
+Each owner quantizes the values it holds with the shared scale, so no BF16 value crosses
+ranks; each sends the FP8 values of its own elements, and a tile's scale is sent by the owner
+of the tile's first element.
 """
 
 from __future__ import annotations
@@ -113,34 +108,49 @@ class Fp8Region:
     def local_shape(self) -> tuple[int, int]:
         return self.rows[1] - self.rows[0], self.cols[1] - self.cols[0]
 
-    def shares_rows(self, scheme: Fp8Scheme) -> bool:
-        """Per-channel scales of a column slice: each row's scale is shared with the owners
-        of the row's other columns."""
-        return scheme.block is None and self.cols != (0, self.shape[1])
+    def frame(self, scheme: Fp8Scheme) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The rows and columns of the tiles this region touches: the region widened to tile
+        edges (the weight's own edges at most) -- what its owner's mirror and FP8 baseline
+        span.  A row is a tile of per-channel scales, so their regions are not widened."""
+        b = scheme.block
+        if b is None:
+            return self.rows, self.cols
+        rows, cols = self.shape
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        return (r0 - r0 % b, min(rows, -(-r1 // b) * b)), (c0 - c0 % b, min(cols, -(-c1 // b) * b))
 
-    def sends_scales(self, scheme: Fp8Scheme) -> bool:
-        """Whether this region's owner sends its scales: always, but for shared rows only the
-        owner of the rows' first column does (a shared scale is sent once)."""
-        return not self.shares_rows(scheme) or self.cols[0] == 0
+    def frame_tiles(self, scheme: Fp8Scheme) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The tiles of :meth:`frame`, as rows and columns of the weight's tile grid."""
+        (f0, f1), (g0, g1) = self.frame(scheme)
+        b = scheme.block
+        if b is None:
+            return (f0, f1), (0, 1)
+        return (f0 // b, -(-f1 // b)), (g0 // b, -(-g1 // b))
+
+    def sent_tiles(self, scheme: Fp8Scheme) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The tiles whose scales this region's owner sends: those whose first element it
+        holds (a tile its owners share sends its scale once).  Possibly empty."""
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        b = scheme.block
+        if b is None:
+            return (r0, r1), (0, 1 if c0 == 0 else 0)
+        return (-(-r0 // b), -(-r1 // b)), (-(-c0 // b), -(-c1 // b))
+
+    def shares_tiles(self, scheme: Fp8Scheme) -> bool:
+        """Whether other owners hold part of this region's tiles: a column slice's rows under
+        per-channel scales, or a region whose edges cut block tiles.  Their scales depend on
+        every owner's values (:mod:`dcr.delta.fp8_shared`)."""
+        if scheme.block is None:
+            return self.cols != (0, self.shape[1])
+        return self.frame(scheme) != (self.rows, self.cols)
 
     def check(self, scheme: Fp8Scheme) -> None:
-        """Refuse a region outside the weight, or whose edges cut through block tiles."""
+        """Refuse a region outside the weight."""
         rows, cols = self.shape
         (r0, r1), (c0, c1) = self.rows, self.cols
         if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= cols):
             raise LayoutError(
                 f"region rows {self.rows} x cols {self.cols} outside {list(self.shape)}",
-                tensor=self.name, check="fp8-tiles",
-            )  # fmt: skip
-        b = scheme.block
-        if b is None:
-            return  # one scale per row: rows are never cut; a column slice shares its rows
-        edges = [(r0, rows), (r1, rows), (c0, cols), (c1, cols)]
-        if any(e % b and e != end for e, end in edges):
-            raise LayoutError(
-                f"{b}x{b} tiles are cut by this owner's rows [{r0}, {r1}) x columns [{c0}, "
-                f"{c1}): every tile must lie in one owner's shard (choose a block size that "
-                "divides the shards, or per-channel scales)",
                 tensor=self.name, check="fp8-tiles",
             )  # fmt: skip
 
@@ -198,9 +208,12 @@ class Fp8Rollout:
     ``base`` the whole matrix).  The scheme's scales are named by :meth:`Fp8Scheme.scale_name`;
     indices in and out are canonical.
 
-    A region that shares its rows' scales (:meth:`Fp8Region.shares_rows`) needs its rows'
-    ``max |w|`` over every owner: ``amax`` at the committed version, and :meth:`share` of the
-    candidate's before it is staged."""
+    Each weight's mirror, FP8 values and scales span its region's :meth:`Fp8Region.frame`
+    (the region widened to tile edges, zeros where other owners hold the values: a zero
+    quantizes to zero under any scale, so those never change).  A region whose tiles other
+    owners share (:meth:`Fp8Region.shares_tiles`) needs its tiles' ``max |w|`` over every
+    owner: ``amax`` at the committed version, and :meth:`share` of the candidate's before it
+    is staged."""
 
     def __init__(
         self,
@@ -215,8 +228,11 @@ class Fp8Rollout:
         self.q: dict[str, torch.Tensor] = {}
         self.s: dict[str, torch.Tensor] = {}
         self.amax: dict[str, torch.Tensor] = {}
-        """The committed row maxima of the shared regions."""
+        """The committed tile maxima of the shared regions (one per :meth:`Fp8Region.frame`
+        tile, row-major)."""
         self._next: dict[str, torch.Tensor] | None = None
+        self._own: dict[str, tuple[slice, slice]] = {}
+        """Where each region's own values lie in its frame."""
         for name, t in base.items():
             if t.dtype != torch.bfloat16 or t.dim() != 2:
                 raise LayoutError(f"an FP8 rollout quantizes bfloat16 matrices, got {t.dtype}"
@@ -229,9 +245,16 @@ class Fp8Rollout:
                     f"{list(region.local_shape)}", tensor=name, check="fp8",
                 )  # fmt: skip
             self.regions[name] = region
-            self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
+            (f0, f1), (g0, g1) = region.frame(scheme)
+            (r0, r1), (c0, c1) = region.rows, region.cols
+            self._own[name] = (slice(r0 - f0, r1 - f0), slice(c0 - g0, c1 - g0))
+            if (f0, f1, g0, g1) == (r0, r1, c0, c1):
+                self.mirror[name] = t.detach().to("cpu", copy=True).contiguous()
+            else:
+                self.mirror[name] = torch.zeros((f1 - f0, g1 - g0), dtype=torch.bfloat16)
+                self.mirror[name][self._own[name]] = t.detach()
             shared = None
-            if region.shares_rows(scheme):
+            if region.shares_tiles(scheme):
                 shared = self._checked_amax(name, (amax or {}).get(name))
                 self.amax[name] = shared
             self.q[name], self.s[name] = quantize(self.mirror[name], scheme, name=name,
@@ -258,46 +281,57 @@ class Fp8Rollout:
                    {n: r for n, (r, _) in regions.items()}, amax)  # fmt: skip
 
     def _checked_amax(self, name: str, amax: torch.Tensor | None) -> torch.Tensor:
-        rows = self.regions[name].local_shape[0]
+        tiles = int(np.prod(self.scheme.tile_grid(tuple(self.mirror[name].shape))))
         if amax is None:
             raise LayoutError(
-                "this owner holds a column slice of the weight's rows: their per-channel "
-                "scales need the rows' max |w| over every owner (the training group's "
-                "exchange, SharedRows)", tensor=name, check="fp8-amax",
+                "other owners hold part of this owner's tiles (its shards cut them, or split "
+                "rows with per-channel scales): their scales need the tiles' max |w| over "
+                "every owner (the training group's exchange, SharedTiles)",
+                tensor=name, check="fp8-amax",
             )  # fmt: skip
-        if tuple(amax.shape) != (rows,) or amax.dtype != torch.float32:
-            raise LayoutError(f"row maxima are {amax.dtype}{list(amax.shape)}, expected "
-                              f"float32[{rows}]", tensor=name, check="fp8-amax")  # fmt: skip
+        if tuple(amax.shape) != (tiles,) or amax.dtype != torch.float32:
+            raise LayoutError(f"tile maxima are {amax.dtype}{list(amax.shape)}, expected "
+                              f"float32[{tiles}]", tensor=name, check="fp8-amax")  # fmt: skip
         return amax.detach().to("cpu", copy=True).contiguous()
 
     @property
     def shared(self) -> list[str]:
-        """The regions whose rows' scales are shared with other owners."""
+        """The regions whose tiles' scales are shared with other owners."""
         return list(self.amax)
 
     def share(self, amax: Mapping[str, torch.Tensor]) -> None:
-        """The candidate's row maxima of every shared region, over every owner (from the
+        """The candidate's tile maxima of every shared region, over every owner (from the
         training group's exchange at staging); needed before a shared region is staged."""
         self._next = {name: self._checked_amax(name, amax.get(name)) for name in self.amax}
 
     def unshare(self) -> None:
-        """Forget the candidate's row maxima (a new candidate, or none)."""
+        """Forget the candidate's tile maxima (a new candidate, or none)."""
         self._next = None
 
     def moved(self) -> list[str]:
-        """The shared regions whose row maxima the candidate changes: their scales move,
+        """The shared regions whose tile maxima the candidate changes: their scales move,
         so they are re-quantized even where this owner's values did not change."""
         if self._next is None:
             return []
         return [n for n, a in self.amax.items() if not np.array_equal(bits(a), bits(self._next[n]))]
 
+    def owned(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[slice, slice]]:
+        """The committed FP8 values this owner holds (its region of ``q``), and the scales it
+        sends with their tiles' rows and columns of the weight's tile grid (those whose first
+        element it holds: possibly none)."""
+        region = self.regions[name]
+        (t0, t1), (u0, u1) = region.sent_tiles(self.scheme)
+        (f0, _), (g0, _) = region.frame_tiles(self.scheme)
+        s = self.s[name][t0 - f0 : t1 - f0, u0 - g0 : u1 - g0]
+        return self.q[name][self._own[name]], s, (slice(t0, t1), slice(u0, u1))
+
     def _staged_amax(self, name: str) -> tuple[torch.Tensor | None, npt.NDArray[np.int64]]:
-        """A shared region's candidate row maxima and the rows whose maximum moved (none
+        """A shared region's candidate tile maxima and the tiles whose maximum moved (none
         for a region that shares nothing)."""
         if name not in self.amax:
             return None, np.empty(0, np.int64)
         if self._next is None:
-            raise LayoutError("the candidate's shared row maxima were not given (share())",
+            raise LayoutError("the candidate's shared tile maxima were not given (share())",
                               tensor=name, check="fp8-amax")  # fmt: skip
         new = self._next[name]
         return new, np.flatnonzero(bits(new) != bits(self.amax[name])).astype(np.int64)
@@ -322,38 +356,39 @@ class Fp8Rollout:
         return dict(self._specs)
 
     def _local(self, name: str, index: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Canonical flat indices of ``name`` -> flat indices of its region (refused outside)."""
+        """Canonical flat indices of ``name`` -> flat indices of its frame (refused outside
+        its region)."""
         region = self.regions[name]
         (r0, r1), (c0, c1) = region.rows, region.cols
         if region.local_shape == region.shape:
             return index
+        (f0, _), (g0, g1) = region.frame(self.scheme)
         cols = region.shape[1]
         r, c = np.divmod(index, cols)
         if index.shape[0] and bool(((r < r0) | (r >= r1) | (c < c0) | (c >= c1)).any()):
             raise LayoutError("a changed element outside this owner's tiles", tensor=name,
                               check="fp8-tiles")  # fmt: skip
-        local: npt.NDArray[np.int64] = (r - r0) * (c1 - c0) + (c - c0)
+        local: npt.NDArray[np.int64] = (r - f0) * (g1 - g0) + (c - g0)
         return local
 
     def _canonical(self, name: str, delta: Fp8Delta) -> Fp8Delta:
-        """``delta`` of a region with canonical indices."""
+        """``delta`` of a frame with canonical indices; of the scales only those this owner
+        sends (:meth:`Fp8Region.sent_tiles`)."""
         region = self.regions[name]
         if region.local_shape == region.shape:
             return delta
-        (r0, _), (c0, _) = region.rows, region.cols
-        h, w = region.local_shape
+        (f0, _), (g0, g1) = region.frame(self.scheme)
         cols = region.shape[1]
-        lr, lc = np.divmod(delta.q_index, w)
-        q_index = (lr + r0) * cols + lc + c0
-        if self.scheme.block is None:
-            s_index = delta.s_index + r0
-        else:
-            b = self.scheme.block
-            _, tc = self.scheme.tile_grid(region.shape)
-            _, tcl = self.scheme.tile_grid((h, w))
-            ti, tj = np.divmod(delta.s_index, tcl)
-            s_index = (ti + r0 // b) * tc + tj + c0 // b
-        return Fp8Delta(q_index, delta.q_values, s_index, delta.s_values, delta.tiles)
+        lr, lc = np.divmod(delta.q_index, g1 - g0)
+        q_index = (lr + f0) * cols + lc + g0
+        (t0, _), (u0, u1) = region.frame_tiles(self.scheme)
+        _, tc = self.scheme.tile_grid(region.shape)
+        ti, tj = np.divmod(delta.s_index, u1 - u0)
+        ti, tj = ti + t0, tj + u0
+        (a0, a1), (b0, b1) = region.sent_tiles(self.scheme)
+        sent = (ti >= a0) & (ti < a1) & (tj >= b0) & (tj < b1)
+        return Fp8Delta(q_index, delta.q_values, (ti * tc + tj)[sent], delta.s_values[sent],
+                        delta.tiles)  # fmt: skip
 
     def stage(
         self,
@@ -407,16 +442,20 @@ class Fp8Rollout:
             raise LayoutError("not a quantized weight of this rollout", tensor=name, check="fp8")
         if name in self._staged:
             raise LayoutError("staged twice in one refit", tensor=name, check="fp8")
-        if tuple(values.shape) != tuple(mirror.shape) or values.dtype != mirror.dtype:
+        own = self.regions[name].local_shape
+        if tuple(values.shape) != own or values.dtype != mirror.dtype:
             raise LayoutError(
                 f"region values are {values.dtype}{list(values.shape)}, expected "
-                f"{mirror.dtype}{list(mirror.shape)}", tensor=name, check="fp8",
+                f"{mirror.dtype}{list(own)}", tensor=name, check="fp8",
             )  # fmt: skip
         amax, moved = self._staged_amax(name)
         flat = bits(mirror).reshape(-1)
         old = flat.copy()
-        np.copyto(flat, bits(values).reshape(-1))
-        tiles = _changed_tiles(flat, old, self.regions[name].local_shape, self.scheme)
+        if own == tuple(mirror.shape):
+            np.copyto(flat, bits(values).reshape(-1))
+        else:
+            mirror[self._own[name]] = values  # a copy of the bits; the rest of the frame stays 0
+        tiles = _changed_tiles(flat, old, (mirror.shape[0], mirror.shape[1]), self.scheme)
         if moved.shape[0]:
             tiles = np.union1d(tiles, moved)
         staged = _Staged(None, old, _NO_DELTA)
@@ -450,8 +489,7 @@ class Fp8Rollout:
             stats.tiles += int(np.prod(self.scheme.tile_grid(tuple(mirror.shape))))
             stats.tiles_touched += delta.tiles
             stats.fp8_changed += int(delta.q_index.shape[0])
-            if self.regions[name].sends_scales(self.scheme):  # a shared row's scale counts once
-                stats.scales_changed += int(delta.s_index.shape[0])
+            stats.scales_changed += int(out.s_index.shape[0])  # those this owner sends
         if dense_above is not None and delta.q_index.shape[0] >= dense_above * mirror.numel():
             if stats is not None:
                 stats.dense += 1
@@ -462,11 +500,12 @@ class Fp8Rollout:
         """The staged FP8 values of ``name``'s region whole (a span item), with its changed
         scales listed."""
         region = self.regions[name]
-        candidate = bits(self.q[name]).reshape(-1).copy()
-        candidate[local.q_index] = local.q_values
+        candidate = bits(self.q[name]).copy()
+        candidate.reshape(-1)[local.q_index] = local.q_values
         (r0, _), (c0, _) = region.rows, region.cols
         span = _rect_span(region.shape[1], r0, c0, region.local_shape[1])
-        items = [_item(self._specs[name], span, candidate)]
+        own = candidate[self._own[name]].reshape(-1).copy()
+        items = [_item(self._specs[name], span, own)]
         empty = Fp8Delta(np.empty(0, np.int64), np.empty(0, np.uint8), out.s_index,
                          out.s_values, out.tiles)  # fmt: skip
         return items + self._items(name, empty)
@@ -477,7 +516,7 @@ class Fp8Rollout:
         items = []
         if delta.q_index.shape[0]:
             items.append(_item(specs[name], delta.q_index, delta.q_values))
-        if delta.s_index.shape[0] and self.regions[name].sends_scales(self.scheme):
+        if delta.s_index.shape[0]:
             items.append(_item(specs[scale], delta.s_index, delta.s_values.view(np.uint32)))
         return items
 
@@ -512,19 +551,14 @@ class Fp8Rollout:
             specs = self._specs
             scale = self.scheme.scale_name(name)
             (r0, _), (c0, _) = region.rows, region.cols
-            h, w = region.local_shape
-            q_span = _rect_span(region.shape[1], r0, c0, w)
-            out.append(_item(specs[name], q_span, bits(self.q[name]).reshape(-1).copy()))
-            if not region.sends_scales(self.scheme):
-                continue  # the owner of the rows' first columns sends their scales
-            if self.scheme.block is None:
-                s_span = Span(r0)
-            else:
-                b = self.scheme.block
-                _, tc = self.scheme.tile_grid(region.shape)
-                _, tcl = self.scheme.tile_grid((h, w))
-                s_span = _rect_span(tc, r0 // b, c0 // b, tcl)
-            out.append(_item(specs[scale], s_span, bits(self.s[name]).reshape(-1).copy()))
+            q, s, (ti, tj) = self.owned(name)
+            q_span = _rect_span(region.shape[1], r0, c0, region.local_shape[1])
+            out.append(_item(specs[name], q_span, bits(q.contiguous()).reshape(-1).copy()))
+            if not s.numel():
+                continue  # other owners hold the first elements of these tiles: they send
+            _, tc = self.scheme.tile_grid(region.shape)
+            s_span = _rect_span(tc, ti.start, tj.start, tj.stop - tj.start)
+            out.append(_item(specs[scale], s_span, bits(s.contiguous()).reshape(-1).copy()))
         return out
 
 

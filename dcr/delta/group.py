@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
-from dcr.delta.fp8_rows import shared_partials
+from dcr.delta.fp8_shared import shared_partials
 from dcr.delta.layout import TrainingPlan
 from dcr.delta.owner import Owner
 from dcr.delta.residual import ResidualTask, assemble, required_tensors
@@ -56,7 +56,7 @@ class TrainingGroup(ABC):
         self._jobs: dict[int, list[ResidualJob]] = {}
         # FP8 rows whose per-channel scales several owners share, and the staged candidate's
         # maxima of them over every owner (exchanged at staging).
-        self._rows = plan.fp8_shared_rows()
+        self._shared = plan.fp8_shared_tiles()
         self._next_amax: torch.Tensor | None = None
 
     @property
@@ -176,24 +176,24 @@ class LocalTrainingGroup(TrainingGroup):
         self.owners = {r: self._fresh_owner(r, base, amax) for r in range(plan.layout.world_size)}
 
     def _shared_amax(self, shards: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        """The row maxima of the shared FP8 rows in ``shards`` (every owner's partials,
+        """The row maxima of the shared FP8 tiles in ``shards`` (every owner's partials,
         maximised), or ``None`` without shared rows."""
-        if not self._rows:
+        if not self._shared:
             return None
         fp8 = self.plan.fp8
         assert fp8 is not None
-        return self._rows.vector(shared_partials(fp8, self.plan.fp8_regions(r), shards)
+        return self._shared.vector(shared_partials(fp8, self.plan.fp8_regions(r), shards)
                                  for r in self.plan.owners)  # fmt: skip
 
     def _fresh_owner(
         self, rank: int, base: Mapping[str, torch.Tensor], amax: torch.Tensor | None
     ) -> Owner:
         """Owner ``rank`` at the committed shards ``base``, with its residual baseline (and
-        ``amax``, the committed maxima of the shared FP8 rows)."""
+        ``amax``, the committed maxima of the shared FP8 tiles)."""
         rows = None
         if amax is not None:
             regions = [region for region, _ in self.plan.fp8_regions(rank).values()]
-            rows = self._rows.rows(amax, regions)
+            rows = self._shared.tiles(amax, regions)
         owner = Owner(rank, self.plan, base, config=self.config, fp8_amax=rows)
         for task in self.plan.residual:
             if self.plan.residual_owner(task.name) == rank:
@@ -216,7 +216,7 @@ class LocalTrainingGroup(TrainingGroup):
         if self._candidate is not None:
             owner.stage(self._candidate)
             if self._next_amax is not None:
-                owner.fp8_share(self._rows, self._next_amax)
+                owner.fp8_share(self._shared, self._next_amax)
         self.owners[rank] = owner
         return owner
 
@@ -269,11 +269,11 @@ class LocalTrainingGroup(TrainingGroup):
         for owner in self.owners.values():
             owner.stage(candidate, donate=donate)
         self._candidate = candidate
-        if self._rows:  # the shared FP8 rows' maxima over every owner
+        if self._shared:  # the shared FP8 tiles' maxima over every owner
             owners = self.owners.values()
-            self._next_amax = self._rows.vector(o.fp8_partials(candidate) for o in owners)
+            self._next_amax = self._shared.vector(o.fp8_partials(candidate) for o in owners)
             for owner in owners:
-                owner.fp8_share(self._rows, self._next_amax)
+                owner.fp8_share(self._shared, self._next_amax)
         flagged = frozenset().union(*(o.flags() for o in self.owners.values()))
         jobs: dict[int, list[ResidualJob]] = {r: [] for r in self.owners}
         for task in required_tensors(self.plan.residual, flagged):

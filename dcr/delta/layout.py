@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dcr.delta.fp8 import Fp8Region, RegionBlock
-from dcr.delta.fp8_rows import SharedRows
+from dcr.delta.fp8_shared import SharedTiles
 from dcr.delta.mapping import (
     AffineMapping,
     ColumnParallel,
@@ -167,10 +167,9 @@ class TrainingPlan:
 
     def fp8_regions(self, rank: int) -> dict[str, tuple[Fp8Region, list[RegionBlock]]]:
         """For each quantized weight that ``rank``'s shards project: the region of its tiles
-        this rank owns, and the shard blocks that fill it.  A region that is not one rectangle,
-        or whose edges cut through block tiles, is refused (:class:`LayoutError`,
-        ``check="fp8-tiles"``); per-channel scales of a column slice are shared
-        (:meth:`fp8_shared_rows`).
+        this rank owns, and the shard blocks that fill it.  A region that is not one rectangle
+        is refused (:class:`LayoutError`, ``check="fp8-tiles"``); tiles it shares with other
+        owners are listed by :meth:`fp8_shared_tiles`.
         """
         if self.fp8 is None:
             return {}
@@ -198,16 +197,18 @@ class TrainingPlan:
             out[name] = (region, blocks)
         return out
 
-    def fp8_shared_rows(self) -> SharedRows:
-        """The rows whose per-channel scales several owners share: those of every quantized
-        weight some owner holds a column slice of (row-parallel shards), in catalog order."""
-        rows: dict[str, int] = {}
-        if self.fp8 is not None and self.fp8.block is None:
+    def fp8_shared_tiles(self) -> SharedTiles:
+        """The FP8 tiles several owners share -- rows of a row-parallel weight under
+        per-channel scales, block tiles that shards cut -- as the slots of every such weight's
+        tile grid, in catalog order (:mod:`dcr.delta.fp8_shared`)."""
+        grids: dict[str, tuple[int, int]] = {}
+        if self.fp8 is not None:
             for rank in self.owners:
                 for name, (region, _) in self.fp8_regions(rank).items():
-                    if region.shares_rows(self.fp8):
-                        rows[name] = region.shape[0]
-        return SharedRows({n: rows[n] for n in self.catalog if n in rows})
+                    if region.shares_tiles(self.fp8):
+                        grids[name] = self.fp8.tile_grid(region.shape)
+        fp8 = self.fp8 or Fp8Scheme()
+        return SharedTiles(fp8, {n: grids[n] for n in self.catalog if n in grids})
 
     def with_fp8(self, fp8: Fp8Scheme | None) -> TrainingPlan:
         """This plan with the FP8 rollout ``fp8`` (``None``: receivers hold the catalog as it

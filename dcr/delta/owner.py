@@ -29,7 +29,7 @@ import torch
 
 from dcr.delta.build import Bucket, BuildConfig, BuildStats, ResidualJob
 from dcr.delta.fp8 import Fp8Region, Fp8Rollout, region_values
-from dcr.delta.fp8_rows import SharedRows, shared_partials
+from dcr.delta.fp8_shared import SharedTiles, shared_partials
 from dcr.delta.layout import ShardSpec, TrainingPlan
 from dcr.delta.mapping import Segment
 from dcr.delta.packing import DenseRun, Index, Packer, UInt, dense_spans
@@ -215,17 +215,19 @@ class Owner:
     def fp8_partials(
         self, shards: Mapping[str, torch.Tensor]
     ) -> dict[str, tuple[Fp8Region, torch.Tensor]]:
-        """This owner's partial row maxima of its shared FP8 regions (row-parallel weights
-        with per-channel scales) in ``shards``: what its training group exchanges at staging."""
+        """This owner's partial tile maxima of its FP8 tiles that other owners share (rows of
+        row-parallel weights under per-channel scales, block tiles its shards cut) in
+        ``shards``: what its training group exchanges at staging."""
         if self.fp8 is None or not self.fp8.shared:
             return {}
         return shared_partials(self.fp8.scheme, self._regions, shards)
 
-    def fp8_share(self, rows: SharedRows, vector: torch.Tensor) -> None:
-        """Hand this owner the staged candidate's row maxima over every owner (``vector``,
-        the element-wise maximum of every owner's :meth:`fp8_partials` in ``rows``' slots)."""
+    def fp8_share(self, shared: SharedTiles, vector: torch.Tensor) -> None:
+        """Hand this owner the staged candidate's tile maxima over every owner (``vector``,
+        the element-wise maximum of every owner's :meth:`fp8_partials` in ``shared``'s
+        slots)."""
         if self.fp8 is not None and self.fp8.shared:
-            self.fp8.share(rows.rows(vector, self.fp8.regions.values()))
+            self.fp8.share(shared.tiles(vector, self.fp8.regions.values()))
 
     def _require_candidate(self) -> dict[str, torch.Tensor]:
         if self._candidate is None:
@@ -448,7 +450,7 @@ class Owner:
         self.fp8.discard()  # an earlier attempt of the same candidate staged it already
         self._fp8_staged = False  # until every weight is staged again (commit completes it)
         cand = self._require_candidate()
-        # A shared row's scale moves with another owner's columns: re-quantize those rows too.
+        # A shared tile's scale moves with another owner's values: re-quantize it here too.
         for name in sorted({*hits, *self.fp8.moved()}):
             numel = self.fp8.mirror[name].numel()
             above = self.config.dense_above if numel >= DENSE_MIN_ELEMENTS else None

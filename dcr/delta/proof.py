@@ -104,15 +104,13 @@ def owner_proof(owner: Owner, request: ProofRequest) -> Proof:
         for name, region in fp8.regions.items():
             (r0, r1), (c0, c1) = region.rows, region.cols
             canon = torch.empty(region.shape, dtype=catalog[name].dtype, device="meta")
-            tally(name).add_view(canon[r0:r1, c0:c1], fp8.q[name])
-            if not region.sends_scales(fp8.scheme):
-                continue  # a shared row's scale is the first columns' owner's to prove
-            scale = fp8.scheme.scale_name(name)
-            grid = torch.empty(catalog[scale].shape, dtype=catalog[scale].dtype, device="meta")
-            b = fp8.scheme.block
-            rows = slice(r0, r1) if b is None else slice(r0 // b, -(-r1 // b))
-            cols = slice(0, 1) if b is None else slice(c0 // b, -(-c1 // b))
-            tally(scale).add_view(grid[rows, cols], fp8.s[name])
+            values, scales, tiles = fp8.owned(name)
+            tally(name).add_view(canon[r0:r1, c0:c1], values.contiguous())
+            if scales.numel():  # a shared tile's scale: its first element's owner proves it
+                scale = fp8.scheme.scale_name(name)
+                grid = torch.empty(catalog[scale].shape, dtype=catalog[scale].dtype,
+                                   device="meta")  # fmt: skip
+                tally(scale).add_view(grid[tiles], scales.contiguous())
     for name, base in owner.residual_baseline.items():
         flat = base.reshape(-1)
         tally(name).add_view(torch.empty(flat.shape, dtype=flat.dtype, device="meta"), flat)

@@ -49,7 +49,7 @@ __all__ = [
     "quantized_names",
     "requantize",
     "rollout_catalog",
-    "row_amax",
+    "tile_amax",
     "touched_tiles",
 ]
 
@@ -142,8 +142,8 @@ def _quantize_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tiles``: ``[n, r, c]`` of any float dtype whose values are ``float32``-exact (padding
     zeros allowed) -> ``q [n, r, c]`` and ``s [n]``.  ``amax`` (``float32 [n]``): each tile's
-    ``max |w|`` taken over more than these values (a row split between owners, see
-    :func:`row_amax`) instead of over them."""
+    ``max |w|`` taken over more than these values (a tile split between owners, see
+    :func:`tile_amax`) instead of over them."""
     x = tiles.to(torch.float32)
     if amax is None:
         amax = x.abs().amax(dim=(1, 2)) if x.numel() else x.new_zeros(x.shape[0])
@@ -183,32 +183,35 @@ def quantize(
     """``(q, s)``: the ``float8_e4m3fn`` values of matrix ``w`` and its ``float32`` scales of
     :meth:`Fp8Scheme.scale_shape`, by the rule in the module docstring.
 
-    ``amax`` (per-channel scales only, ``float32 [rows]``): ``w`` is a column slice of the
-    weight and ``amax`` each row's ``max |w|`` over the whole row (:func:`row_amax` of every
-    slice, maximised): the scales are the whole weight's and ``q`` the slice of its FP8
-    values, bit for bit."""
+    ``amax`` (``float32``, one per tile in row-major tile order): ``w`` holds part of each
+    tile's values (zeros elsewhere: a piece of a weight its owners split) and ``amax`` each
+    tile's ``max |w|`` over the whole tile (:func:`tile_amax` of every piece, maximised): the
+    scales are the whole weight's and ``q`` its FP8 values where ``w`` holds them, bit for
+    bit."""
     rows, cols = _matrix(tuple(w.shape))
-    if amax is not None and scheme.block is not None:
-        raise ConfigError("a shared amax is for per-channel scales", tensor=name, check="fp8-amax")
     tiles = _tiles_view(w.detach(), scheme)
     if scheme.block is None:
         q, s = _quantize_tiles(tiles, name, amax)
         return q.reshape(rows, cols), s.reshape(rows, 1)
     tr, b, tc, _ = tiles.shape
-    q, s = _quantize_tiles(tiles.permute(0, 2, 1, 3).reshape(tr * tc, b, b), name)
+    q, s = _quantize_tiles(tiles.permute(0, 2, 1, 3).reshape(tr * tc, b, b), name, amax)
     q = q.reshape(tr, tc, b, b).permute(0, 2, 1, 3).reshape(tr * b, tc * b)
     return q[:rows, :cols].contiguous(), s.reshape(tr, tc)
 
 
-def row_amax(w: torch.Tensor) -> torch.Tensor:
-    """``float32 [rows]``: each row's ``max |w|`` over this (column slice of a) matrix; the
-    maximum over every slice of a row is the row's own, exactly.  A row holding a value that
-    is not finite gives ``inf`` (never NaN, so a maximum over owners keeps it), which the
-    quantizer refuses (``check="fp8-finite"``) on every owner of the row."""
-    rows, cols = _matrix(tuple(w.shape))
-    if cols == 0:
-        return torch.zeros(rows, dtype=torch.float32)
-    amax = w.detach().abs().amax(dim=1).to(torch.float32)
+def tile_amax(w: torch.Tensor, scheme: Fp8Scheme) -> torch.Tensor:
+    """``float32``, one per tile of :meth:`Fp8Scheme.tile_grid` in row-major order: each
+    tile's ``max |w|`` over the values ``w`` holds (zeros elsewhere); the maximum over every
+    owner's piece of a tile is the tile's own, exactly.  A tile holding a value that is not
+    finite gives ``inf`` (never NaN, so a maximum over owners keeps it), which the quantizer
+    refuses (``check="fp8-finite"``) on every owner of the tile."""
+    tiles = _tiles_view(w.detach(), scheme)
+    if scheme.block is not None:
+        tiles = tiles.permute(0, 2, 1, 3)
+    tiles = tiles.reshape(int(np.prod(scheme.tile_grid(tuple(w.shape)))), -1)
+    if tiles.shape[1] == 0:
+        return torch.zeros(tiles.shape[0], dtype=torch.float32)
+    amax = tiles.abs().amax(dim=1).to(torch.float32)
     return torch.nan_to_num(amax, nan=math.inf)
 
 
@@ -272,7 +275,7 @@ def requantize(
     new weight ``w`` and compare them bitwise with the committed ``q`` and ``s``; the result is
     the elements of ``q`` and ``s`` whose bits changed.  ``update`` writes the new bits into
     ``q`` and ``s`` as well (the residual baseline moving to the new version).  ``amax``: the
-    whole rows' ``max |w|`` of a column slice ``w`` (per-channel scales, see :func:`quantize`).
+    whole tiles' ``max |w|`` of a piece ``w`` of a weight (one per tile, see :func:`quantize`).
 
     A tile whose BF16 values did not change gives the same bits, so the delta is the same as
     comparing a full :func:`quantize` of ``w`` with ``(q, s)``; the cost follows the tiles.
@@ -294,8 +297,8 @@ def requantize(
     if n == 0:
         return Fp8Delta(empty_i, empty_u8, empty_i, np.empty(0, np.float32), 0)
     s_flat = s.reshape(-1)
-    if amax is not None and (scheme.block is not None or tuple(amax.shape) != (rows,)):
-        raise ConfigError(f"a shared amax is float32[{rows}] for per-channel scales, got "
+    if amax is not None and tuple(amax.shape) != (s_flat.shape[0],):
+        raise ConfigError(f"a shared amax is float32[{s_flat.shape[0]}], one per tile, got "
                           f"{list(amax.shape)}", tensor=name, check="fp8-amax")  # fmt: skip
     if n * 2 > s_flat.shape[0]:
         # Most tiles: quantizing the whole matrix costs no more, and its row-major result
@@ -317,7 +320,7 @@ def requantize(
         _, tc = scheme.tile_grid((rows, cols))
         ti, tj = t // tc, t % tc
         grid = _tiles_view(w.detach(), scheme)
-        new_q, new_s = _quantize_tiles(grid[ti, :, tj, :], name)
+        new_q, new_s = _quantize_tiles(grid[ti, :, tj, :], name, None if amax is None else amax[t])
         qgrid = _tiles_view(q.view(torch.uint8), scheme)
         old = qgrid[ti, :, tj, :]
         qbits = new_q.view(torch.uint8)

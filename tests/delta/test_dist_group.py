@@ -1,6 +1,7 @@
 """DistTrainingGroup across real processes (gloo on 127.0.0.1): each rank holds only its own
 shards, yet the union of every rank's buckets equals, bit for bit, what LocalTrainingGroup
-builds for the same plan and versions; the residual flags and gather really cross processes;
+builds for the same plan and versions -- also for FP8 rollouts whose tiles the ranks share (their
+maxima exchanged by an all-reduce); the residual flags and gather really cross processes;
 a dead or hung peer breaks the group with a typed error instead of a hang."""
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dcr.delta.residual import ResidualPart, ResidualTask, ScaledCast
 from dcr.errors import DcrError
 from dcr.models.families import random_state_dict, tiny_config
 from dcr.models.updates import perturb
+from dcr.tensors.fp8 import Fp8Scheme
 from dcr.tensors.records import Encoding, Mode, TensorSpec
+from dcr.testing.fp8 import grow_first_row_max
 
 LAYOUT = TrainLayout(tp=2, dp=2)
 SMALL = BuildConfig(chunk_bytes=16 << 10, bucket_bytes=32 << 10)  # several buckets per owner
@@ -153,9 +156,29 @@ def scaled_case() -> tuple[TrainingPlan, list[Shards]]:
     return plan, [v0, v1, v2, v3]
 
 
+def fp8_case(block: int | None) -> Callable[[], tuple[TrainingPlan, list[Shards]]]:
+    """An FP8 rollout of a tiny qwen3_moe at TP=2 x DP=2 whose tiles the ranks share: the
+    row-parallel weights' rows under channel scales, the experts' 16x16 tiles (24 rows per
+    rank) under block scales; versions move the first rows' scales, then change 1%."""
+
+    def case() -> tuple[TrainingPlan, list[Shards]]:
+        cfg = tiny_config("qwen3_moe")
+        w = random_state_dict(cfg, "qwen3_moe", seed=14)
+        plan = build_plan({n: TensorSpec.of(n, t) for n, t in w.items()}, LAYOUT,
+                          family="qwen3_moe", config=cfg, fp8=Fp8Scheme(block))  # fmt: skip
+        assert plan.fp8_shared_tiles()
+        versions = [w, grow_first_row_max(perturb(w, rate=0.03, seed=15))]
+        versions.append(perturb(versions[-1], rate=0.01, seed=16))
+        return plan, [plan.slice(v) for v in versions]
+
+    return case
+
+
 CASES: dict[str, Callable[[], tuple[TrainingPlan, list[Shards]]]] = {
     "llama": llama_case,
     "scaled": scaled_case,
+    "fp8-block": fp8_case(16),
+    "fp8-channel": fp8_case(None),
 }
 
 

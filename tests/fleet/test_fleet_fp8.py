@@ -63,7 +63,7 @@ def test_fp8_settings_are_checked(tmp_path: Path) -> None:
     # are shared by the two ranks holding each row's halves.
     cfg.path.write_text(text)
     channel = FleetModel(_fp8(load_fleet(cfg.path), "channel")).plan
-    shared = set(channel.fp8_shared_rows().offsets)
+    shared = set(channel.fp8_shared_tiles().offsets)
     assert shared and all(n.endswith(("o_proj.weight", "down_proj.weight")) for n in shared)
 
 

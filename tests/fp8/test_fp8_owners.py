@@ -37,11 +37,8 @@ CASES = [
     for family in ("llama", "qwen3", "qwen3_moe")
     for tp, block in ((1, 16), (1, None), (2, 16), (2, None))
 ]
-"""qwen3_moe's experts at TP 2 are 24 rows per rank: 8x8 tiles there (16 would be cut)."""
-
-
-def _block(family: str, tp: int, block: int | None) -> int | None:
-    return 8 if (family, tp, block) == ("qwen3_moe", 2, 16) else block
+"""At TP 2, qwen3_moe's experts are 24 rows per rank: their 16x16 tiles are cut, and shared by
+the two ranks (as the row-parallel weights' rows are under channel scales)."""
 
 
 def _catalog(sd: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
@@ -88,7 +85,7 @@ def _items(streams: BucketStreams) -> tuple[list[Item], BuildStats]:
 def test_owners_refit_an_fp8_receiver_to_the_export_of_every_version(
     family: str, tp: int, block: int | None
 ) -> None:
-    scheme = Fp8Scheme(_block(family, tp, block))
+    scheme = Fp8Scheme(block)
     versions = _versions(family)
     plan = build_plan(_catalog(versions[0]), TrainLayout(tp=tp), family=family,
                       config=tiny_config(family), fp8=scheme)  # fmt: skip
@@ -159,23 +156,19 @@ def test_a_discarded_transition_leaves_the_fp8_baseline() -> None:
     assert _mismatches(module, rollout_state_dict(v2, scheme)) == []
 
 
-@pytest.mark.parametrize(("block", "match"), [(32, "tiles are cut")])
-def test_layouts_that_cut_tiles_are_refused_when_the_plan_is_built(
-    block: int | None, match: str
-) -> None:
+def test_tiles_that_shards_cut_are_shared_and_only_bf16_weights_are_quantized() -> None:
     cfg = tiny_config("qwen3")
     catalog = {n: TensorSpec(name=n, shape=s, dtype=torch.bfloat16)
                for n, s in canonical_shapes(cfg, "qwen3").items()}  # fmt: skip
-    with pytest.raises(LayoutError, match=match) as err:
-        build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg, fp8=Fp8Scheme(block))
-    assert err.value.check == "fp8-tiles"
+    # TP 2 cuts 32x32 tiles of the attention projections: the plan lists them as shared.
+    plan = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg, fp8=Fp8Scheme(32))
+    shared = plan.fp8_shared_tiles()
+    assert shared and set(shared.offsets) <= set(plan.quantized)
+    assert not build_plan(catalog, TrainLayout(tp=1), family="qwen3", config=cfg,
+                          fp8=Fp8Scheme(32)).fp8_shared_tiles()  # fmt: skip
     fp32 = {n: TensorSpec(name=n, shape=s.shape, dtype=torch.float32) for n, s in catalog.items()}
     with pytest.raises(LayoutError, match="bfloat16 projection weights"):
         build_plan(fp32, TrainLayout(tp=1), family="qwen3", config=cfg, fp8=Fp8Scheme(16))
-    # A plan built without FP8 (a trainer's source) takes it later, with the same checks.
-    bf16 = build_plan(catalog, TrainLayout(tp=2), family="qwen3", config=cfg)
-    with pytest.raises(LayoutError, match=match):
-        bf16.with_fp8(Fp8Scheme(block))
 
 
 def test_a_plan_takes_an_fp8_rollout_later_as_if_built_with_it() -> None:

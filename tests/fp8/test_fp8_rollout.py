@@ -7,6 +7,7 @@ buffers."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -205,20 +206,24 @@ def test_owners_of_regions_send_together_what_one_owner_of_the_weight_sends(
     assert dense == _entries(whole.dense_items())
 
 
-def test_regions_that_cut_through_tiles_are_refused() -> None:
+def test_regions_sharing_tiles_need_their_maxima_and_stay_in_their_region() -> None:
     w = torch.zeros(64, 64, dtype=torch.bfloat16)
-    with pytest.raises(LayoutError, match="tiles are cut") as err:
-        Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:24]},
-                   {"a.weight": Fp8Region("a.weight", (64, 64), (0, 24), (0, 64))})  # fmt: skip
-    assert err.value.check == "fp8-tiles"
-    # A column slice with per-channel scales shares its rows' scales: it needs their maxima.
-    with pytest.raises(LayoutError, match="over every owner") as err:
-        Fp8Rollout(Fp8Scheme(None), {"a.weight": w[:, :32]},
-                   {"a.weight": Fp8Region("a.weight", (64, 64), (0, 64), (0, 32))})  # fmt: skip
-    assert err.value.check == "fp8-amax"
-    # The weight's own edge may end a partial tile.
-    Fp8Rollout(Fp8Scheme(48), {"a.weight": w[48:]},
-               {"a.weight": Fp8Region("a.weight", (64, 64), (48, 64), (0, 64))})  # fmt: skip
+    # Rows 0-24 cut 16x16 tiles; a column slice shares its rows' per-channel scales: both
+    # need the shared tiles' maxima over every owner.
+    for block, region in ((16, Fp8Region("a.weight", (64, 64), (0, 24), (0, 64))),
+                          (None, Fp8Region("a.weight", (64, 64), (0, 64), (0, 32)))):  # fmt: skip
+        scheme = Fp8Scheme(block)
+        assert region.shares_tiles(scheme)
+        values = w[region.rows[0] : region.rows[1], region.cols[0] : region.cols[1]]
+        with pytest.raises(LayoutError, match="over every owner") as err:
+            Fp8Rollout(scheme, {"a.weight": values}, {"a.weight": region})
+        assert err.value.check == "fp8-amax"
+    # The weight's own edge may end a partial tile: nothing is shared.
+    edge = Fp8Region("a.weight", (64, 64), (48, 64), (0, 64))
+    assert not edge.shares_tiles(Fp8Scheme(48))
+    Fp8Rollout(Fp8Scheme(48), {"a.weight": w[48:]}, {"a.weight": edge})
+    with pytest.raises(LayoutError, match="outside"):
+        Fp8Region("a.weight", (64, 64), (0, 80), (0, 64)).check(Fp8Scheme(16))
     region = Fp8Region("a.weight", (64, 64), (0, 32), (0, 64))
     rollout = Fp8Rollout(Fp8Scheme(16), {"a.weight": w[:32]}, {"a.weight": region})
     with pytest.raises(LayoutError, match="outside this owner's tiles"):
@@ -250,78 +255,103 @@ def test_staging_a_whole_region_equals_staging_its_changed_elements(block: int |
         by_region.stage_region(name, v2[name].t())
 
 
-def _apply(q: torch.Tensor, s: torch.Tensor, items: list[Item]) -> tuple[np.ndarray, np.ndarray]:
-    """The bits of FP8 values ``q`` and scales ``s`` after the overwrite ``items``."""
-    out = {"a.weight": bits(q).reshape(-1).copy(), "a.weight_scale": bits(s).reshape(-1).copy()}
+def _apply(state: dict[str, np.ndarray], items: list[Item]) -> None:
+    """Write overwrite ``items`` (listed or span) into the flat bits of ``state``."""
     for item in items:
-        assert item.indices is not None
-        out[item.name][item.indices] = item.values
-    return out["a.weight"], out["a.weight_scale"]
+        if item.indices is not None:
+            state[item.name][item.indices] = item.values
+        else:
+            assert item.span is not None
+            where = item.span.locate(0, len(item.values))
+            state[item.name][where] = item.values
 
 
-def test_column_slices_share_their_rows_channel_scales() -> None:
-    """Per-channel scales of a row-parallel weight: two owners hold column slices of every row.
-    Given the rows' maxima over both (``SharedRows``), each quantizes its slice exactly as the
-    whole weight's quantization does; a change in one slice that moves a row's maximum makes
-    the other owner re-quantize that row without a change of its own; only the first
-    columns' owner sends the scales."""
-    from dcr.delta.fp8_rows import SharedRows
-    from dcr.tensors.fp8 import quantize, row_amax
+CUTS = {16: ((0, 24, 40, 64), (0, 40, 64)), None: ((0, 64), (0, 40, 64))}
+"""Owners' rectangles of a 64 x 64 weight: rows and columns cut at these edges -- through 16 x 16
+tiles (block), through every row (channel)."""
 
+
+@pytest.mark.parametrize("block", [16, None], ids=["block", "channel"])
+def test_owners_that_share_tiles_quantize_and_refit_as_one(block: int | None) -> None:
+    """Owners whose shards cut tiles -- block tiles cut by shard edges, rows split into column
+    slices under per-channel scales -- exchange the shared tiles' maxima (``SharedTiles``).
+    Each quantizes its values exactly as the whole weight's quantization; their dense items
+    together are the export; a change in one owner's part that moves a shared tile's maximum
+    makes the others re-quantize that tile without a change of their own; each shared scale
+    is sent by one owner; a value that is not finite reaches every owner of its tile and is
+    refused there."""
+    from dcr.delta.fp8_shared import SharedTiles
+    from dcr.tensors.fp8 import quantize, tile_amax
+
+    scheme, name = Fp8Scheme(block), "a.weight"
+    scale = scheme.scale_name(name)
     g = torch.Generator().manual_seed(5)
-    w = (torch.randn(32, 64, generator=g) * 0.05).to(torch.bfloat16)
-    w[3, 50] = 1.0  # row 3's maximum lies in the second slice
-    scheme, name, cut = Fp8Scheme(None), "a.weight", 40
-    regions = [Fp8Region(name, (32, 64), (0, 32), (0, cut)),
-               Fp8Region(name, (32, 64), (0, 32), (cut, 64))]  # fmt: skip
-    assert all(r.shares_rows(scheme) for r in regions)
-    assert [r.sends_scales(scheme) for r in regions] == [True, False]
-    assert regions[1].sends_scales(Fp8Scheme(8))  # block tiles are never shared
-    rows = SharedRows({name: 32})
+    w = (torch.randn(64, 64, generator=g) * 0.05).to(torch.bfloat16)
+    row_edges, col_edges = CUTS[block]
+    regions = [Fp8Region(name, (64, 64), (r0, r1), (c0, c1))
+               for r0, r1 in itertools.pairwise(row_edges)
+               for c0, c1 in itertools.pairwise(col_edges)]  # fmt: skip
+    assert all(r.shares_tiles(scheme) for r in regions)
+    shared = SharedTiles(scheme, {name: scheme.tile_grid((64, 64))})
+
+    def part(v: torch.Tensor, r: Fp8Region) -> torch.Tensor:
+        return v[r.rows[0] : r.rows[1], r.cols[0] : r.cols[1]].contiguous()
 
     def maxima(v: torch.Tensor) -> torch.Tensor:
-        parts = [{name: (r, row_amax(v[:, r.cols[0] : r.cols[1]]))} for r in regions]
-        return rows.vector(parts)
+        """Every owner's partial maxima, each over its frame (zeros elsewhere), maximised."""
+        parts = []
+        for r in regions:
+            (f0, f1), (g0, g1) = r.frame(scheme)
+            frame = torch.zeros((f1 - f0, g1 - g0), dtype=torch.bfloat16)
+            frame[r.rows[0] - f0 : r.rows[1] - f0, r.cols[0] - g0 : r.cols[1] - g0] = part(v, r)
+            parts.append({name: (r, tile_amax(frame, scheme))})
+        return shared.vector(parts)
 
     amax = maxima(w)
-    assert np.array_equal(bits(amax), bits(row_amax(w)))
-    owners = [Fp8Rollout(scheme, {name: w[:, r.cols[0] : r.cols[1]].contiguous()}, {name: r},
-                         rows.rows(amax, [r])) for r in regions]  # fmt: skip
+    assert np.array_equal(bits(amax), bits(tile_amax(w, scheme)))
+    owners = [Fp8Rollout(scheme, {name: part(w, r)}, {name: r}, shared.tiles(amax, [r]))
+              for r in regions]  # fmt: skip
     q, s = quantize(w, scheme)
-    for r, owner in zip(regions, owners, strict=True):
-        assert np.array_equal(bits(owner.q[name]), bits(q[:, r.cols[0] : r.cols[1]].contiguous()))
-        assert np.array_equal(bits(owner.s[name]), bits(s))
-    assert [len(o.dense_items()) for o in owners] == [2, 1]  # values and scales, values only
+    export = {name: bits(q).reshape(-1).copy(), scale: bits(s).reshape(-1).copy()}
+    held = {k: np.zeros_like(v) for k, v in export.items()}
+    for owner in owners:
+        _apply(held, owner.dense_items())
+    assert all(np.array_equal(held[k], export[k]) for k in export)
+    # Every scale is sent by exactly one owner.
+    assert (
+        sum(len(i.values) for o in owners for i in o.dense_items() if i.name == scale) == s.numel()
+    )
 
     new = w.clone()
-    new[3, 50] = 2.0  # row 3's maximum, and so its scale, doubles
-    changed = np.array([3 * 64 + 50], dtype=np.int64)
+    new[5, 50] = 2.0  # the maximum of its tile (block) or row (channel) moves
+    changed = np.array([5 * 64 + 50], dtype=np.int64)
     with pytest.raises(LayoutError, match="share"):
         owners[0].stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
-    for owner in owners:
-        owner.share(rows.rows(maxima(new), owner.regions.values()))
-    assert [o.moved() for o in owners] == [[name], [name]]
-    first = owners[0].stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
-    second = owners[1].stage(name, changed, bits(new).reshape(-1)[changed])
-    assert {i.name for i in first} == {name, "a.weight_scale"}
-    assert {i.name for i in second} == {name}  # the first owner sent row 3's scale
-    assert all(int(i.indices[0]) // 64 == 3 for i in first + second if i.name == name)  # type: ignore[index]
+    items: list[Item] = []
+    for r, owner in zip(regions, owners, strict=True):
+        owner.share(shared.tiles(maxima(new), [r]))
+        inside = r.rows[0] <= 5 < r.rows[1] and r.cols[0] <= 50 < r.cols[1]
+        mine = changed if inside else np.empty(0, np.int64)
+        got = owner.stage(name, mine, bits(new).reshape(-1)[mine])
+        if mine.shape[0] == 0 and owner.moved():
+            assert any(i.name == name for i in got), "a moved shared scale re-quantizes here"
+        items += got
+    scales_sent = [i for i in items if i.name == scale]
+    assert sum(len(i.values) for i in scales_sent) == 1  # the moved scale, sent once
     new_q, new_s = quantize(new, scheme)
-    got_q, got_s = _apply(q, s, first + second)
-    assert np.array_equal(got_q, bits(new_q).reshape(-1))
-    assert np.array_equal(got_s, bits(new_s).reshape(-1))
+    _apply(export, items)
+    assert np.array_equal(export[name], bits(new_q).reshape(-1))
+    assert np.array_equal(export[scale], bits(new_s).reshape(-1))
     for owner in owners:
         owner.commit()
-        assert np.array_equal(bits(owner.amax[name]), bits(row_amax(new)))
         assert owner.moved() == []
 
-    # A value that is not finite in one slice reaches every owner of its row as an infinite
-    # maximum (a NaN would be lost by a maximum), and each refuses to quantize the row.
     bad = new.clone()
     bad[5, 7] = float("nan")
-    assert bool(torch.isinf(maxima(bad)[5]))
-    for owner in owners:
-        owner.share(rows.rows(maxima(bad), owner.regions.values()))
+    for r, owner in zip(regions, owners, strict=True):
+        owner.share(shared.tiles(maxima(bad), [r]))
+        if not owner.moved():
+            continue  # holds no part of the poisoned tile
         with pytest.raises(ConfigError, match="not finite") as caught:
             owner.stage(name, np.empty(0, np.int64), np.empty(0, np.uint16))
         assert caught.value.check == "fp8-finite"
