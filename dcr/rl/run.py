@@ -324,6 +324,7 @@ class _Steps:
         self.say = say
         self.steps: dict[int, dict[str, Any]] = {}
         self.refits: dict[int, dict[str, Any]] = {}
+        self.replayed: set[int] = set()
         self.done = False
 
     def on_event(self, e: dict[str, Any]) -> None:
@@ -341,6 +342,7 @@ class _Steps:
         elif kind == "rl-resumed":
             self.say(f"  trainer resumed at version {e['version']} (saved state {e['saved']})")
         elif kind == "rl-replayed":
+            self.replayed.add(int(e["step"]))
             self.say(f"  trainer replayed step {e['step']} from its stored rollouts")
 
     def row(self, step: int) -> dict[str, Any]:
@@ -358,6 +360,7 @@ class _Steps:
             "payload_bytes": r.get("payload_bytes"),
             "changed_elements": r.get("changed_elements"),
             "staleness": s.get("staleness"),
+            "replayed": step in self.replayed,
         }
 
     def rows(self, steps: int) -> list[dict[str, Any]]:

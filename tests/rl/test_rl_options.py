@@ -65,3 +65,26 @@ def test_runs_that_served_different_rollouts_are_not_equal() -> None:
     verdict = compare_runs(fp8, bf16)
     assert not verdict["equal"] and not verdict["same_rollout_dtype"]
     assert not compare_runs(fp8, dict(fp8, fp8_block=128))["equal"]
+
+
+def test_a_step_committed_while_the_trainer_was_down_is_marked_replayed() -> None:
+    """The trainer died after version 2 committed, before it learned of it: on restart it
+    replays step 2, and nothing reports that refit."""
+    from dcr.rl.run import _Steps
+    from dcr.testing.rl import reported_refits
+
+    lines: list[str] = []
+    steps = _Steps(lines.append)
+    for step in (1, 2, 3):
+        steps.on_event({"event": "rl-step", "step": step, "reward": 0.5, "kl": 0.0, "loss": 0.1,
+                        "tokens_sha256": "ab", "staleness": 0})  # fmt: skip
+    for step in (1, 3):
+        steps.on_event({"event": "rl-refit", "step": step, "refit_s": 0.2, "payload_bytes": 10})
+    steps.on_event({"event": "rl-replayed", "step": 2})
+    rows = steps.rows(3)
+    assert [r["replayed"] for r in rows] == [False, True, False]
+    assert rows[1]["payload_bytes"] is None and rows[1]["refit_s"] is None
+    assert [r["step"] for r in reported_refits(rows)] == [1, 3]
+    rows[0]["payload_bytes"] = None  # a step without a report that was not replayed
+    with pytest.raises(AssertionError):
+        reported_refits(rows)
