@@ -220,19 +220,27 @@ def _read_events(directory: Path) -> list[dict[str, Any]]:
 
 
 def _relay_reported(directory: Path, owners: Iterable[str], timeout_s: float = 10.0) -> None:
-    """Wait until the relay root reported the traffic (V_cross) of every attempt an owner
-    sent in, before the fleet stops: the root reports it on its next tick (every 0.25 s), and
-    a stop right after the last commit would otherwise lose the last refit's figure.  Bounded:
-    a report still missing then leaves ``cross_bytes`` unknown (``None``)."""
+    """Wait until the relay root reported the traffic (V_cross) of every payload an owner
+    sent, before the fleet stops: the root reports its running totals per attempt on its next
+    tick (every 0.25 s), so a stop right after the last commit would otherwise lose the last
+    refit's figure, or the part of it that came after a tick.  Bounded: a report still short
+    then leaves ``cross_bytes`` short (or unknown, ``None``)."""
     owners = frozenset(owners)
     deadline = time.monotonic() + timeout_s
     while True:
         events = _read_events(directory)
-        sent = {int(e["attempt"]) for e in events
-                if e.get("event") == "sent" and e.get("who") in owners}  # fmt: skip
-        seen = {int(a) for e in events if e.get("event") == "traffic"
-                and str(e.get("who", "")).startswith("relay-") for a in e["attempts"]}  # fmt: skip
-        if sent <= seen or time.monotonic() > deadline:
+        sent: dict[int, int] = {}
+        for e in events:
+            if e.get("event") == "sent" and e.get("who") in owners:
+                sent[int(e["attempt"])] = sent.get(int(e["attempt"]), 0) + int(e["size"])
+        seen: dict[int, int] = {}
+        for e in events:
+            if e.get("event") == "traffic" and str(e.get("who", "")).startswith("relay-"):
+                for a, (_cross, payload) in e["attempts"].items():
+                    seen[int(a)] = max(seen.get(int(a), 0), int(payload))
+        if all(seen.get(a, -1) >= size for a, size in sent.items()):
+            return
+        if time.monotonic() > deadline:
             return
         time.sleep(0.1)
 
