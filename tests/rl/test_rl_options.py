@@ -70,7 +70,7 @@ def test_runs_that_served_different_rollouts_are_not_equal() -> None:
 def test_a_step_committed_while_the_trainer_was_down_is_marked_replayed() -> None:
     """The trainer died after version 2 committed, before it learned of it: on restart it
     replays step 2, and nothing reports that refit."""
-    from dcr.rl.run import _Steps
+    from dcr.rl.report import _Steps
     from dcr.testing.rl import reported_refits
 
     lines: list[str] = []
@@ -88,3 +88,17 @@ def test_a_step_committed_while_the_trainer_was_down_is_marked_replayed() -> Non
     rows[0]["payload_bytes"] = None  # a step without a report that was not replayed
     with pytest.raises(AssertionError):
         reported_refits(rows)
+
+
+def test_the_table_names_an_fp8_rollout_and_marks_agreement() -> None:
+    from dcr.rl.report import format_rl_table
+
+    row = {"step": 1, "reward": 0.5, "kl": 0.0, "loss": 0.1, "tokens_sha256": "ab" * 32,
+           "refit_s": 0.2, "gate_closed_s": 0.1, "dense_refit_s": None, "payload_bytes": 10,
+           "changed_elements": 5, "staleness": 0, "replayed": False}  # fmt: skip
+    run = {"refit": "delta", "mode": "sync", "tp": 1, "rollout_dtype": "fp8",
+           "fp8_block": "channel", "steps": [row], "killed": [],
+           "final_weights_sha256": "x"}  # fmt: skip
+    text = format_rl_table(run, dict(run, refit="dense"))
+    assert "FP8 rollouts (channel scales)" in text and "✓" in text
+    assert "FP8" not in format_rl_table(dict(run, rollout_dtype="bf16", fp8_block=None))
