@@ -152,8 +152,7 @@ class DistTrainingGroup(TrainingGroup):
         self._candidate = held
         if self._shared:  # the candidate's maxima of the shared FP8 tiles, over every rank
             mine = owner.fp8_partials(held)
-            self._next_amax = self._step("fp8-amax", lambda: self._all_max(mine))
-            owner.fp8_share(self._shared, self._next_amax)
+            owner.fp8_share(self._shared, self._step("fp8-amax", lambda: self._all_max(mine)))
         flagged = self._step("residual-flags", lambda: self._flags(owner))
         required = required_tensors(self.plan.residual, flagged)
         assembled, moved = self._step("residual-gather", lambda: self._gather(required, held))
@@ -243,7 +242,7 @@ class DistTrainingGroup(TrainingGroup):
 
     def _all_max(self, partials: Mapping[str, tuple[Fp8Region, torch.Tensor]]) -> torch.Tensor:
         """The shared FP8 tiles' maxima: this rank's ``partials`` in their slots, maximised
-        element-wise over every rank (``all_reduce`` MAX of one ``float32`` per shared row)."""
+        element-wise over every rank (``all_reduce`` MAX of one ``float32`` per tile)."""
         vector = self._shared.vector([partials])
         wait = self._waiter()
         work = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True)

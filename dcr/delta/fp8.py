@@ -563,10 +563,15 @@ class Fp8Rollout:
 
 
 def region_values(
-    region: Fp8Region, blocks: Sequence[RegionBlock], shards: Mapping[str, torch.Tensor]
+    region: Fp8Region,
+    blocks: Sequence[RegionBlock],
+    shards: Mapping[str, torch.Tensor],
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A region's BF16 values, copied from the shard blocks (of ``shards``) that fill it."""
-    out = torch.empty(region.local_shape, dtype=torch.bfloat16)
+    """A region's BF16 values, copied from the shard blocks (of ``shards``) that fill it (into
+    ``out``, of the region's shape, when given)."""
+    if out is None:
+        out = torch.empty(region.local_shape, dtype=torch.bfloat16)
     (r0, _), (c0, _) = region.rows, region.cols
     for b in blocks:
         dst = out[b.rows[0] - r0 : b.rows[1] - r0, b.cols[0] - c0 : b.cols[1] - c0]

@@ -89,6 +89,6 @@ def shared_partials(
         (f0, f1), (g0, g1) = region.frame(scheme)
         (r0, r1), (c0, c1) = region.rows, region.cols
         frame = torch.zeros((f1 - f0, g1 - g0), dtype=torch.bfloat16)
-        frame[r0 - f0 : r1 - f0, c0 - g0 : c1 - g0] = region_values(region, blocks, shards)
+        region_values(region, blocks, shards, out=frame[r0 - f0 : r1 - f0, c0 - g0 : c1 - g0])
         out[name] = (region, tile_amax(frame, scheme))
     return out

@@ -54,7 +54,7 @@ class TrainingGroup(ABC):
         self._candidate: Mapping[str, torch.Tensor] | None = None
         # Per hosted rank: the residual jobs of the staged candidate (its required tensors).
         self._jobs: dict[int, list[ResidualJob]] = {}
-        # FP8 rows whose per-channel scales several owners share, and the staged candidate's
+        # FP8 tiles several owners share (dcr.delta.fp8_shared), and the staged candidate's
         # maxima of them over every owner (exchanged at staging).
         self._shared = plan.fp8_shared_tiles()
         self._next_amax: torch.Tensor | None = None
@@ -176,8 +176,8 @@ class LocalTrainingGroup(TrainingGroup):
         self.owners = {r: self._fresh_owner(r, base, amax) for r in range(plan.layout.world_size)}
 
     def _shared_amax(self, shards: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        """The row maxima of the shared FP8 tiles in ``shards`` (every owner's partials,
-        maximised), or ``None`` without shared rows."""
+        """The maxima of the shared FP8 tiles in ``shards`` (every owner's partials,
+        maximised), or ``None`` without shared tiles."""
         if not self._shared:
             return None
         fp8 = self.plan.fp8

@@ -105,6 +105,16 @@ class EngineServer:
     url: str = ""
 
     @classmethod
+    def launched(cls, launcher: Any, name: str = "e0") -> EngineServer:
+        """The engine ``name`` a fleet :class:`~dcr.fleet.launcher.Launcher` started, once it
+        serves."""
+        proc = launcher.procs[f"engine-{name}"]
+        assert proc.popen is not None
+        run = launcher.cfg.run_dir
+        return cls(popen=proc.popen, ready_file=run / f"engine-{name}.ready.json",
+                   log=run / "logs" / f"engine-{name}.log").wait_ready()  # fmt: skip
+
+    @classmethod
     def start(
         cls,
         directory: Path,

@@ -163,14 +163,8 @@ def test_an_engine_started_by_the_launcher_refits_the_checkpoint_it_serves(
 
     def inspect() -> None:
         """The running engine, once version 1 is committed and checked by the launcher."""
-        proc = launcher.procs["engine-e0"]
-        assert proc.popen is not None
-        seen["pid"] = proc.popen.pid
-        engine = EngineServer(
-            popen=proc.popen,
-            ready_file=cfg.run_dir / "engine-e0.ready.json",
-            log=cfg.run_dir / "logs" / "engine-e0.log",
-        ).wait_ready()
+        engine = EngineServer.launched(launcher)
+        seen["pid"] = engine.popen.pid
         seen["state"] = engine.state()
         seen["parameters"] = engine.parameters()
         seen["outputs"] = [engine.generate(p, MAX_TOKENS) for p in fixed_prompts()]

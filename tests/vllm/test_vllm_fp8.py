@@ -196,10 +196,7 @@ def test_an_fp8_engine_started_by_the_launcher_takes_refits_from_a_bf16_trainer(
     seen: dict[str, Any] = {}
 
     def inspect() -> None:
-        proc = launcher.procs["engine-e0"]
-        assert proc.popen is not None
-        server = EngineServer(popen=proc.popen, ready_file=cfg.run_dir / "engine-e0.ready.json",
-                              log=cfg.run_dir / "logs" / "engine-e0.log").wait_ready()  # fmt: skip
+        server = EngineServer.launched(launcher)
         seen["state"] = server.state()
         seen["parameters"] = server.parameters()
         seen["outputs"] = [server.generate(p, 8) for p in fixed_prompts()]
