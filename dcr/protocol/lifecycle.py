@@ -40,7 +40,15 @@ __all__ = [
 ]
 
 
-class Trigger(enum.Enum):
+class _Members(enum.Enum):
+    """An enum whose members hash by identity, in C: members are singletons and compare by
+    identity, and ``Enum``'s own hash (of the member's name) runs in Python, a cost every
+    edge-table lookup pays, and the model checker's searches millions of times."""
+
+    __hash__ = object.__hash__
+
+
+class Trigger(_Members):
     """Protocol operations and outcomes; each is one action of the TLA+ specification."""
 
     PREPARE = "prepare"
@@ -93,7 +101,7 @@ class Trigger(enum.Enum):
     """A receiver restores the committed version by a dense load (joining, or after abort)."""
 
 
-class TransitionPhase(enum.Enum):
+class TransitionPhase(_Members):
     """The coordinator's view of one transition (Algorithm B.2)."""
 
     IDLE = "idle"
@@ -129,7 +137,7 @@ class TransitionPhase(enum.Enum):
     """Replaced by another coordinator; this one never commits or touches the gate again."""
 
 
-class AttemptPhase(enum.Enum):
+class AttemptPhase(_Members):
     """The coordinator's view of one attempt (Algorithm B.1 and the stop path of B.2)."""
 
     PLANNED = "planned"
@@ -149,7 +157,7 @@ class AttemptPhase(enum.Enum):
     ABANDONED = "abandoned"
 
 
-class OwnerPhase(enum.Enum):
+class OwnerPhase(_Members):
     """An owner's view of the attempt it was last prepared for."""
 
     IDLE = "idle"
@@ -164,7 +172,7 @@ class OwnerPhase(enum.Enum):
     """The commit record named ``(v+1, g)``; trackers and residual baseline were updated."""
 
 
-class ReceiverPhase(enum.Enum):
+class ReceiverPhase(_Members):
     """A receiver's view of the attempt it was last prepared for."""
 
     JOINING = "joining"

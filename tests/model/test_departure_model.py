@@ -28,7 +28,7 @@ from dcr.testing.spec.membership import rules
 from dcr.testing.spec.membership.invariants import INVARIANTS
 from dcr.testing.spec.membership.rules import Draft, RunStep, stop_bound, unfinished
 from dcr.testing.spec.membership.state import RunConfig, State
-from dcr.testing.spec.membership.symmetry import _key, canonical, normalize_seen
+from dcr.testing.spec.membership.symmetry import canonical, canonical_order, normalize_seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +107,7 @@ def report(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     """A departed receiver that reports again rejoins as one seen for the first time."""
     for step in rules.report(s, cfg):
         back = {r for r in _gone(s) if step.state.core.receivers[r] is not None}
-        yield RunStep(step.label, replace(step.state, gone=_gone(s) - back))
+        yield RunStep(step.label, step.state.evolve(gone=_gone(s) - back))
 
 
 def report_never_back(s: State, cfg: RunConfig) -> Iterator[RunStep]:
@@ -124,9 +124,9 @@ def run_transition(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     if joiners and joiners <= gone and not unfinished(s):
         # Only departed receivers would make it wait: it starts at once (no join-wait spent).
         waits = s.budgets._replace(join_waits=s.budgets.join_waits + 1)
-        for step in rules.run_transition(replace(s, budgets=waits), cfg):
+        for step in rules.run_transition(s.evolve(budgets=waits), cfg):
             yield _without_the_departed(
-                s, RunStep(step.label, replace(step.state, budgets=s.budgets))
+                s, RunStep(step.label, step.state.evolve(budgets=s.budgets))
             )
         return
     for step in rules.run_transition(s, cfg):
@@ -141,7 +141,7 @@ def _without_the_departed(s: State, step: RunStep) -> RunStep:
         return step
     core = step.state.core._replace(restarted=step.state.core.restarted | (run.members & gone))
     return RunStep(
-        step.label, replace(step.state, core=core, run=run._replace(members=run.members - gone))
+        step.label, step.state.evolve(core=core, run=run._replace(members=run.members - gone))
     )
 
 
@@ -154,13 +154,13 @@ def receive_dense(s: State, cfg: RunConfig) -> Iterator[RunStep]:
             rx._replace(gate=False) if rx.dense is not None and rx.dense != before.dense else rx
             for rx, before in zip(step.state.receivers, s.receivers, strict=True)
         )
-        yield RunStep(step.label, replace(step.state, receivers=receivers))
+        yield RunStep(step.label, step.state.evolve(receivers=receivers))
 
 
 def take_over(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     """The standby's fresh core has heard of no departure."""
     for step in A.take_over(s, cfg):
-        yield RunStep(step.label, replace(step.state, gone=frozenset()))
+        yield RunStep(step.label, step.state.evolve(gone=frozenset()))
 
 
 def canonical_departures(s: State) -> State:
@@ -168,12 +168,8 @@ def canonical_departures(s: State) -> State:
     gone = _gone(s)
     if not gone:
         return canonical(s)
-    n = normalize_seen(s)
-    order = sorted(
-        range(len(n.receivers)), key=[_key(n, r) for r in range(len(n.receivers))].__getitem__
-    )
-    new = {old: i for i, old in enumerate(order)}
-    return replace(canonical(s), gone=frozenset(new[r] for r in gone))
+    new = {old: i for i, old in enumerate(canonical_order(normalize_seen(s)))}
+    return canonical(s).evolve(gone=frozenset(new[r] for r in gone))
 
 
 # -- invariants --------------------------------------------------------------------------------

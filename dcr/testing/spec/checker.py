@@ -13,13 +13,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from dcr.protocol.lifecycle import AnyEdge, ReceiverPhase
 from dcr.testing.spec.actions import ACTIONS
 from dcr.testing.spec.invariants import INVARIANTS
-from dcr.testing.spec.state import Payload, State
+from dcr.testing.spec.memo import memo
+from dcr.testing.spec.state import AttemptVar, Payload, ReceiverVar, State
 from dcr.testing.spec.steps import Action, Config, Step, initial_state
 
 __all__ = [
@@ -100,6 +102,57 @@ def successors(s: State, cfg: Config, actions: Mapping[str, Action] = ACTIONS) -
 _PHASE_INDEX = {p: i for i, p in enumerate(ReceiverPhase)}
 
 
+def _receiver_key(rx: ReceiverVar) -> tuple[object, ...]:
+    return (
+        _PHASE_INDEX[rx.phase],
+        rx.attempt,
+        rx.inc,
+        rx.gate_open,
+        rx.kv,
+        rx.storage,
+        tuple(sorted((x, int(e)) for x, e in rx.staged)),
+        tuple(sorted(rx.applied)),
+        rx.held,
+        rx.epoch,
+        rx.acked,
+    )
+
+
+def _members(attempts: tuple[AttemptVar, ...], n: int) -> list[int]:
+    """Per receiver: bits of the attempts that require it and that hold its ACK."""
+    member = [0] * n
+    for i, a in enumerate(attempts):
+        for r, _ in a.required:
+            member[r] |= 1 << (2 * i)
+        for r, _ in a.acks:
+            member[r] |= 1 << (2 * i + 1)
+    return member
+
+
+def _mail(inflight: frozenset[Payload], n: int) -> list[tuple[tuple[int, int, int], ...]]:
+    """Per receiver: the payloads in flight to it, sorted."""
+    mail: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    for p in inflight:
+        mail[p.receiver].append((p.attempt, p.range, int(p.encoding)))
+    return [tuple(sorted(m)) for m in mail]
+
+
+def _renumber_attempts(
+    attempts: tuple[AttemptVar, ...], new: dict[int, int]
+) -> tuple[AttemptVar, ...]:
+    return tuple(
+        a._replace(
+            required=frozenset((new[r], inc) for r, inc in a.required),
+            acks=frozenset((new[r], inc) for r, inc in a.acks),
+        )
+        for a in attempts
+    )
+
+
+def _renumber_inflight(inflight: frozenset[Payload], new: dict[int, int]) -> frozenset[Payload]:
+    return frozenset(Payload(p.attempt, p.range, new[p.receiver], p.encoding) for p in inflight)
+
+
 def canonical(s: State) -> State:
     """``s`` with receivers renumbered into a canonical order (receivers are symmetric).
 
@@ -107,50 +160,27 @@ def canonical(s: State) -> State:
     attempts that require them or hold their ACKs, and the payloads in flight to them.
     """
     n = len(s.receivers)
-    member = [0] * n
-    for i, a in enumerate(s.attempts):
-        for r, _ in a.required:
-            member[r] |= 1 << (2 * i)
-        for r, _ in a.acks:
-            member[r] |= 1 << (2 * i + 1)
-    mail: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
-    for p in s.inflight:
-        mail[p.receiver].append((p.attempt, p.range, int(p.encoding)))
+    member = memo(("members", s.attempts, n), lambda: _members(s.attempts, n))
+    mail = memo(("mail", s.inflight, n), lambda: _mail(s.inflight, n))
     keys = [
-        (
-            _PHASE_INDEX[rx.phase],
-            rx.attempt,
-            rx.inc,
-            rx.gate_open,
-            rx.kv,
-            rx.storage,
-            tuple(sorted((x, int(e)) for x, e in rx.staged)),
-            tuple(sorted(rx.applied)),
-            rx.held,
-            rx.epoch,
-            rx.acked,
-            member[r],
-            tuple(sorted(mail[r])),
-        )
+        (memo(("receiver", rx), partial(_receiver_key, rx)), member[r], mail[r])
         for r, rx in enumerate(s.receivers)
     ]
-    order = sorted(range(n), key=keys.__getitem__)
-    if order == list(range(n)):
+    order = tuple(sorted(range(n), key=keys.__getitem__))
+    if order == tuple(range(n)):
         return s
     new = {old: i for i, old in enumerate(order)}
-    return replace(
-        s,
+    return State(
+        record=s.record,
+        commit_epoch=s.commit_epoch,
+        epoch=s.epoch,
+        registered=s.registered,
+        coords=s.coords,
+        attempts=memo(("attempts", s.attempts, order), lambda: _renumber_attempts(s.attempts, new)),
+        owners=s.owners,
         receivers=tuple(s.receivers[old] for old in order),
-        attempts=tuple(
-            a._replace(
-                required=frozenset((new[r], inc) for r, inc in a.required),
-                acks=frozenset((new[r], inc) for r, inc in a.acks),
-            )
-            for a in s.attempts
-        ),
-        inflight=frozenset(
-            Payload(p.attempt, p.range, new[p.receiver], p.encoding) for p in s.inflight
-        ),
+        inflight=memo(("inflight", s.inflight, order), lambda: _renumber_inflight(s.inflight, new)),
+        budgets=s.budgets,
     )
 
 
@@ -175,8 +205,7 @@ def explore(
     norm = m.canonical if symmetry else (lambda s: s)
     init = norm(initial(cfg))
     parent: dict[Any, tuple[Any, str] | None] = {init: None}
-    depth_of = {init: 0}
-    queue = deque([init])
+    queue = deque([(init, 0)])
     edges: set[AnyEdge] = set()
     enabled: set[str] = set()
     transitions = 0
@@ -198,8 +227,7 @@ def explore(
     if bad:
         return result(Counterexample(bad[0], bad[1], ()), True)
     while queue:
-        s = queue.popleft()
-        d = depth_of[s]
+        s, d = queue.popleft()
         if max_depth is not None and d >= max_depth:
             continue
         for name, action in actions.items():
@@ -211,15 +239,15 @@ def explore(
                 if t in parent:
                     continue
                 parent[t] = (s, step.label)
-                depth_of[t] = d + 1
-                depth = max(depth, d + 1)
+                if d + 1 > depth:
+                    depth = d + 1
                 bad = _check(t, invariants)
                 if bad:
                     trace = _replay(_chain(parent, t), cfg, initial, actions, norm)
                     return result(Counterexample(bad[0], bad[1], trace), True)
                 if max_states is not None and len(parent) >= max_states:
                     return result(None, False)
-                queue.append(t)
+                queue.append((t, d + 1))
     return result(None, True)
 
 

@@ -5,7 +5,6 @@ read_commit once no commit can land) or conflict (replaced, or another coordinat
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 from dcr.protocol.lifecycle import AttemptPhase, TransitionPhase, Trigger
 from dcr.testing.spec.state import NONE, Cas, Reply, State
@@ -131,7 +130,9 @@ def read_commit(s: State, cfg: Config) -> Iterator[Step]:
 
 def conflict(s: State, cfg: Config) -> Iterator[Step]:
     """The control plane raises conflict: this coordinator was replaced or lost the race."""
-    for c, cv in acting(s, replace(cfg, replaced_acts=True)):
+    for c, cv in enumerate(s.coords, 1):
+        if not cv.started:  # every started coordinator, replaced ones too
+            continue
         tau = cv.attempt
         lost_race = tau != NONE and (
             (cv.aphase is _A.COMMITTING and s.attempt(tau).reply is Reply.CONFLICT)

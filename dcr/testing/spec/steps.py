@@ -12,7 +12,7 @@ and may be lost, duplicated, reordered or arrive after their attempt is obsolete
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from dcr.protocol.lifecycle import (
@@ -185,14 +185,22 @@ class Builder:
         self.receivers[r] = self.receivers[r]._replace(**changes)
 
     def step(self, label: str, **changes: Any) -> Step:
-        state = replace(
-            self.s,
+        # The constructor, not dataclasses.replace: the search builds millions of states.
+        s = self.s
+        state = State(
+            record=changes.pop("record", s.record),
+            commit_epoch=changes.pop("commit_epoch", s.commit_epoch),
+            epoch=changes.pop("epoch", s.epoch),
+            registered=changes.pop("registered", s.registered),
             coords=tuple(self.coords),
             attempts=tuple(self.attempts),
             owners=tuple(self.owners),
             receivers=tuple(self.receivers),
-            **changes,
+            inflight=changes.pop("inflight", s.inflight),
+            budgets=changes.pop("budgets", s.budgets),
         )
+        if changes:
+            raise TypeError(f"State has no fields {sorted(changes)}")
         return Step(label, state, tuple(self.edges))
 
 

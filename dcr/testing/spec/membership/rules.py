@@ -19,7 +19,7 @@ Time is abstract: every deadline (``join_wait_s``, ``retry_s``, ``dense_timeout_
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from dcr.protocol.lifecycle import ReceiverPhase
@@ -104,8 +104,7 @@ class Draft:
         sent = frozenset(x for x in self.sent if x[0] in wanted)
         return RunStep(
             label,
-            replace(
-                self.s,
+            self.s.evolve(
                 core=self.core,
                 receivers=tuple(self.receivers),
                 owners=tuple(self.owners),

@@ -4,11 +4,23 @@ still in play, so states that differ only there behave alike and are stored once
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
 
-from dcr.testing.spec.membership.state import Registered, Run, State
+from dcr.testing.spec.membership.state import (
+    Commit,
+    DenseCall,
+    Ready,
+    Receiver,
+    Registered,
+    Reopen,
+    Run,
+    State,
+)
+from dcr.testing.spec.memo import memo
 
-__all__ = ["canonical", "normalize_seen"]
+__all__ = ["canonical", "canonical_order", "normalize_seen"]
 
 
 def normalize_seen(s: State) -> State:
@@ -19,67 +31,115 @@ def normalize_seen(s: State) -> State:
     play stays; one strictly between two epochs in play becomes one above the lower, so every
     comparison (strict or not) comes out the same.
     """
-    play = {0, s.lease}
-    if s.run is not None:
-        play.add(s.run.epoch)
-    play |= {c.epoch for c in s.to_receivers} | {c.epoch for c in s.reopens}
+    run_epoch = None if s.run is None else s.run.epoch
+    play = memo(
+        ("play", s.lease, run_epoch, s.to_receivers, s.reopens),
+        partial(_in_play, s.lease, run_epoch, s.to_receivers, s.reopens),
+    )
+    if all(rx.seen in play for rx in s.receivers):
+        return s
 
     def rank(seen: int) -> int:
         return seen if seen in play else max(e for e in play if e < seen) + 1
 
     receivers = tuple(rx._replace(seen=rank(rx.seen)) for rx in s.receivers)
-    if receivers == s.receivers:
-        return s
-    return replace(s, receivers=receivers)
+    return s.evolve(receivers=receivers)
+
+
+def _in_play(
+    lease: int, run_epoch: int | None, calls: frozenset[DenseCall], reopens: frozenset[Reopen]
+) -> frozenset[int]:
+    """The epochs a receiver's ``seen`` is compared with."""
+    play = {0, lease} if run_epoch is None else {0, lease, run_epoch}
+    return frozenset(play | {c.epoch for c in calls} | {c.epoch for c in reopens})
 
 
 def _opt(x: tuple[int | bool, ...] | None) -> tuple[int | bool, ...]:
     return () if x is None else (1, *x)
 
 
-def _key(s: State, r: int) -> tuple[object, ...]:
-    """Everything that concerns receiver ``r``, for the canonical order."""
-    rx = s.receivers[r]
-    run = s.run
+def _per_receiver(n: int, pairs: Iterable[tuple[int, Any]]) -> tuple[tuple[Any, ...], ...]:
+    """Per receiver: the sorted values of the ``(receiver, value)`` pairs naming it."""
+    out: list[list[Any]] = [[] for _ in range(n)]
+    for r, value in pairs:
+        out[r].append(value)
+    return tuple(tuple(sorted(x)) for x in out)
+
+
+def _calls(calls: frozenset[DenseCall] | frozenset[Reopen], n: int) -> tuple[Any, ...]:
+    return _per_receiver(n, ((c.receiver, (c.job, c.record, c.epoch)) for c in calls))
+
+
+def _readies(readies: frozenset[Ready], n: int) -> tuple[Any, ...]:
+    return _per_receiver(n, ((m.receiver, (m.inc, m.job, m.record)) for m in readies))
+
+
+def _missing(commits: tuple[Commit, ...], n: int) -> tuple[Any, ...]:
+    per_commit = [_per_receiver(n, c.missing) for c in commits]
+    return tuple(tuple(m[r] for m in per_commit) for r in range(n))
+
+
+def _own(rx: Receiver) -> tuple[object, ...]:
     return (
-        rx.phase.value,
-        rx.inc,
-        rx.storage,
-        rx.held,
-        rx.dirty,
-        rx.gate,
-        rx.seen,
-        _opt(rx.dense),
-        rx.acked,
-        rx.foreign,
-        _opt(s.core.receivers[r]),
-        _opt(s.core.jobs[r]),
-        r in s.core.unverified,
-        r in s.core.restarted,
-        r in s.core.engaged,
-        ()
-        if run is None
-        else (
-            r in run.required,
-            r in run.members,
-            tuple(sorted(inc for x, inc in run.bound if x == r)),
-            r in run.applied,
-            run.disproved is not None and r in run.disproved,
-        ),
-        s.registered is not None and r in s.registered.receivers,
-        tuple(sorted((c.job, c.record, c.epoch) for c in s.to_receivers if c.receiver == r)),
-        tuple(sorted((c.job, c.record, c.epoch) for c in s.reopens if c.receiver == r)),
-        tuple(sorted((m.inc, m.job, m.record) for m in s.readies if m.receiver == r)),
-        tuple(tuple(sorted(inc for x, inc in c.missing if x == r)) for c in s.commits),
+        rx.phase.value, rx.inc, rx.storage, rx.held, rx.dirty, rx.gate, rx.seen,
+        _opt(rx.dense), rx.acked, rx.foreign,
+    )  # fmt: skip
+
+
+def _keys(s: State) -> list[tuple[object, ...]]:
+    """Per receiver: everything that concerns it, for the canonical order (each part of the
+    state is read once, not once per receiver, and memoized per distinct value)."""
+    n = len(s.receivers)
+    run = s.run
+    core = s.core
+    calls = memo(("calls", s.to_receivers, n), partial(_calls, s.to_receivers, n))
+    reopens = memo(("calls", s.reopens, n), partial(_calls, s.reopens, n))
+    readies = memo(("readies", s.readies, n), partial(_readies, s.readies, n))
+    missing = memo(("missing", s.commits, n), partial(_missing, s.commits, n))
+    bound = (
+        () if run is None else memo(("bound", run.bound, n), partial(_per_receiver, n, run.bound))
     )
+    registered = s.registered
+    keys: list[tuple[object, ...]] = []
+    for r, rx in enumerate(s.receivers):
+        keys.append(
+            (
+                memo(("own", rx), partial(_own, rx)),
+                _opt(core.receivers[r]),
+                _opt(core.jobs[r]),
+                r in core.unverified,
+                r in core.restarted,
+                r in core.engaged,
+                ()
+                if run is None
+                else (
+                    r in run.required,
+                    r in run.members,
+                    bound[r],
+                    r in run.applied,
+                    run.disproved is not None and r in run.disproved,
+                ),
+                registered is not None and r in registered.receivers,
+                calls[r],
+                reopens[r],
+                readies[r],
+                missing[r],
+            )
+        )
+    return keys
+
+
+def canonical_order(s: State) -> list[int]:
+    """The receivers of ``s`` (normalized) in canonical order: ``order[i]`` becomes ``i``."""
+    keys = _keys(s)
+    return sorted(range(len(keys)), key=keys.__getitem__)
 
 
 def canonical(s: State) -> State:
     """``s`` normalized (:func:`normalize_seen`) with receivers in a canonical order."""
     s = normalize_seen(s)
     n = len(s.receivers)
-    keys = [_key(s, r) for r in range(n)]
-    order = sorted(range(n), key=keys.__getitem__)
+    order = canonical_order(s)
     if order == list(range(n)):
         return s
     new = {old: i for i, old in enumerate(order)}
@@ -109,8 +169,7 @@ def canonical(s: State) -> State:
     registered: Registered | None = None
     if s.registered is not None:
         registered = s.registered._replace(receivers=rs(s.registered.receivers))
-    return replace(
-        s,
+    return s.evolve(
         core=core,
         run=run,
         registered=registered,
