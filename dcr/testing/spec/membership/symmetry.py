@@ -92,8 +92,9 @@ def _keys(s: State) -> list[tuple[object, ...]]:
     n = len(s.receivers)
     run = s.run
     core = s.core
-    calls = memo(("calls", s.to_receivers, n), partial(_calls, s.to_receivers, n))
-    reopens = memo(("calls", s.reopens, n), partial(_calls, s.reopens, n))
+    # One tag per kind of part: named tuples of other kinds may compare equal as tuples.
+    calls = memo(("to_receivers", s.to_receivers, n), partial(_calls, s.to_receivers, n))
+    reopens = memo(("reopens", s.reopens, n), partial(_calls, s.reopens, n))
     readies = memo(("readies", s.readies, n), partial(_readies, s.readies, n))
     missing = memo(("missing", s.commits, n), partial(_missing, s.commits, n))
     bound = (
