@@ -49,9 +49,7 @@ HERE = Path(__file__).parent
 
 # Tiny models vLLM's CPU backend runs: head size >= 32, room for prompts longer than two KV
 # cache blocks (128 tokens each), so the prefix cache holds whole blocks of them, and for
-# requests that outlast a refit even on a starved machine (a tiny model decodes about 170
-# tokens a second on one core; a first refit, fingerprints included, once took 95 s while
-# other engines ran). Its KV cache costs 512 bytes a token.
+# requests that outlast a refit on a starved machine (512 bytes of KV cache a token).
 OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 65536},
     "qwen3_moe": {"max_position_embeddings": 65536},
