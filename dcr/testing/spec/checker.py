@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from dcr.protocol.lifecycle import AnyEdge, ReceiverPhase
 from dcr.testing.spec.actions import ACTIONS
 from dcr.testing.spec.invariants import INVARIANTS
-from dcr.testing.spec.memo import memo
+from dcr.testing.spec.memo import evolve, memo
 from dcr.testing.spec.state import AttemptVar, Payload, ReceiverVar, State
 from dcr.testing.spec.steps import Action, Config, Step, initial_state
 
@@ -32,6 +32,7 @@ __all__ = [
     "Result",
     "canonical",
     "explore",
+    "renumber",
     "successors",
 ]
 
@@ -169,18 +170,17 @@ def canonical(s: State) -> State:
     order = tuple(sorted(range(n), key=keys.__getitem__))
     if order == tuple(range(n)):
         return s
+    return renumber(s, order)
+
+
+def renumber(s: State, order: tuple[int, ...]) -> State:
+    """``s`` with receiver ``order[i]`` renamed ``i``."""
     new = {old: i for i, old in enumerate(order)}
-    return State(
-        record=s.record,
-        commit_epoch=s.commit_epoch,
-        epoch=s.epoch,
-        registered=s.registered,
-        coords=s.coords,
+    return evolve(
+        s,
         attempts=memo(("attempts", s.attempts, order), lambda: _renumber_attempts(s.attempts, new)),
-        owners=s.owners,
         receivers=tuple(s.receivers[old] for old in order),
         inflight=memo(("inflight", s.inflight, order), lambda: _renumber_inflight(s.inflight, new)),
-        budgets=s.budgets,
     )
 
 

@@ -16,10 +16,11 @@ commit record was committed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Self
 
 from dcr.protocol.lifecycle import ReceiverPhase
+from dcr.testing.spec.memo import evolve
 
 __all__ = [
     "BAD",
@@ -308,16 +309,5 @@ class State:
         return self._hash
 
     def evolve(self, **changes: Any) -> Self:
-        """A copy with ``changes``: :func:`dataclasses.replace` without its per-field checks
-        (the search builds millions of states; a subclass's own fields are kept too)."""
-        cls = type(self)
-        names = _INIT_FIELDS.get(cls)
-        if names is None:
-            names = _INIT_FIELDS[cls] = tuple(f.name for f in fields(cls) if f.init)
-        for name in names:
-            if name not in changes:
-                changes[name] = getattr(self, name)
-        return cls(**changes)
-
-
-_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+        """A copy with ``changes`` (:func:`dcr.testing.spec.memo.evolve`)."""
+        return evolve(self, **changes)

@@ -20,7 +20,7 @@ from dcr.testing.spec.membership.state import (
 )
 from dcr.testing.spec.memo import memo
 
-__all__ = ["canonical", "canonical_order", "normalize_seen"]
+__all__ = ["canonical", "canonical_order", "normalize_seen", "renumber"]
 
 
 def normalize_seen(s: State) -> State:
@@ -139,10 +139,14 @@ def canonical_order(s: State) -> list[int]:
 def canonical(s: State) -> State:
     """``s`` normalized (:func:`normalize_seen`) with receivers in a canonical order."""
     s = normalize_seen(s)
-    n = len(s.receivers)
     order = canonical_order(s)
-    if order == list(range(n)):
+    if order == list(range(len(order))):
         return s
+    return renumber(s, order)
+
+
+def renumber(s: State, order: list[int]) -> State:
+    """``s`` with receiver ``order[i]`` renamed ``i``."""
     new = {old: i for i, old in enumerate(order)}
 
     def rs(xs: frozenset[int]) -> frozenset[int]:
