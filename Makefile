@@ -9,8 +9,11 @@ STAMP   := $(VENV)/.installed-dev
 # so two workers halve the wall time on a 2-core machine); JOBS=0 runs them in one process.
 JOBS    ?= 2
 PYTEST  ?= -q --durations=15 -n $(JOBS)
+# `make test` leaves out the `deep` cases (the model checker's larger configurations, the long
+# fault runs): `make test-deep` runs them.
+SHALLOW := -m "not deep"
 
-.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-ray test-vllm test-ray-rl test-megatron lint bench soak docs clean
+.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-deep test-ray test-vllm test-ray-rl test-megatron lint bench soak docs clean
 
 help:
 	@echo "make demo       the RL loop (dcr rl) in .venv-vllm: a dense reference run, then the same"
@@ -18,6 +21,8 @@ help:
 	@echo "make demo-fleet the synthetic large-model fleet (dcr demo) in .venv; ARGS=--faults"
 	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, RL, Megatron)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
+	@echo "make test-deep  the deep cases make test leaves out: larger model-checker"
+	@echo "                configurations and long fault runs (an hour or more)"
 	@echo "make envs       build .venv, .venv-vllm and .venv-megatron side by side"
 	@echo "                (tests run on JOBS=2 pytest-xdist workers; JOBS=0: one process)"
 	@echo "make bench      dcr bench codec, construct, apply, dense, proof, relay, refit, project (JSON to out/)"
@@ -72,17 +77,21 @@ lint: $(STAMP)
 
 # DCR_REQUIRE_NATIVE=1: the C kernels must have been built (tests/test_native.py checks).
 test-main: lint
-	DCR_REQUIRE_NATIVE=1 $(BIN)/python -m pytest $(PYTEST)
+	DCR_REQUIRE_NATIVE=1 $(BIN)/python -m pytest $(PYTEST) $(SHALLOW)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST) -m "not heavy"
+	$(BIN)/python -m pytest $(PYTEST) -m "not heavy and not deep"
+
+test-deep: $(STAMP) venv-vllm
+	$(BIN)/python -m pytest $(PYTEST) -m deep
+	.venv-vllm/bin/python -m pytest $(PYTEST) -m deep tests/vllm tests/rl
 
 # Ray binds every interface: its suite runs in a private network namespace with loopback only.
 test-ray: $(STAMP)
 	unshare -n $(BIN)/python -m dcr.ray.netns $(BIN)/python -m pytest -q --durations=5 tests/ray
 
 test-vllm: venv-vllm
-	.venv-vllm/bin/python -m pytest $(PYTEST) tests/vllm tests/rl
+	.venv-vllm/bin/python -m pytest $(PYTEST) $(SHALLOW) tests/vllm tests/rl
 
 # The RL loop on Ray (dcr rl --backend ray): vLLM and Ray, in a private network namespace.
 test-ray-rl: venv-vllm
@@ -90,7 +99,7 @@ test-ray-rl: venv-vllm
 		--durations=5 tests/ray_rl
 
 test-megatron: venv-megatron
-	.venv-megatron/bin/python -m pytest $(PYTEST) tests/megatron
+	.venv-megatron/bin/python -m pytest $(PYTEST) $(SHALLOW) tests/megatron
 
 test: envs
 	$(MAKE) --no-print-directory test-main test-ray test-vllm test-ray-rl test-megatron

@@ -139,6 +139,26 @@ def test_every_help_text_renders_its_percent_signs_once():
     assert seen > 10
 
 
+def test_rl_batch_options_name_the_config_defaults_and_leave_them_unset():
+    """``dcr rl --prompts/--group-size``: their help states ``RLConfig``'s defaults (the
+    parser does not import the RL package: it imports torch); left out, they stay unset."""
+    from dcr.rl.config import RLConfig
+
+    parser = cli._parser()
+    args = parser.parse_args(["rl"])
+    assert (args.prompts, args.group_size) == (None, None)
+    args = parser.parse_args(["rl", "--prompts", "4", "--group-size", "2"])
+    assert (args.prompts, args.group_size) == (4, 2)
+    (rl,) = [
+        a.choices["rl"] for a in parser._actions if isinstance(getattr(a, "choices", None), dict)
+    ]
+    text = " ".join(rl.format_help().split())
+    assert f"prompts per step (default {RLConfig.prompts_per_step})" in text
+    assert f"GRPO's group (default {RLConfig.group_size})" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["rl", "--prompts", "0"])
+
+
 def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
     out = run_json(
         capsys, "demo", "--size-mb", "0", "--refits", "2", "--rate", "0.05", "--dir",

@@ -60,6 +60,11 @@ def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     rl.add_argument("--fp8-block", type=_fp8_block, default=None, metavar="N|channel",
                     help="FP8 scale tiles of N x N, or 'channel' (default: per output "
                     "channel, the FP8 format vLLM's CPU build computes with)")  # fmt: skip
+    rl.add_argument("--prompts", type=_positive, default=None, metavar="N",
+                    help="prompts per step (default 8)")  # fmt: skip
+    rl.add_argument("--group-size", type=_positive, default=None, metavar="N",
+                    help="completions per prompt, GRPO's group (default 8); a smaller batch "
+                    "makes a shorter run, a noisier climb")  # fmt: skip
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--dir", default="out/rl", help="run directory (cleared first)")
     rl.add_argument("--against", default=None,
@@ -82,17 +87,20 @@ def run_rl_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dcr.errors import ConfigError
+    from dcr.rl.config import RLConfig
     from dcr.rl.plot import plot_rl
     from dcr.rl.run import RLOptions, compare_runs, format_rl_table, run_rl
 
     console = Console(stderr=True)  # progress on stderr: stdout stays the JSON
     against = json.loads(Path(args.against).read_text()) if args.against else None
+    batch = {"prompts_per_step": args.prompts, "group_size": args.group_size}
     try:
+        rl = RLConfig.from_dict({k: v for k, v in batch.items() if v is not None})
         opts = RLOptions(
             steps=args.steps, refit=args.refit, transport=args.transport, mode=args.mode,
             tp=args.tp, faults=args.faults, seed=args.seed, max_staleness=args.max_staleness,
             directory=Path(args.dir), keys=args.keys, backend=args.backend,
-            rollout_dtype=args.rollout_dtype, fp8_block=args.fp8_block,
+            rollout_dtype=args.rollout_dtype, fp8_block=args.fp8_block, rl=rl,
         )  # fmt: skip
         result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
     except ConfigError as exc:

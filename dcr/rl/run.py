@@ -476,6 +476,8 @@ def run_rl(opts: RLOptions, *, say: Callable[[str], None] = lambda line: None) -
         if opts.fp8 is not None and opts.fp8_block is None
         else opts.fp8_block,
         "seed": opts.seed,
+        "prompts_per_step": opts.rl.prompts_per_step,
+        "group_size": opts.rl.group_size,
         "steps": out["rows"],
         "killed": out["killed"],
         "final_weights_sha256": out["digest"].get("sha256"),

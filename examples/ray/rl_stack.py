@@ -74,7 +74,9 @@ ENGINE_ENV = {
 class TrainerWorker:
     """One rank of the trainer: its FSDP2 shard of the policy, in the group's gloo group."""
 
-    def __init__(self, rank: int, world: int, port: int, checkpoint: str) -> None:
+    def __init__(
+        self, rank: int, world: int, port: int, checkpoint: str, config: dict[str, Any]
+    ) -> None:
         import torch.distributed as dist
 
         from dcr.rl.config import RLConfig
@@ -82,7 +84,7 @@ class TrainerWorker:
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        self.config = RLConfig()
+        self.config = RLConfig.from_dict(config)
         self.policy = FsdpPolicy(checkpoint, self.config)
         self.trainer: Any = None
         self._joined = asyncio.Event()
@@ -122,7 +124,7 @@ class TrainerWorker:
 class RolloutActor:
     """A rollout engine: vLLM's ``AsyncLLM``, its workers dcr receivers."""
 
-    def __init__(self, checkpoint: str) -> None:
+    def __init__(self, checkpoint: str, config: dict[str, Any]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -135,6 +137,7 @@ class RolloutActor:
             distributed_executor_backend="uni", enable_prefix_caching=False,
             enable_chunked_prefill=False,
         ))  # fmt: skip
+        self.config = config
         self._joined = asyncio.Event()
         self._stop = asyncio.Event()
 
@@ -159,7 +162,7 @@ class RolloutActor:
         from dcr.rl.config import RLConfig
         from dcr.rl.task import SymbolTask
 
-        cfg = RLConfig()
+        cfg = RLConfig.from_dict(self.config)
         task = SymbolTask.of(cfg)
         prompts = task.prompts(seed, step, cfg.prompts_per_step)
         requests = [
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", action="store_true", help="start a local four-node cluster")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dir", default=None, help="where the checkpoint and fleet file go")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.local:
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ray.init(address=args.address, namespace=NAMESPACE)
         work = Path(args.dir or stack.enter_context(tempfile.TemporaryDirectory()))
-        return _run(work, args.steps)
+        return _run(work, args.steps, {"prompts_per_step": args.prompts,
+                                       "group_size": args.group_size})  # fmt: skip
     return 1
 
 
@@ -225,7 +231,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(work: Path, steps: int) -> int:
+def _run(work: Path, steps: int, config: dict[str, Any]) -> int:
+    """The loop; ``config``: :class:`~dcr.rl.config.RLConfig` fields that differ from the
+    defaults, the same in every actor."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from dcr.fleet.config import load_fleet
@@ -234,7 +242,7 @@ def _run(work: Path, steps: int) -> int:
     from dcr.rl.policy import write_initial_checkpoint
 
     checkpoint = work / "checkpoint-v0"
-    write_initial_checkpoint(checkpoint, seed=0, config=RLConfig())
+    write_initial_checkpoint(checkpoint, seed=0, config=RLConfig.from_dict(config))
     (work / "fleet.toml").write_text(FLEET)
     cfg = load_fleet(work / "fleet.toml")
     cfg.ensure_keys()
@@ -244,9 +252,11 @@ def _run(work: Path, steps: int) -> int:
         node = NodeAffinitySchedulingStrategy(fleet.placement.rollout["node0"], soft=False)
         rollout = RolloutActor.options(
             scheduling_strategy=node, runtime_env={"env_vars": ENGINE_ENV}
-        ).remote(str(checkpoint))
+        ).remote(str(checkpoint), config)
         port = _free_port()  # the trainer group's rendezvous (rank 0 listens there)
-        workers = [TrainerWorker.remote(rank, 2, port, str(checkpoint)) for rank in range(2)]
+        workers = [
+            TrainerWorker.remote(rank, 2, port, str(checkpoint), config) for rank in range(2)
+        ]
         ray.get([rollout.join.remote(), *[w.join.remote() for w in workers]])
         for step in range(1, steps + 1):
             batch = ray.get(rollout.generate.remote(step, version=step - 1))

@@ -55,11 +55,13 @@ def every_fault_once() -> None:
         machine.teardown()
 
 
-@pytest.mark.heavy
+def test_every_fault_rule_once_stays_bit_exact():
+    SEEN.clear()
+    every_fault_once()
+    assert dict(SEEN) == dict.fromkeys(FAULT_RULES, 1)
+
+
+@pytest.mark.deep
 def test_refits_under_faults_stay_bit_exact_long():
     run(examples=20, steps=10)
     assert sum(STEPS) >= 100 and len(SEEN) >= 6
-    SEEN.clear()
-    every_fault_once()
-    once = dict(SEEN)
-    assert once == dict.fromkeys(FAULT_RULES, 1)

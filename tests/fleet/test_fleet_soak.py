@@ -24,7 +24,7 @@ def role(process: str) -> str:
     return "receiver" if process.startswith("r") else "owner"
 
 
-@pytest.mark.heavy
+@pytest.mark.deep
 @pytest.mark.timeout(1500)
 def test_random_sigkills_across_thirty_refits_leave_every_receiver_bit_exact(
     tmp_path: Path,

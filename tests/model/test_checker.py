@@ -71,7 +71,7 @@ def test_every_action_is_enabled_somewhere() -> None:
     assert enabled == set(ACTIONS)
 
 
-@pytest.mark.heavy
+@pytest.mark.deep
 @pytest.mark.parametrize("name", list(HEAVY))
 def test_heavy_configurations(name: str, record_property: Callable[[str, object], None]) -> None:
     r = explore(HEAVY[name])

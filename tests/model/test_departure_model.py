@@ -224,17 +224,17 @@ HEAVY: dict[str, RunConfig] = {
     "checkpoint-restart": MEMBERSHIP_COVERAGE["checkpoint-restart"],
     "two-takeovers": MEMBERSHIP_COVERAGE["two-takeovers"],
 }
-"""Larger ones: 129K, 181K and 467K distinct states (20 s to two minutes each on a 2-core
-machine)."""
+"""Larger ones, explored by ``make test-deep``: 129K, 181K and 467K distinct states (20 s to
+five minutes each on a 2-core machine)."""
 
 EXHAUSTIVE: dict[str, RunConfig] = {
     "dense-faults-1": replace(MEMBERSHIP_COVERAGE["dense-faults"], transitions=1),
     "join-wait-1": replace(MEMBERSHIP_COVERAGE["join-wait"], transitions=1),
     "settling": MEMBERSHIP_COVERAGE["settling"],
 }
-"""Explored with departures when the membership core changes, not on every test run (135K,
-331K and 260K distinct states, every invariant held): ``explore(EXHAUSTIVE[name],
-model=DEPARTURES)``; ``settling-1`` above covers the settling path on every run."""
+"""Explored with departures by ``make test-deep`` (135K, 331K and 260K distinct states, every
+invariant held), not on every test run; ``settling-1`` above covers the settling path on
+every run."""
 
 _results: dict[tuple[str, str], Result] = {}
 
@@ -262,8 +262,8 @@ def test_every_invariant_holds_with_departures_interleaved(
     _check(name, record_property)
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("name", list(HEAVY))
+@pytest.mark.deep
+@pytest.mark.parametrize("name", list(HEAVY) + list(EXHAUSTIVE))
 def test_heavy_departure_configurations(
     name: str, record_property: Callable[[str, object], None]
 ) -> None:
@@ -339,11 +339,11 @@ def _report_trusting_the_departed(s: State, cfg: RunConfig) -> Iterator[RunStep]
 def test_a_core_that_trusts_a_returning_receiver_breaks_members_hold_base() -> None:
     """A receiver departs and a process starts in its place from a checkpoint that is not what
     it claims: taken on trust when it reports, it takes part in a mixed-mode attempt.  With
-    the rule (it rejoins unverified) the same search finds nothing."""
+    the rule (it rejoins unverified) the same search finds nothing
+    (``test_heavy_departure_configurations[foreign-checkpoint]``, a ``deep`` case)."""
     cfg = HEAVY["foreign-checkpoint"]
     model = replace(DEPARTURES, actions={**ACTIONS, "report": _report_trusting_the_departed})
     r = explore(cfg, model=model)
     assert r.violation is not None and r.violation.invariant == "MembersHoldBase", r.violation
     assert any(step.label.startswith("depart") for step in r.violation.trace)
     print(f"\n{r.violation}")
-    assert result("foreign-checkpoint").violation is None

@@ -35,7 +35,7 @@ def test_real_cores_keep_the_invariants_under_faults(
     assert steps > 3_000  # guards against a vacuous run
 
 
-@pytest.mark.heavy
+@pytest.mark.deep
 def test_real_cores_keep_the_invariants_under_faults_long(
     record_property: Callable[[str, object], None],
 ) -> None:

@@ -24,6 +24,8 @@ from dcr.testing.rl import reported_refits
 pytestmark = pytest.mark.vllm
 
 STEPS = 4
+BATCH = ("--prompts", "4", "--group-size", "4")
+"""The runs' batch (the loop's default is 8 x 8): most of a run is starting processes."""
 COMPARED = ("reward", "kl", "loss", "tokens_sha256")
 
 
@@ -32,7 +34,7 @@ def _rl(directory: Path, *args: str) -> dict[str, Any]:
     process whose command line or working directory names the run outlived it."""
     done = subprocess.run(
         [sys.executable, "-m", "dcr.cli", "rl", "--steps", str(STEPS), "--dir", str(directory),
-         "--json", *args],
+         "--json", *BATCH, *args],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]
@@ -70,6 +72,8 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _rl(tmp_path_factory.mktemp("dense"), "--refit", "dense")
 
 
+# The dense reference runs in this test's setup, which its timeout covers.
+@pytest.mark.timeout(3600)
 def test_the_rl_loop_on_ray_with_actors_killed_equals_dense_refits(
     tmp_path: Path, dense: dict[str, Any]
 ) -> None:
@@ -95,7 +99,8 @@ def test_the_embedding_example_trains_and_syncs_through_dcr(
     steps = 3
     example = Path(__file__).parents[2] / "examples" / "ray" / "rl_stack.py"
     done = subprocess.run(
-        [sys.executable, str(example), "--local", "--steps", str(steps), "--dir", str(tmp_path)],
+        [sys.executable, str(example), "--local", "--steps", str(steps), "--dir", str(tmp_path),
+         *BATCH],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]

@@ -74,6 +74,9 @@ CASES = {
     "llama": Case(family="llama", tp=1, sync=True),
     "qwen3_moe": Case(family="qwen3_moe", tp=1, sync=False),
 }
+DEEP_CASES = {"qwen3_moe"}
+"""Run by ``make test-deep`` only: each case starts an engine twice and a fresh engine per
+version."""
 LONG_TOKENS = 64000
 """Before every asynchronous refit (but the one after the restart) a request this long starts;
 it is decoding when the gate closes and is aborted once it decoded a token on the new
@@ -249,7 +252,12 @@ def _switched_to(result: dict[str, Any], committed: set[tuple[int, str]]) -> lis
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("family", list(CASES))
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    "family",
+    # The MoE family is also refitted in-process (test_vllm_refit) on every run.
+    [pytest.param(f, marks=pytest.mark.deep) if f in DEEP_CASES else f for f in CASES],
+)
 def test_a_serving_engine_refitted_five_times_equals_fresh_engines(
     family: str, tmp_path: Path
 ) -> None:

@@ -46,7 +46,11 @@ CPU plain-weights load format), has its workers join the fleet of ``--fleet`` as
 ``GET /dcr/state``
     the engine's gate (closed, by which ranks, each closing's drain and closed seconds, the
     record the weights are labelled with; without ``--fleet``, each dense load's) and each
-    worker's receiver status.
+    worker's receiver status.  Without ``--fleet``, ``repacked`` lists per worker the modules
+    whose weights the CPU backend repacked, with the reason (empty where the engine computes
+    with its plain parameters: ``/dcr/load`` then works).  Whether vLLM repacks depends on the
+    CPU: where its packed GEMM kernels cannot be built it keeps ``F.linear`` on the plain
+    weights.
 ``GET /dcr/parameters``
     only with ``--expose-parameters`` (or ``DCR_EXPOSE_PARAMETERS=1`` in the environment, as
     an ``[[engine]] env`` of a fleet file sets it); otherwise 404.  Every parameter and buffer
@@ -334,6 +338,7 @@ async def serve(options: ServerOptions) -> None:
             state.update(receivers.state(), workers=await receivers.status())
         else:
             state.update(gate_of(engine).state())
+            state["repacked"] = await engine.collective_rpc("dcr_repacked")
         return web.json_response(state)
 
     async def parameters_route(request: web.Request) -> web.Response:
