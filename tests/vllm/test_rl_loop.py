@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dcr.testing.rl import reported_refits
+from dcr.testing.rl import calm_refits, reported_refits
 
 pytestmark = pytest.mark.vllm
 
@@ -89,15 +89,13 @@ def test_delta_refits_over_the_relay_tree_with_kills_equal_dense_refits(
     _same_run(delta, dense_sync)
     assert (delta["prompts_per_step"], delta["group_size"]) == (4, 4)
     steps = delta["steps"]
-    # Every step's rollouts came from the version before it; the refits moved only changes
-    # (a step whose attempt was killed also counts the bytes of its retry).
+    # Every step's rollouts came from the version before it; the refits moved only changes.
     assert all(r["staleness"] == 0 for r in steps)
     refits = reported_refits(steps)
     assert len(refits) >= STEPS - 1 and all(r["changed_elements"] > 0 for r in refits)
     dense_bytes = dense_sync["steps"][0]["payload_bytes"]
-    faulted = {k["step"] for k in delta["killed"]}
-    calm = [r for r in refits if r["step"] not in faulted]
-    assert calm and all(0 < r["payload_bytes"] < dense_bytes for r in calm), (refits, faulted)
+    calm = calm_refits(delta)
+    assert calm and all(0 < r["payload_bytes"] < dense_bytes for r in calm), steps
     # The loop learns something: KL grows from zero as the policy moves away.
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0.0
 
@@ -121,12 +119,13 @@ def test_fp8_rollouts_asynchronous_tp2_over_s3_with_kills_equal_dense_fp8_refits
     # Step k trains on rollouts of version k - 2 (the first two on version 0).
     assert [r["staleness"] for r in delta["steps"]] == [0, 1, 1, 1]
     # The engine served FP8: a dense FP8 checkpoint is smaller than the BF16 one, and the
-    # delta (every attempt of every step, the killed ones included) smaller still.
+    # delta of every step during which nothing was killed smaller still.
     fp8_bytes, bf16_bytes = (
         dense["steps"][0]["payload_bytes"],
         dense_sync["steps"][0]["payload_bytes"],
     )
     assert all(r["payload_bytes"] == fp8_bytes for r in dense["steps"])
     assert fp8_bytes < 0.6 * bf16_bytes
-    assert all(0 < r["payload_bytes"] < fp8_bytes for r in reported_refits(delta["steps"]))
+    calm = calm_refits(delta)
+    assert calm and all(0 < r["payload_bytes"] < fp8_bytes for r in calm), delta["steps"]
     assert dense["final_weights_sha256"] != dense_sync["final_weights_sha256"]
