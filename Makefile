@@ -19,7 +19,7 @@ help:
 	@echo "make demo       the RL loop (dcr rl) in .venv-vllm: a dense reference run, then the same"
 	@echo "                run refitted by dcr with SIGKILLs, compared step by step; a plot in out/"
 	@echo "make demo-fleet the synthetic large-model fleet (dcr demo) in .venv; ARGS=--faults"
-	@echo "make test       lint, type-check and run the whole suite (incl. heavy, vLLM, RL, Megatron)"
+	@echo "make test       lint, type-check and run the suite (incl. heavy, vLLM, RL, Megatron; not deep)"
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
 	@echo "make test-deep  the deep cases make test leaves out: larger model-checker"
 	@echo "                configurations and long fault runs (an hour or more)"
