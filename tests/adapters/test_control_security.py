@@ -60,8 +60,16 @@ class _Raw:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, server)
         self.sock.connect(address)
 
-    async def send(self, control: ZmqControl, message: object, sender: str) -> None:
-        await self.sock.send(control.codec.encode(message, epoch=1, sender=sender))
+    async def send(
+        self, control: ZmqControl, message: object, sender: str, wait_s: float = 10.0
+    ) -> bool:
+        """Queue ``message``; False when it could not be queued within ``wait_s``.  Once the
+        coordinator refused its handshake a DEALER has no pipe until it reconnects, so a send
+        may wait forever."""
+        with anyio.move_on_after(wait_s):
+            await self.sock.send(control.codec.encode(message, epoch=1, sender=sender))
+            return True
+        return False
 
     async def got_anything(self, wait_s: float) -> bool:
         with anyio.move_on_after(wait_s):
@@ -104,8 +112,9 @@ async def test_keys_admit_only_keyring_members(tmp_path: Path) -> None:
             inbox = _inbox(tg, link)
             await link.set_status(_status("rx-good"))
             for raw, name in zip(raws, ("rx-plain", "rx-other", "rx-revoked"), strict=True):
-                await raw.send(hub, Hello(status=_status(name)), name)
-                await raw.send(hub, msg.GateClosed(attempt=1, receiver=name), name)
+                # refused peers: a message may never leave their socket
+                await raw.send(hub, Hello(status=_status(name)), name, wait_s=1.0)
+                await raw.send(hub, msg.GateClosed(attempt=1, receiver=name), name, wait_s=1.0)
             await coordinator.call("rx-good", msg.StartStreaming(attempt=1), epoch=1)
             await _until(lambda: len(inbox.got) == 1, 10, "the keyed endpoint's call")
             await _until(lambda: hub.auth["denied"] >= 2, 10, "the foreign keys refused")

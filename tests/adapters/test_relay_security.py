@@ -122,8 +122,14 @@ class _Raw:
         self.sock.connect(address)
         self.got: list[Frame] = []
 
-    async def send(self, frame: Frame, *body: bytes) -> None:
-        await self.sock.send_multipart([encode(frame), *body])
+    async def send(self, frame: Frame, *body: bytes, wait_s: float = 10.0) -> bool:
+        """Queue ``frame``; False when it could not be queued within ``wait_s``.  Once a node
+        refused its handshake a DEALER has no pipe until it reconnects, so a send may wait
+        forever."""
+        with anyio.move_on_after(wait_s):
+            await self.sock.send_multipart([encode(frame), *body])
+            return True
+        return False
 
     async def collect(self, wait_s: float) -> list[Frame]:
         """Frames received within ``wait_s`` (added to :attr:`got`)."""
@@ -201,10 +207,10 @@ async def test_keys_admit_only_keyring_members(tmp_path: Path) -> None:
             _Raw(root.address, pair=revoked_pair, server=server, routing_id=b"c:evil"),
         ]
         try:
-            for raw in raws:
-                await raw.send(Query(seq=1))
-                await raw.send(Offer(seq=2, key=_key(5, "o0", 0), size=10, to=None))
-                await raw.send(Stop(origin=0, seq=3, attempt=5, cleanup=False))
+            for raw in raws:  # refused peers: a frame may never leave their socket
+                await raw.send(Query(seq=1), wait_s=1.0)
+                await raw.send(Offer(seq=2, key=_key(5, "o0", 0), size=10, to=None), wait_s=1.0)
+                await raw.send(Stop(origin=0, seq=3, attempt=5, cleanup=False), wait_s=1.0)
             await _until(lambda: root.auth()["denied"] >= 2, 10, "the foreign keys refused")
             for raw in raws:
                 assert await raw.collect(0.5) == []

@@ -30,8 +30,9 @@ from dcr.testing.transport import TransportHarness, TransportTests
 
 pytestmark = pytest.mark.anyio
 
-FAST = dict(poll_s=0.02, arrival_grace_s=2.0, backoff_s=0.01, backoff_max_s=0.1)
-"""Quick polling and a tight arrival promise (the suite checks the transport keeps it)."""
+FAST = dict(poll_s=0.02, arrival_grace_s=10.0, backoff_s=0.01, backoff_max_s=0.1)
+"""Quick polling, and an arrival promise the suite checks the transport keeps (10 s: on a loaded
+2-core machine a receiver's listing loop has been starved for 3 s)."""
 
 
 @pytest.fixture
