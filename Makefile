@@ -13,7 +13,7 @@ PYTEST  ?= -q --durations=15 -n $(JOBS)
 # fault runs): `make test-deep` runs them.
 SHALLOW := -m "not deep"
 
-.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-deep test-ray test-vllm test-ray-rl test-megatron lint bench soak docs clean
+.PHONY: help venv venv-vllm venv-megatron envs demo demo-fleet test test-main test-fast test-deep test-ray test-vllm test-rl-loop test-megatron lint bench soak docs clean
 
 help:
 	@echo "make demo       the RL loop (dcr rl) in .venv-vllm: a dense reference run, then the same"
@@ -23,6 +23,7 @@ help:
 	@echo "make test-fast  the suite without heavy cases and without vLLM"
 	@echo "make test-deep  the deep cases make test leaves out: larger model-checker"
 	@echo "                configurations and long fault runs (an hour or more)"
+	@echo "make test-rl-loop  the RL loop's tests alone (dcr rl with processes and on Ray)"
 	@echo "make envs       build .venv, .venv-vllm and .venv-megatron side by side"
 	@echo "                (tests run on JOBS=2 pytest-xdist workers; JOBS=0: one process)"
 	@echo "make bench      dcr bench codec, construct, apply, dense, proof, relay, refit, project (JSON to out/)"
@@ -76,7 +77,8 @@ lint: $(STAMP)
 	$(BIN)/mypy dcr
 
 # DCR_REQUIRE_NATIVE=1: the C kernels must have been built (tests/test_native.py checks).
-test-main: lint
+# LINTED=1: lint already ran (`make test` lints while the other environments build).
+test-main: $(if $(LINTED),$(STAMP),lint)
 	DCR_REQUIRE_NATIVE=1 $(BIN)/python -m pytest $(PYTEST) $(SHALLOW)
 
 test-fast: $(STAMP)
@@ -90,19 +92,20 @@ test-deep: $(STAMP) venv-vllm
 test-ray: $(STAMP)
 	unshare -n $(BIN)/python -m dcr.ray.netns $(BIN)/python -m pytest -q --durations=5 tests/ray
 
+# The RL loop's Ray runs enter private network namespaces of their own (unshare -n, as root).
 test-vllm: venv-vllm
 	.venv-vllm/bin/python -m pytest $(PYTEST) $(SHALLOW) tests/vllm tests/rl
 
-# The RL loop on Ray (dcr rl --backend ray): vLLM and Ray, in a private network namespace.
-test-ray-rl: venv-vllm
-	unshare -n .venv-vllm/bin/python -m dcr.ray.netns .venv-vllm/bin/python -m pytest -q \
-		--durations=5 tests/ray_rl
+# The RL loop alone: dcr rl with processes and on Ray, the Ray embedding example.
+test-rl-loop: venv-vllm
+	.venv-vllm/bin/python -m pytest $(PYTEST) $(SHALLOW) tests/vllm/test_rl_loop.py
 
 test-megatron: venv-megatron
 	.venv-megatron/bin/python -m pytest $(PYTEST) $(SHALLOW) tests/megatron
 
-test: envs
-	$(MAKE) --no-print-directory test-main test-ray test-vllm test-ray-rl test-megatron
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint venv-vllm venv-megatron
+	$(MAKE) --no-print-directory LINTED=1 test-main test-ray test-vllm test-megatron
 
 bench: $(STAMP)
 	mkdir -p out

@@ -22,11 +22,9 @@ def _vllm_installed() -> bool:
     return spec is not None and spec.origin is not None
 
 
-# The Ray suites run only in a private network namespace with loopback alone (`make test-ray`,
-# `make test-ray-rl`); the RL loop on Ray needs vLLM too.
+# The Ray suite runs only in a private network namespace with loopback alone (`make test-ray`);
+# the RL loop's Ray runs (tests/vllm) enter one of their own.
 collect_ignore = ([] if _vllm_installed() else ["vllm"]) + ([] if only_loopback() else ["ray"])
-if not (_vllm_installed() and only_loopback()):
-    collect_ignore.append("ray_rl")
 
 
 @pytest.fixture

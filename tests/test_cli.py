@@ -181,7 +181,7 @@ def test_bench_apply_json(capsys):
     from dcr.bench.apply import format_apply_table
 
     out = run_json(
-        capsys, "bench", "apply", "--size-gb", "0.02", "--rates", "0.01,adamw:1e-5",
+        capsys, "bench", "apply", "--size-gb", "0.01", "--rates", "0.01,adamw:1e-5",
         "--repeats", "1", "--loaders", "torch,sharded-tp2", "--dense-above", "0.1",
     )  # fmt: skip
     rows = out["results"]
@@ -252,7 +252,7 @@ def test_bench_apply_fails_loudly_when_the_bits_differ(monkeypatch):
 
     monkeypatch.setattr(bench, "_apply", lossy)
     with pytest.raises(bench.NotBitExact, match="differs from a dense load"):
-        bench.run_apply_bench(size_bytes=20_000_000, rates=[0.01], loaders=["torch"], repeats=1)
+        bench.run_apply_bench(size_bytes=10_000_000, rates=[0.01], loaders=["torch"], repeats=1)
 
 
 def test_bench_apply_rejects_unknown_loaders(capsys):
@@ -281,7 +281,7 @@ def test_bench_proof_json(capsys):
 
 def test_bench_dense_json(capsys):
     out = run_json(
-        capsys, "bench", "dense", "--size-gb", "0.02", "--loaders", "torch,sharded-tp2",
+        capsys, "bench", "dense", "--size-gb", "0.01", "--loaders", "torch,sharded-tp2",
         "--bucket-mb", "4",
     )  # fmt: skip
     build = out["build"]

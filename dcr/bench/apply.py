@@ -184,12 +184,12 @@ def _stored_bits(receivers: Sequence[Applier]) -> list[dict[str, torch.Tensor]]:
 def _check_bit_exact(
     receivers: Sequence[Applier], applied: list[dict[str, torch.Tensor]], label: str
 ) -> None:
-    from dcr.tensors.bits import bits_dtype
+    from dcr.tensors.bits import bits_dtype, differing
 
     for rank, (r, snap) in enumerate(zip(receivers, applied, strict=True)):
         for name, t in r.loader.storage_tensors():
             # Integer bit views: +-0 and NaN payloads count as differences.
-            diff = int((snap[name] != t.detach().reshape(-1).view(bits_dtype(t.dtype))).sum())
+            diff = differing(snap[name], t.detach().reshape(-1).view(bits_dtype(t.dtype)))
             if diff:
                 raise NotBitExact(
                     f"{label}: rank {rank} {name!r} differs from a dense load of the new "

@@ -40,7 +40,7 @@ from dcr.delta.build import BuildConfig
 from dcr.delta.group import LocalTrainingGroup
 from dcr.delta.layout import TrainLayout, build_plan
 from dcr.models.families import random_state_dict
-from dcr.tensors.bits import bits_dtype
+from dcr.tensors.bits import bits_dtype, differing
 from dcr.tensors.records import TensorSpec
 from dcr.wire.decode import decode_payload
 from dcr.wire.encode import encode_bucket
@@ -179,7 +179,7 @@ def _apply_phase(
         for rank, (r, snap) in enumerate(zip(receivers, applied, strict=True)):
             for name, t in r.loader.storage_tensors():
                 now = t.detach().reshape(-1).view(bits_dtype(t.dtype))
-                diff = int((snap[name] != now).sum())
+                diff = differing(snap[name], now)
                 if diff:
                     raise NotBitExact(
                         f"{kind}: rank {rank} {name!r} differs from a dense load at {diff} "

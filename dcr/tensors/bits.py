@@ -81,6 +81,13 @@ def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return _TORCH_BITS[_width(dtype)]
 
 
+def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two integer bit views differ (a quick ``any`` first: counting
+    takes a full reduction into int64, five times as long, and the answer is mostly 0)."""
+    ne = a != b
+    return int(ne.sum()) if bool(ne.any()) else 0
+
+
 def numpy_bits_dtype(dtype: torch.dtype) -> type[np.unsignedinteger[Any]]:
     """The numpy unsigned integer type of the same width as ``dtype``."""
     return _NUMPY_BITS[_width(dtype)]

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr.errors import ConfigError
-from dcr.tensors.bits import DTYPE_CODES, bits, bits_dtype, changed_indices, numpy_bits_dtype
+from dcr.tensors.bits import (
+    DTYPE_CODES,
+    bits,
+    bits_dtype,
+    changed_indices,
+    differing,
+    numpy_bits_dtype,
+)
 
 DTYPES = sorted(DTYPE_CODES, key=str)
 
@@ -46,6 +53,16 @@ def test_float_equal_values_with_different_bits_are_changes():
     b[1] = 0x7FC00001  # another NaN payload
     b[3] ^= 1  # a subnormal's last bit
     np.testing.assert_array_equal(changed_indices(bits(new), bits(old), block=2), [0, 1, 3])
+
+
+def test_differing_counts_elements_whose_bits_differ():
+    old = torch.tensor([0.0, float("nan"), 1.0, 2.0], dtype=torch.bfloat16)
+    new = old.clone()
+    view = new.view(torch.int16)
+    assert differing(view, old.view(torch.int16)) == 0
+    view[0] = -0x8000  # -0.0, equal to +0.0 as a float
+    view[1] ^= 1  # another NaN payload
+    assert differing(view, old.view(torch.int16)) == 2
 
 
 def test_bits_are_zero_copy_views():
