@@ -165,6 +165,7 @@ OwnerEdges == {
 
 ReceiverEdges == {
     <<"joining", "dense_refit", "refitted">>,
+    <<"ready", "dense_refit", "refitted">>,
     <<"refitted", "dense_refit", "refitted">>,
     <<"cleaned", "dense_refit", "refitted">>,
     <<"ready", "prepare", "prepared">>,

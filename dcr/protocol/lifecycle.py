@@ -284,7 +284,7 @@ EDGES: tuple[AnyEdge, ...] = (
     *_each((_O.IDLE, _O.SENT, _O.OBSOLETE, _O.STOPPED, _O.UPDATED), _X.BASELINE_UPDATE, _O.UPDATED),
     Edge(_O.UPDATED, _X.CLEANUP, _O.IDLE),
     # -- receiver -------------------------------------------------------------------------
-    *_each((_R.JOINING, _R.REFITTED, _R.CLEANED), _X.DENSE_REFIT, _R.REFITTED),
+    *_each((_R.JOINING, _R.READY, _R.REFITTED, _R.CLEANED), _X.DENSE_REFIT, _R.REFITTED),
     *_each((_R.READY, _R.REFITTED, _R.CLEANED), _X.PREPARE, _R.PREPARED),
     *(Edge(p, _X.INGEST, p) for p in _RECEIVER_RUNNING),
     Edge(_R.PREPARED, _X.WAIT_FOR_REQUESTS, _R.GATED),

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from dcr.protocol.lifecycle import EDGES, AnyEdge
+from dcr.protocol.lifecycle import EDGES, AnyEdge, Edge, ReceiverPhase, Trigger
 from dcr.testing.spec import commit, recovery, streaming
 from dcr.testing.spec.actions import ACTIONS
 from dcr.testing.spec.checker import Result, explore
@@ -54,8 +54,14 @@ def test_coverage_configurations_hold_every_invariant(
     assert r.complete and r.violation is None, r.violation
 
 
+ACROSS_TRANSITIONS = {Edge(ReceiverPhase.READY, Trigger.DENSE_REFIT, ReceiverPhase.REFITTED)}
+"""Edges only runs of several transitions take (a receiver left out of a transition that
+committed serves the version before): the membership model's search reaches them
+(tests/model/test_membership_model.py)."""
+
+
 def test_the_search_reaches_every_edge_of_the_table() -> None:
-    reached: set[AnyEdge] = set()
+    reached: set[AnyEdge] = set(ACROSS_TRANSITIONS)
     for name in COVERAGE:
         reached |= result(name).edges
     missing = [

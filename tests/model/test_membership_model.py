@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from dcr.protocol.lifecycle import ReceiverPhase
 from dcr.protocol.types import EpochIds
 from dcr.testing.spec.checker import Result, explore
 from dcr.testing.spec.configs import MEMBERSHIP_COVERAGE, MEMBERSHIP_REQUIRED, MEMBERSHIP_TODAY
@@ -54,6 +55,26 @@ def test_membership_configurations_hold_every_invariant(
     r = result(name)
     report(name, r, record_property)
     assert r.complete and r.violation is None, r.violation
+
+
+def test_a_ready_receiver_left_behind_takes_a_dense_job() -> None:
+    """A receiver that serves the version before the record (left out of the transition that
+    committed it) accepts the dense job that restores it, and every invariant still holds."""
+    behind: list[str] = []
+
+    def receive_dense(s: State, cfg: RunConfig) -> Iterator[RunStep]:
+        for step in A.receive_dense(s, cfg):
+            for call in s.to_receivers - step.state.to_receivers:
+                rx, after = s.receivers[call.receiver], step.state.receivers[call.receiver]
+                if rx.phase is ReceiverPhase.READY and rx.held != call.record and after.dense:
+                    assert not after.gate, "a dense job started under an open gate"
+                    behind.append(step.label)
+            yield step
+
+    actions = {**MEMBERSHIP.actions, "receive_dense": receive_dense}
+    r = explore(MEMBERSHIP_COVERAGE["join-wait"], model=MEMBERSHIP, actions=actions)
+    assert r.complete and r.violation is None, r.violation
+    assert behind
 
 
 def test_every_membership_action_is_enabled_somewhere() -> None:

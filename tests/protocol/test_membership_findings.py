@@ -112,14 +112,10 @@ def test_a_late_reopening_never_opens_a_gate_while_a_newer_dense_job_runs() -> N
     assert not r.gate_open or r.dense_job is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a receiver left out of a transition that was restored and reopened before it "
-    "committed serves the older version (ready) and refuses every dense job (busy): it is "
-    "never restored.  Proposed fix: a ready receiver behind the record accepts a dense job "
-    "(closing its gate first), or the membership closes it by a call of its own",
-)
 def test_a_receiver_left_behind_serving_an_older_version_is_restored() -> None:
+    """A receiver left out of a transition, restored and reopened before it committed, serves
+    the older version (ready): the next dense job closes its gate and restores it (it was
+    refused as busy, and the receiver was never restored)."""
     c = core()
     report(c, receivers={"r0": K0, "r1": None})
     out = c.handle(Tick(now=0, record=K0))
@@ -137,11 +133,23 @@ def test_a_receiver_left_behind_serving_an_older_version_is_restored() -> None:
     c.handle(status("r0", K1))
     c.handle(status("r1", K0))
     [again] = of(StartDense, c.handle(Tick(now=1, record=K1)))
+    out = r.handle(_dense(again.job, K1))
     refused = [
-        m for m in r.handle(_dense(again.job, K1))
-        if isinstance(m, cmd.Notify) and isinstance(m.message, msg.AttemptFailed)
+        m for m in out if isinstance(m, cmd.Notify) and isinstance(m.message, msg.AttemptFailed)
     ]  # fmt: skip
     assert refused == [], refused
+    assert any(isinstance(m, cmd.CloseGate) for m in out) and not r.gate_open
+    r.handle(ev.RequestsDrained(attempt=again.job))  # the engine drained its requests
+    _restored(r, again.job, K1)
+    assert r.phase is ReceiverPhase.REFITTED and r.held == K1
+    # A dense job of the record a ready receiver serves is still refused: nothing to restore.
+    r.handle(msg.ReopenGate(attempt=again.job, epoch=2, record=K1))
+    assert r.phase is ReceiverPhase.READY and r.gate_open
+    [busy] = [
+        m.message for m in r.handle(_dense(again.job + 1, K1))
+        if isinstance(m, cmd.Notify) and isinstance(m.message, msg.AttemptFailed)
+    ]  # fmt: skip
+    assert busy.check == "busy" and r.gate_open
 
 
 @pytest.mark.xfail(
