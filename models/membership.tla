@@ -90,7 +90,7 @@ vars == <<record, lease, registered, core, run, owner, rx, toReceivers, sent,
 (* The receivers' lifecycle edges used here (refit.tla, generated table).  *)
 (***************************************************************************)
 CanPrepare(p) == p \in {"ready", "refitted", "cleaned"}
-CanDense(p) == p \in {"joining", "refitted", "cleaned"}
+CanDense(p) == p \in {"joining", "ready", "refitted", "cleaned"}
 CanReopen(p) == p \in {"refitted", "cleaned"}
 
 Running == run # <<>>
@@ -412,8 +412,8 @@ ReceiveDense(m) ==
        THEN UNCHANGED <<rx, core>>    \* the link refuses a replaced coordinator's call
        ELSE IF rx[r].dense # NoJob /\ rx[r].dense.job >= m.job
        THEN rx' = [rx EXCEPT ![r].seen = m.epoch] /\ UNCHANGED core
-       ELSE IF CanDense(rx[r].phase)
-       THEN /\ rx' = [rx EXCEPT ![r].seen = m.epoch,
+       ELSE IF CanDense(rx[r].phase) /\ ~(rx[r].phase = "ready" /\ rx[r].held = m.record)
+       THEN /\ rx' = [rx EXCEPT ![r].seen = m.epoch, ![r].gate = FALSE,
                                 ![r].dense = [job |-> m.job, record |-> m.record,
                                               failed |-> FALSE]]
             /\ UNCHANGED core
