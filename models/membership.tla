@@ -412,7 +412,7 @@ ReceiveDense(m) ==
        THEN UNCHANGED <<rx, core>>    \* the link refuses a replaced coordinator's call
        ELSE IF rx[r].dense # NoJob /\ rx[r].dense.job >= m.job
        THEN rx' = [rx EXCEPT ![r].seen = m.epoch] /\ UNCHANGED core
-       ELSE IF CanDense(rx[r].phase) /\ ~(rx[r].phase = "ready" /\ rx[r].held = m.record)
+       ELSE IF CanDense(rx[r].phase) /\ ~(rx[r].phase = "ready" /\ rx[r].held >= m.record)
        THEN /\ rx' = [rx EXCEPT ![r].seen = m.epoch, ![r].gate = FALSE,
                                 ![r].dense = [job |-> m.job, record |-> m.record,
                                               failed |-> FALSE]]

@@ -428,7 +428,7 @@ class ReceiverCore:
         """Start restoring ``call.record`` from the owners' dense payloads of ``call.job``.
 
         Allowed where the lifecycle allows a dense refit (joining, restored an older record,
-        cleaned after a failed attempt, or serving another record than the job's: left out of
+        cleaned after a failed attempt, or serving an older record than the job's: left out of
         a transition that committed meanwhile); a newer job replaces one still running.
         """
         if self.name not in call.receivers:
@@ -437,8 +437,9 @@ class ReceiverCore:
             if self._intake.dense.attempt >= call.job:
                 return  # a repeated or older call
             self._intake.drop_dense(out)
-        current = self.phase is _R.READY and self._storage.held == call.record
-        if current or not self._m.can_fire(_X.DENSE_REFIT):
+        held = self._storage.held
+        behind = held is None or held.version < call.record.version
+        if (self.phase is _R.READY and not behind) or not self._m.can_fire(_X.DENSE_REFIT):
             out.append(
                 cmd.Notify(
                     message=msg.AttemptFailed(

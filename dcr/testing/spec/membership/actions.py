@@ -288,7 +288,7 @@ def _failed(d: Draft, r: int, job: int) -> None:
 
 def receive_dense(s: State, cfg: RunConfig) -> Iterator[RunStep]:
     """The receiver gets a dense call: it starts the job where the lifecycle allows a dense
-    refit and it does not serve the job's record already (a newer job replaces one running),
+    refit and, serving, only a newer record than its own (a newer job replaces one running),
     closing its gate first, or refuses it."""
     for call in sorted(s.to_receivers):
         r = call.receiver
@@ -303,7 +303,7 @@ def receive_dense(s: State, cfg: RunConfig) -> Iterator[RunStep]:
         if rx.dense is not None and rx.dense.job >= call.job:
             pass  # a repeated or older call
         elif _can(rx.phase, Trigger.DENSE_REFIT) and not (
-            rx.phase is _R.READY and rx.held == call.record
+            rx.phase is _R.READY and rx.held >= call.record
         ):
             d.receiver(r, dense=Job(call.job, call.record, False), gate=False)
         else:
