@@ -100,8 +100,11 @@ def _run(argv: Sequence[str], directory: Path, *, timeout_s: float, private: boo
             netns = _netns(proc.pid)
             time.sleep(0.005)
 
+        # Never our own namespace (a command that exited before unshare switched it).
+        own = netns if private and netns not in (None, ours) else None
+
         def left() -> list[int]:
-            return _naming(directory) + (_in_netns(netns) if private and netns else [])
+            return _naming(directory) + (_in_netns(own) if own else [])
 
         try:
             out, err = proc.communicate(timeout=timeout_s)
@@ -151,9 +154,8 @@ def dense_sync(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with (shared / "rl-dense-sync.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not answer.exists():
-            result = _rl(shared / "rl-dense-sync", "--refit", "dense")
-            answer.write_text(json.dumps(result))
-    result = json.loads(answer.read_text())
+            answer.write_text(json.dumps(_rl(shared / "rl-dense-sync", "--refit", "dense")))
+    result: dict[str, Any] = json.loads(answer.read_text())
     assert result["refit"] == "dense" and result["killed"] == []
     assert all(r["dense_refit_s"] is not None for r in result["steps"])
     return result
