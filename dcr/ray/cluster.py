@@ -1,7 +1,9 @@
 """A Ray cluster of several nodes on this one machine, for ``dcr rl --backend ray``, ``dcr bench
 refit --backend ray`` and tests: the head, trainer nodes and rollout nodes as separate raylets
 told apart by custom resources (``[ray] trainer`` and ``rollout``), shut down afterwards with
-every process it started gone (checked by pid).
+every process it started gone (checked by pid).  Every process of the cluster, down to those an
+actor starts in sessions of its own, carries a mark in its environment (``DCR_RAY_CLUSTER``);
+those still alive once Ray stopped (orphaned when their parent died first) are SIGKILLed.
 
 Every node's worker processes run in process groups of their own that Ray kills with the
 worker (``process_group_cleanup_enabled``): a killed vLLM engine actor takes its engine core
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcr.fleet.pids import wait_gone
+from dcr.fleet.pids import alive, wait_gone
 from dcr.ray.fleet import require_ray
 from dcr.ray.netns import only_loopback
 
@@ -86,10 +89,13 @@ def local_cluster(
     if ray.is_initialized():
         ray.shutdown()
     head, *nodes = shape.node_args()
-    cluster: Any = Cluster(initialize_head=True, head_node_args=head)
+    mark = f"{_MARK}={secrets.token_hex(8)}"
+    with _marked(mark):  # every process of the cluster, and every one they start, carries it
+        cluster: Any = Cluster(initialize_head=True, head_node_args=head)
     try:
-        for node in nodes:
-            cluster.add_node(**node)
+        with _marked(mark):
+            for node in nodes:
+                cluster.add_node(**node)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
         yield cluster
@@ -100,35 +106,59 @@ def local_cluster(
             for infos in node.all_processes.values()
             for p in infos
         ]
-        workers = _children(pids)  # the raylets' workers, the user's actors among them
         ray.shutdown()
         cluster.shutdown()
-        _kill_left(workers)  # a worker orphaned by its raylet's exit would live on
-        wait_gone(pids + workers)
+        # A process whose parent died first lives on: a worker orphaned by its raylet's exit,
+        # or the engine processes of an actor killed just before the raylet stopped.
+        wait_gone(pids + _kill_marked(mark))
 
 
-def _children(parents: list[int]) -> list[int]:
-    """Live child processes of ``parents`` (from ``/proc``; empty where there is none)."""
-    wanted = set(parents)
-    out = []
+_MARK = "DCR_RAY_CLUSTER"
+"""The environment variable that marks the processes of one :func:`local_cluster`."""
+
+
+@contextlib.contextmanager
+def _marked(mark: str) -> Iterator[None]:
+    """Processes started inside carry ``mark`` (``NAME=value``) in their environment, and hand
+    it down to theirs: Ray's raylets start their workers with their own environment."""
+    name, value = mark.split("=", 1)
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """Live processes other than this one whose environment, as they started, holds ``mark``."""
+    needle = mark.encode()
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) in wanted:
-            out.append(int(entry.name))
-    return out
+        if needle in environ.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
 
 
-def _kill_left(pids: list[int]) -> None:
-    """SIGKILL each of ``pids`` still alive after the cluster stopped, with its process group
-    where it leads one (a worker's engine processes)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
+def _kill_marked(mark: str, rounds: int = 5) -> list[int]:
+    """SIGKILL every process that carries ``mark`` until none is left alive (a process may
+    start another between a scan and its kill); returns the pids killed."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        left = _marked_pids(mark)
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        killed += left
+    return killed

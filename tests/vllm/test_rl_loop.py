@@ -67,6 +67,13 @@ def _in_netns(netns: str) -> list[int]:
     ]
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:300]
+    except OSError:
+        return "(gone)"
+
+
 def _naming(directory: Path) -> list[int]:
     """Live processes whose command line names ``directory``."""
     found = []
@@ -115,8 +122,8 @@ def _run(argv: Sequence[str], directory: Path, *, timeout_s: float, private: boo
             proc.communicate()
             raise AssertionError(f"{argv} ran longer than {timeout_s} s") from None
     assert proc.returncode == 0, err[-6000:]
-    survivors = left()
-    assert survivors == [], f"processes of {argv[:6]} outlived it: {survivors}"
+    survivors = {pid: _cmdline(pid) for pid in left()}
+    assert survivors == {}, f"processes of {argv[:6]} outlived it: {survivors}"
     return out
 
 
