@@ -159,6 +159,30 @@ def test_rl_batch_options_name_the_config_defaults_and_leave_them_unset():
         parser.parse_args(["rl", "--prompts", "0"])
 
 
+_NOISY = """
+import os, subprocess, sys
+from dcr.cli.arguments import stdout_to_stderr
+with stdout_to_stderr():
+    print("python print")
+    os.write(1, b"fd write\\n")
+    subprocess.run([sys.executable, "-c", "print('child print')"], check=True)
+print('{"json": 1}')
+"""
+
+
+def test_a_json_command_prints_only_its_json_on_stdout():
+    """What libraries and child processes write to stdout during a ``--json`` run (Ray's
+    driver prints raylet messages there) goes to stderr."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NOISY], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(done.stdout) == {"json": 1}
+    assert done.stderr.splitlines() == ["python print", "fd write", "child print"]
+
+
 def test_demo_runs_a_fleet_of_processes_bit_exactly(capsys, tmp_path):
     out = run_json(
         capsys, "demo", "--size-mb", "0", "--refits", "2", "--rate", "0.05", "--dir",

@@ -5,7 +5,10 @@ integers, progress on stderr."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -103,3 +106,22 @@ def _fp8_blocks(text: str) -> list[int | None]:
 
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Whatever is written to standard output inside goes to standard error instead: by
+    Python code (Ray's driver prints its raylets' error messages there, "A worker died ...",
+    when an actor is killed) and by the processes started inside (which inherit file
+    descriptor 1).  A command's ``--json`` output, printed afterwards, is the only thing on
+    its standard output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

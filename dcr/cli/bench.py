@@ -18,6 +18,7 @@ from dcr.cli.arguments import (
     _positive,
     _transports,
     _workloads,
+    stdout_to_stderr,
 )
 
 _WORKLOADS_HELP = (
@@ -476,24 +477,25 @@ def _bench_refit(args: argparse.Namespace) -> int:
 
     from dcr.bench.refit import BenchLayout, format_refit_table, plot_refit, run_refit_bench
 
-    result = run_refit_bench(
-        size_bytes=args.size_gb * 1e9,
-        rates=args.rates,
-        transports=args.transports,
-        repeats=args.repeats,
-        link_gbps=args.link_gbps,
-        layout=BenchLayout(
-            tp=args.tp,
-            dp=args.dp,
-            nodes=args.nodes,
-            serving_tp=args.serving_tp,
-            build_threads=args.build_threads or 0,
-        ),
-        directory=Path(args.dir),
-        log=_err,
-        keys=args.keys,
-        backends=args.backend,
-    )
+    with stdout_to_stderr():  # (Ray's driver prints its raylets' messages to stdout)
+        result = run_refit_bench(
+            size_bytes=args.size_gb * 1e9,
+            rates=args.rates,
+            transports=args.transports,
+            repeats=args.repeats,
+            link_gbps=args.link_gbps,
+            layout=BenchLayout(
+                tp=args.tp,
+                dp=args.dp,
+                nodes=args.nodes,
+                serving_tp=args.serving_tp,
+                build_threads=args.build_threads or 0,
+            ),
+            directory=Path(args.dir),
+            log=_err,
+            keys=args.keys,
+            backends=args.backend,
+        )
     if args.plot:
         plot_refit(result, Path(args.plot))
     print(json.dumps(result) if args.json else format_refit_table(result))

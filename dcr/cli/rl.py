@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dcr.cli.arguments import _err, _fp8_block, _positive
+from dcr.cli.arguments import _err, _fp8_block, _positive, stdout_to_stderr
 
 
 def add_rl_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -102,7 +102,8 @@ def run_rl_command(args: argparse.Namespace) -> int:
             directory=Path(args.dir), keys=args.keys, backend=args.backend,
             rollout_dtype=args.rollout_dtype, fp8_block=args.fp8_block, rl=rl,
         )  # fmt: skip
-        result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
+        with stdout_to_stderr():
+            result = run_rl(opts, say=lambda line: console.print(line, highlight=False))
     except ConfigError as exc:
         _err(f"dcr rl: {exc}")
         return 2

@@ -619,11 +619,11 @@ async def test_bad_addresses_are_transport_errors() -> None:
 async def _spawn(*args: str) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m dcr.adapters.transport.relay ...``; returns it and its READY line."""
     command = [sys.executable, "-m", "dcr.adapters.transport.relay"]
-    command += ["--lifetime", "60", "--ping", "0.1", "--timeout", "1.0", *args]
+    command += ["--lifetime", "180", "--ping", "0.1", "--timeout", "1.0", *args]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
-        with anyio.fail_after(20):
+        with anyio.fail_after(90):  # importing torch takes 20 s on a loaded 2-core machine
             line = (
                 await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
             ).strip()

@@ -35,6 +35,7 @@ def report(name: str, r: Result, record_property: Callable[[str, object], None])
     record_property(f"membership_{name}_seconds", round(r.seconds, 1))
 
 
+@pytest.mark.timeout(1800)  # 85 s alone on a 2-core machine, 600 s loaded three times over
 def test_a_restart_and_a_takeover_over_two_transitions_are_explored_to_exhaustion(
     record_property: Callable[[str, object], None],
 ) -> None:
@@ -72,14 +73,18 @@ def test_a_ready_receiver_left_behind_takes_a_dense_job() -> None:
             yield step
 
     actions = {**MEMBERSHIP.actions, "receive_dense": receive_dense}
-    r = explore(MEMBERSHIP_COVERAGE["join-wait"], model=MEMBERSHIP, actions=actions)
+    # The smallest configuration that leaves a receiver behind (827 states; join-wait and
+    # checkpoint-restart do too, with 62K and 28K).
+    r = explore(MEMBERSHIP_COVERAGE["foreign-checkpoint"], model=MEMBERSHIP, actions=actions)
     assert r.complete and r.violation is None, r.violation
     assert behind
 
 
 def test_every_membership_action_is_enabled_somewhere() -> None:
+    """The three smallest configurations that together take every action (the larger ones,
+    explored by the tests above, take fewer kinds of faults)."""
     enabled: set[str] = set()
-    for name in MEMBERSHIP_COVERAGE:
+    for name in ("dense-faults", "owner-restart", "two-takeovers"):
         enabled |= result(name).actions
     assert enabled == set(A.ACTIONS)
 
