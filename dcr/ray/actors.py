@@ -45,8 +45,9 @@ BIND_WAIT_S = 60.0
 ENGINE_WAIT_S = 900.0
 """How long :meth:`EngineActor.url` waits for the engine to serve."""
 
-_LINGER_S = 1.0
-"""How long an actor whose role failed stays up before it exits (and Ray restarts it)."""
+_LINGER_S = 5.0
+"""How long an actor whose role failed stays up before it exits (and Ray restarts it): long
+enough for a call already waiting on the role to learn why on a loaded machine."""
 
 _REGISTER_S = 2.0
 """How often a relay node tells the directory its address again (a restarted directory)."""

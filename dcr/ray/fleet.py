@@ -100,7 +100,9 @@ class RayFleet:
             )
             self.relays[node] = actor
             try:
-                self.addresses[node] = ray.get(actor.address.remote(), timeout=2 * BIND_WAIT_S)
+                # Each of its starts may wait for the bind (and for a loaded machine).
+                wait_s = (restarts + 1) * 2 * BIND_WAIT_S
+                self.addresses[node] = ray.get(actor.address.remote(), timeout=wait_s)
             except Exception as exc:
                 raise DcrError(f"relay node {node} did not start on Ray: {_cause(exc)}") from exc
         resolved = self.put(replace(cfg, relay_addresses=dict(self.addresses)))
