@@ -20,6 +20,7 @@ import contextlib
 import os
 import secrets
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +153,7 @@ def _marked_pids(mark: str) -> list[int]:
 def _kill_marked(mark: str, rounds: int = 5) -> list[int]:
     """SIGKILL every process that carries ``mark`` until none is left alive (a process may
     start another between a scan and its kill); returns the pids killed."""
-    killed: list[int] = []
+    killed: set[int] = set()
     for _ in range(rounds):
         left = _marked_pids(mark)
         if not left:
@@ -160,5 +161,6 @@ def _kill_marked(mark: str, rounds: int = 5) -> list[int]:
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        killed += left
-    return killed
+        killed.update(left)
+        time.sleep(0.1)  # (a process just killed is still listed until the kernel reaps it)
+    return sorted(killed)

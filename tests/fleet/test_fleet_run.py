@@ -56,8 +56,9 @@ def test_every_role_killed_mid_refit_recovers_bit_exactly(tmp_path: Path) -> Non
     assert committed_versions(cfg.run_dir) == [(v - 1, v) for v in range(1, 6)]
     # 11 processes, 7 planned restarts (r1, the 4 trainer ranks, a coordinator, a relay node).
     # A process that exits by itself is restarted too: once on a machine loaded three times
-    # over (19 starts), the run bit-exact all the same.
-    assert report["processes"] == 11 and report["starts"] >= 18
+    # over (19 starts), the run bit-exact all the same; more would be a process failing again
+    # and again.
+    assert report["processes"] == 11 and 18 <= report["starts"] <= 20
     # Nothing survives: every process the launcher started is gone.
     pids = [p.popen.pid for p in launcher.procs.values() if p.popen is not None]
     assert pids and not [pid for pid in pids if alive(pid)]
